@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Launch training with torchrun.
+#   NGPU=4 CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh --training.steps 20
+# Env: NGPU (default: visible CUDA devices, else 1), NNODES / NODE_RANK / MASTER_ADDR /
+# MASTER_PORT for multi-node, LOG_RANK (ranks whose logs are shown, default 0),
+# CONFIG_FILE (default: the Llama 3 debug config). Extra args are CLI overrides.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-29500}
+LOG_RANK=${LOG_RANK:-0}
+CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+
+# Validate the merged config and the parallel degrees once, in one process, so that bad
+# input prints one line once (exit 2) instead of a traceback per rank.
+"$PYTHON" -m torchtitan.config --world-size $((NGPU * NNODES)) \
+  --job.config_file "$CONFIG_FILE" "$@" || exit $?
+
+if [ "$NNODES" -gt 1 ]; then
+  rdzv=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --rdzv_backend=c10d
+        --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT")
+else
+  rdzv=(--standalone)
+fi
+export LOG_RANK
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
+exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" "${rdzv[@]}" \
+  --local-ranks-filter "$LOG_RANK" \
+  -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -1,0 +1,51 @@
+"""Run under torchrun: parallelize the tiny Llama 3 with the layout given on the command
+line, initialise it, and check that every parameter's full value equals the 1-process
+init. Writes {OUT_DIR}/rank{r}.txt with "ok" or the first mismatching FQN."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config import ConfigManager
+from torchtitan.distributed.parallel_dims import parallel_dims_from_config
+from torchtitan.models.init import clean_fqn
+from torchtitan.protocols import get_train_spec
+
+
+def main() -> None:
+    config = ConfigManager().parse_args(sys.argv[1:] + ["--model.flavor", "debugmodel_tiny",
+                                                       "--training.mixed_precision_param", "float32"])
+    dist.init_process_group("gloo")
+    parallel_dims = parallel_dims_from_config(config, dist.get_world_size())
+    spec = get_train_spec("llama3")
+    args = spec.flavor_args("debugmodel_tiny")
+
+    reference = spec.model_cls(args)
+    reference.init_weights(seed=3)
+    expected = dict(reference.named_parameters())
+
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model = spec.parallelize_fn(model, parallel_dims, config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(seed=3)
+    result, sharded = "ok", 0
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        sharded += isinstance(param, DTensor)
+        if not torch.equal(full.detach(), expected[clean_fqn(name)].detach()):
+            result = f"mismatch {name}"
+            break
+    if result == "ok" and sharded == 0:
+        result = "no parameter was sharded"
+    with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.txt"), "w") as f:
+        f.write(result)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The one helper every multi-process test uses: launch torchrun on CPU/gloo, with a
+timeout, and always clean up the whole process group it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class TorchrunError(RuntimeError):
+    pass
+
+
+def run_torchrun(
+    nproc: int,
+    args: list[str],
+    *,
+    module: str | None = "torchtitan.train",
+    script: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run ``torchrun --nproc_per_node nproc -m module args`` (or a script) on CPU/gloo.
+
+    The processes run in their own session so that a timeout kills every rank.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}"]
+    cmd += ["-m", module] if script is None else [str(script)]
+    cmd += list(args)
+    full_env = dict(os.environ)
+    full_env.update(
+        TORCHTITAN_DEVICE_TYPE="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
+    )
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TorchrunError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-6000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    if check and proc.returncode != 0:
+        raise TorchrunError(f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-8000:]}")
+    return result
+
+
+def read_metrics(dump_folder: str | Path) -> list[dict]:
+    """The per-step records a run wrote to ``{dump_folder}/metrics.jsonl``."""
+    path = Path(dump_folder) / "metrics.jsonl"
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

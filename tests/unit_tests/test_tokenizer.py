@@ -1,0 +1,160 @@
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.processors import TemplateProcessing
+
+from torchtitan.components.tokenizer import ByteTokenizer, HuggingFaceTokenizer, build_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = "def f(x):\n    return x + 1  # héllo ✓\n"
+
+
+def _load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train_tokenizer_script = _load_script("train_tokenizer")
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bpe")
+    return train_tokenizer_script.train_tokenizer(out, vocab_size=384, max_docs=60)
+
+
+def _job(tokenizer_path=None, hf_assets_path=None) -> SimpleNamespace:
+    return SimpleNamespace(model=SimpleNamespace(tokenizer_path=tokenizer_path, hf_assets_path=hf_assets_path))
+
+
+def _with_bos_post_processor(bpe_dir: Path, out: Path, with_config: bool) -> Path:
+    tokenizer = Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    bos = train_tokenizer_script.BOS
+    tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+    )
+    out.mkdir()
+    tokenizer.save(str(out / "tokenizer.json"))
+    if with_config:
+        (out / "tokenizer_config.json").write_text((bpe_dir / "tokenizer_config.json").read_text())
+    return out
+
+
+# ---- byte tokenizer
+
+
+def test_byte_round_trip_and_flags():
+    tok = ByteTokenizer()
+    ids = tok.encode(TEXT)
+    assert ids[0] == tok.bos_id == 256 and ids[-1] == tok.eos_id == 257
+    assert ids[1:-1] == list(TEXT.encode("utf-8"))
+    assert tok.decode(ids) == TEXT
+    assert tok.encode(TEXT, add_bos=False, add_eos=False) == list(TEXT.encode("utf-8"))
+    assert tok.encode(TEXT, add_bos=False)[-1] == 257 and tok.encode(TEXT, add_eos=False)[0] == 256
+    assert tok.encode("", add_bos=False, add_eos=False) == []
+
+
+def test_byte_vocab_and_special_ids():
+    tok = ByteTokenizer()
+    assert tok.vocab_size == 264 and tok.vocab_size % 8 == 0
+    assert tok.pad_id == 258
+    assert tok.decode([104, 258, 105, 259, 263]) == "hi"
+    assert tok.decode([0xFF, 104]) == "\ufffdh"
+
+
+# ---- HuggingFace tokenizer trained on the fly
+
+
+def test_hf_round_trip(bpe_dir):
+    tok = HuggingFaceTokenizer(bpe_dir)
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids) == TEXT
+    assert len(ids) < len(TEXT.encode("utf-8"))  # merges learned something
+    assert tok.vocab_size == 384
+    assert all(0 <= i < tok.vocab_size for i in ids)
+
+
+def test_hf_special_ids_from_tokenizer_config(bpe_dir):
+    tok = HuggingFaceTokenizer(bpe_dir)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2)
+    ids = tok.encode(TEXT)
+    assert ids[0] == 0 and ids[-1] == 1 and ids.count(0) == 1
+    assert tok.encode(TEXT, add_bos=False, add_eos=False) == ids[1:-1]
+
+
+def test_hf_special_tokens_as_dicts(bpe_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_text((bpe_dir / "tokenizer.json").read_text())
+    config = {"bos_token": {"content": "<|end_of_text|>", "lstrip": False}, "eos_token": {"content": "<|pad|>"}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HuggingFaceTokenizer(tmp_path / "tokenizer.json")  # a direct file path works too
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, None)
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_hf_no_double_bos_with_bos_post_processor(bpe_dir, tmp_path, with_config):
+    path = _with_bos_post_processor(bpe_dir, tmp_path / "tok", with_config)
+    raw = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert raw.encode("a").ids[0] == 0  # the post-processor really adds BOS
+    tok = HuggingFaceTokenizer(path)
+    assert tok.bos_id == 0  # without tokenizer_config it is inferred from the post-processor
+    ids = tok.encode(TEXT)
+    assert ids[0] == 0 and ids[1] != 0 and ids.count(0) == 1
+    assert tok.encode(TEXT, add_bos=False)[0] != 0
+    assert tok.decode(ids) == TEXT
+
+
+def test_hf_unknown_special_token(bpe_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_text((bpe_dir / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    with pytest.raises(ValueError, match=r"model.tokenizer_path: .*bos_token '<s>'"):
+        HuggingFaceTokenizer(tmp_path)
+
+
+def test_hf_missing_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"model.tokenizer_path: .*does not exist.*tokenizer.json"):
+        HuggingFaceTokenizer(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=r"model.hf_assets_path: .*has no tokenizer.json"):
+        build_tokenizer(_job(hf_assets_path=str(tmp_path)))
+
+
+def test_build_tokenizer_choice(bpe_dir):
+    assert isinstance(build_tokenizer(_job()), ByteTokenizer)
+    assert isinstance(build_tokenizer(_job(tokenizer_path="byte", hf_assets_path="/nope")), ByteTokenizer)
+    assert isinstance(build_tokenizer(_job(tokenizer_path=str(bpe_dir))), HuggingFaceTokenizer)
+    assert isinstance(build_tokenizer(_job(hf_assets_path=str(bpe_dir))), HuggingFaceTokenizer)
+    with pytest.raises(FileNotFoundError, match=r"model\.tokenizer_path"):
+        build_tokenizer(_job(tokenizer_path="/nope", hf_assets_path=str(bpe_dir)))
+
+
+# ---- scripts
+
+
+def test_train_tokenizer_rejects_tiny_vocab(tmp_path):
+    with pytest.raises(ValueError, match=r"--vocab_size must be at least 259"):
+        train_tokenizer_script.train_tokenizer(tmp_path, vocab_size=100)
+
+
+def test_download_hf_assets_offline_is_one_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(REPO / "scripts" / "download_hf_assets.py"), "--repo_id", "org/model"]
+    cmd += ["--assets", "tokenizer", "config", "--local_dir", str(tmp_path / "out")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot download") and "org/model" in lines[0]
+
+
+def test_download_hf_assets_patterns():
+    download = _load_script("download_hf_assets")
+    patterns = download.allow_patterns(["tokenizer", "safetensors"])
+    assert "tokenizer.json" in patterns and "*.safetensors" in patterns and "config.json" not in patterns
+    assert download.default_local_dir("meta-llama/Llama-3.1-8B") == "assets/hf/Llama-3.1-8B"

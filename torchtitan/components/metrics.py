@@ -1,0 +1,158 @@
+"""Per-step metrics: console line, ``{dump_folder}/metrics.jsonl`` and TensorBoard.
+
+metrics.jsonl is written by the rank that owns the loss, whatever LOG_RANK says; every
+tool and test that compares runs reads it (full-precision floats), never the console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import peak_flops, peak_memory_gib
+
+
+class _Colors:
+    def __init__(self, enabled: bool) -> None:
+        codes = {"cyan": 36, "green": 32, "yellow": 33, "blue": 34, "magenta": 35, "red": 31}
+        for name, code in codes.items():
+            setattr(self, name, f"\033[{code}m" if enabled else "")
+        self.reset = "\033[0m" if enabled else ""
+
+
+@dataclass
+class StepTimer:
+    """Accumulates data-loading time and token counts between two log steps."""
+
+    tokens: int = 0
+    data_seconds: float = 0.0
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def reset(self) -> None:
+        self.tokens, self.data_seconds, self.steps = 0, 0.0, 0
+        self.start = time.perf_counter()
+
+
+class MetricsProcessor:
+    def __init__(
+        self,
+        job_config,
+        parallel_dims,
+        device: torch.device,
+        flops_per_token: int,
+        owns_loss: bool,
+        compute_dtype: torch.dtype,
+        resumed: bool = False,
+    ) -> None:
+        self.job_config = job_config
+        self.parallel_dims = parallel_dims
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.owns_loss = owns_loss
+        self.total_steps = job_config.training.steps
+        self.colors = _Colors(not job_config.metrics.disable_color_printing and sys.stderr.isatty())
+        self.peak_flops = peak_flops(device, compute_dtype)
+        self.timer = StepTimer()
+        self.total_tokens = 0
+        self.run_start = time.perf_counter()
+        dump = Path(job_config.job.dump_folder)
+        self.jsonl = None
+        if owns_loss:
+            dump.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(dump / "metrics.jsonl", "a" if resumed else "w")
+        self.tb = self._build_tensorboard(dump)
+
+    def _build_tensorboard(self, dump: Path):
+        cfg = self.job_config.metrics
+        if cfg.enable_wandb:
+            raise ValueError("metrics.enable_wandb: Weights & Biases logging is not supported yet; use metrics.enable_tensorboard")
+        if not cfg.enable_tensorboard or not (self.owns_loss or cfg.save_for_all_ranks):
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        folder = dump / cfg.save_tb_folder / datetime.now().strftime("%Y%m%d-%H%M")
+        if cfg.save_for_all_ranks:
+            folder = folder / f"rank_{os.environ.get('RANK', '0')}"
+        return SummaryWriter(str(folder))
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.job_config.metrics.log_freq == 0
+
+    def record_step(self, tokens: int, data_seconds: float) -> None:
+        """Called every step with this rank's tokens and data-loading time (no syncs)."""
+        self.timer.tokens += tokens
+        self.timer.data_seconds += data_seconds
+        self.timer.steps += 1
+
+    def log(self, step: int, loss: float, loss_max: float, grad_norm: float, lr: float,
+            extra: dict[str, float] | None = None) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self.timer.start
+        tps = self.timer.tokens / elapsed / self.parallel_dims.non_data_parallel_size
+        tflops = self.flops_per_token * tps / 1e12
+        mfu = 100 * self.flops_per_token * tps / self.peak_flops
+        self.total_tokens += self.timer.tokens * self.parallel_dims.dp_degree
+        memory = peak_memory_gib(self.device)
+        step_time = elapsed / max(self.timer.steps, 1)
+        eta = step_time * (self.total_steps - step)
+        record = {
+            "step": step,
+            "loss": loss,
+            "loss_max": loss_max,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": self.total_tokens,
+            "tps": tps,
+            "tflops": tflops,
+            "mfu": mfu,
+            "memory_gib": memory,
+            "step_time": step_time,
+            "data_time": self.timer.data_seconds / max(self.timer.steps, 1),
+            **(extra or {}),
+        }
+        c = self.colors
+        logger.info(
+            f"{c.red}step: {step:>4}/{self.total_steps}  {c.green}loss: {loss:8.4f}  "
+            f"{c.reset}grad_norm: {grad_norm:7.4f}  lr: {lr:.2e}  "
+            f"{c.yellow}memory: {memory:5.2f}GiB  {c.blue}tps: {tps:,.0f}  "
+            f"{c.cyan}tflops: {tflops:,.2f}  {c.magenta}mfu: {mfu:.2f}%  "
+            f"{c.reset}data: {100 * record['data_time'] / max(step_time, 1e-9):.1f}%  "
+            f"eta: {_format_seconds(eta)}{c.reset}"
+        )
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self.tb.add_scalar(key, value, step)
+        self.timer.reset()
+        return record
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _format_seconds(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def build_metrics_processor(job_config, parallel_dims, device, flops_per_token, owns_loss,
+                            compute_dtype, resumed=False) -> MetricsProcessor:
+    return MetricsProcessor(job_config, parallel_dims, device, flops_per_token, owns_loss,
+                            compute_dtype, resumed)

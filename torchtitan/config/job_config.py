@@ -1,0 +1,503 @@
+"""The job configuration: one dataclass per TOML section, every field documented where it
+is defined (the docstring under a field is its ``--help`` text)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML job config to load; CLI flags override its values."""
+
+    dump_folder: str = "./outputs"
+    """Folder for metrics.jsonl, checkpoints, TensorBoard logs and traces."""
+
+    description: str = "default job"
+    """Free-text description of the job."""
+
+    print_config: bool = False
+    """Print the merged config at start."""
+
+    custom_config_module: str | None = None
+    """Python module with a ``JobConfig`` dataclass whose sections/fields are merged into
+    this one, so a custom train spec can read its own settings."""
+
+    use_for_integration_test: bool = False
+    """Mark a TOML as part of the integration-test matrix."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch profiler traces."""
+
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder."""
+
+    profile_freq: int = 10
+    """Record one active profiler step every this many steps."""
+
+    enable_memory_snapshot: bool = False
+    """Dump CUDA allocator memory snapshots (CUDA only)."""
+
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder, relative to job.dump_folder."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps (and always at step 1)."""
+
+    enable_tensorboard: bool = False
+    """Write TensorBoard scalars."""
+
+    disable_color_printing: bool = False
+    """Plain console lines without ANSI colours."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder."""
+
+    save_for_all_ranks: bool = False
+    """Write TensorBoard logs from every rank, not only the rank that owns the loss."""
+
+    enable_wandb: bool = False
+    """Log to Weights & Biases (needs the wandb package; project from WANDB_PROJECT)."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Registered train spec (model family) to train."""
+
+    flavor: str = "debugmodel"
+    """Named size of the model, e.g. debugmodel, 8B, 70B."""
+
+    tokenizer_path: str | None = None
+    """Folder with tokenizer.json (+ tokenizer_config.json); unset = built-in byte tokenizer."""
+
+    hf_assets_path: str | None = None
+    """Folder of Hugging Face assets (tokenizer, config.json, safetensors)."""
+
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied in order before parallelisation (comma-separated)."""
+
+    print_after_conversion: bool = False
+    """Print the model after the converters ran."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class."""
+
+    lr: float = 8e-4
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
+    """Kernel: fused where the device supports it (else foreach, with a notice)."""
+
+    early_step_in_backward: bool = False
+    """Step each parameter's optimizer during backward to free its gradient early."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Linear warmup steps."""
+
+    decay_ratio: float | None = None
+    """Fraction of steps spent decaying at the end (Warmup-Stable-Decay); unset = decay
+    right after warmup."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay."""
+
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of optimizer.lr."""
+
+
+@dataclass
+class DataLoader:
+    num_workers: int = 0
+    """Worker processes per rank for data loading."""
+
+    persistent_workers: bool = False
+    """Keep workers alive between epochs."""
+
+    pin_memory: bool = False
+    """Pin host memory of batches (CUDA)."""
+
+    prefetch_factor: int | None = None
+    """Batches prefetched per worker (needs num_workers > 0)."""
+
+
+@dataclass
+class Training:
+    dataset: str = "python_stdlib"
+    """Registered dataset; python_stdlib is embedded (needs no download)."""
+
+    dataset_path: str | None = None
+    """Local path for file datasets (json, jsonl, parquet, txt) or an override."""
+
+    local_batch_size: int = 8
+    """Sequences per rank per micro-batch."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step; -1 = local_batch_size x data-parallel degree. A
+    multiple of that product gives gradient accumulation."""
+
+    seq_len: int = 2048
+    """Tokens per sequence."""
+
+    max_norm: float = 1.0
+    """Gradient clipping max norm."""
+
+    steps: int = 10000
+    """Training steps."""
+
+    enable_cpu_offload: bool = False
+    """Offload FSDP parameters, gradients and optimizer states to CPU."""
+
+    mixed_precision_param: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """Parameter dtype for compute under FSDP or autocast."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Gradient reduce-scatter dtype under FSDP."""
+
+    gc_freq: int = 50
+    """Python garbage collection every this many steps."""
+
+    gc_debug: bool = False
+    """Collect every step and warn about tensor reference cycles."""
+
+    data_shards: int = 64
+    """Fixed number of data shards; the data-parallel degree must divide it. Data order
+    depends on it, never on the parallel layout."""
+
+    skip_nonfinite_steps: bool = False
+    """Skip (instead of stopping at) a step whose loss or grad norm is not finite."""
+
+    dataloader: DataLoader = field(default_factory=DataLoader)
+    """Data loader keyword arguments."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas (DDP, or the replicate dimension of HSDP)."""
+
+    data_parallel_shard_degree: int = -1
+    """FSDP shards; -1 = whatever the other degrees leave of the world size."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: default = yes except under pipeline parallel."""
+
+    enable_compiled_autograd: bool = False
+    """Compile the backward with compiled autograd."""
+
+    tensor_parallel_degree: int = 1
+    """Tensor (+ sequence) parallel degree."""
+
+    disable_loss_parallel: bool = False
+    """Gather the vocab-sharded logits before the loss instead of loss parallel."""
+
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP communication with compute (CUDA + compile only)."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages across ranks."""
+
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Layer FQNs where a new stage starts, e.g. layers.4 (comma-separated)."""
+
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Layers per stage (embedding and output count as one each); unset = even split."""
+
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """Layers fewer on the first stage (it holds the embedding)."""
+
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """Layers fewer on the last stage (it holds norm and output)."""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule name (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+    ZBVZeroBubble)."""
+
+    pipeline_parallel_schedule_csv: str = ""
+    """CSV file defining a custom pipeline schedule."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch."""
+
+    context_parallel_degree: int = 1
+    """Ranks that split each sequence (context parallel)."""
+
+    context_parallel_rotate_method: Literal["allgather", "alltoall", "ulysses"] = "allgather"
+    """How context-parallel ranks exchange keys/values."""
+
+    context_parallel_load_balancer: Literal["headtail", "none"] = "headtail"
+    """Sequence chunk placement for causal-attention load balance."""
+
+    expert_parallel_degree: int = 1
+    """Expert parallel degree (borrowed from data_parallel_shard x context parallel)."""
+
+    expert_tensor_parallel_degree: int = 1
+    """Tensor parallel degree inside experts: 1 or tensor_parallel_degree."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save and load checkpoints."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+
+    interval: int = 500
+    """Save every this many steps."""
+
+    initial_load_path: str | None = None
+    """Checkpoint to start from when the checkpoint folder has none."""
+
+    initial_load_model_only: bool = True
+    """Load only model weights from initial_load_path."""
+
+    initial_load_in_hf: bool = False
+    """initial_load_path (or model.hf_assets_path) holds Hugging Face safetensors."""
+
+    last_save_model_only: bool = True
+    """At the last step save only the model weights (in export_dtype)."""
+
+    last_save_in_hf: bool = False
+    """At the last step save Hugging Face safetensors + config.json."""
+
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the model-only export."""
+
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Save in the background."""
+
+    keep_latest_k: int = 10
+    """Keep this many newest complete checkpoints; 0 = keep all."""
+
+    load_step: int = -1
+    """Step to load; -1 = newest complete checkpoint."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """States not to load, e.g. optimizer,lr_scheduler,dataloader (comma-separated)."""
+
+    enable_first_step_checkpoint: bool = False
+    """Also save after step 1."""
+
+    create_seed_checkpoint: bool = False
+    """Write the initial weights as step-0 and exit (one process)."""
+
+    load_only: bool = False
+    """Load but never save."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, full (every block) or selective."""
+
+    selective_ac_option: str = "2"
+    """For selective: N = every N-th block, or "op" = per-op policy."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block (and the loss)."""
+
+    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile (comma-separated)."""
+
+    backend: str = "inductor"
+    """torch.compile backend."""
+
+
+@dataclass
+class Float8:
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather FSDP parameters in float8."""
+
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """Compute float8 scales for all parameters in one kernel after the optimizer step."""
+
+    recipe_name: str | None = None
+    """Float8 recipe (tensorwise, rowwise, ...)."""
+
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linear FQNs left in high precision (comma-separated)."""
+
+    emulate: bool = False
+    """Emulate float8 on hardware without it (testing only)."""
+
+
+@dataclass
+class Quantize:
+    float8: Float8 = field(default_factory=Float8)
+    """Float8 training settings (used by the float8 model converter)."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Collective timeout during initialisation and the first step."""
+
+    train_timeout_seconds: int = 100
+    """Collective timeout after the first step."""
+
+    trace_buf_size: int = 20000
+    """NCCL flight-recorder entries (0 disables)."""
+
+    save_traces_folder: str = "comm_traces"
+    """Flight-recorder dump folder, relative to job.dump_folder."""
+
+
+@dataclass
+class MemoryEstimation:
+    enable: bool = False
+    """Estimate memory instead of training."""
+
+    disable_fake_mode: bool = False
+    """Run the estimation on real tensors."""
+
+    world_size: int | None = None
+    """World size to estimate for (default: NGPU x NNODES)."""
+
+    device_memory_gib: float | None = None
+    """Device memory to compare the estimate against."""
+
+    target_device: Literal["cuda", "cpu"] = "cuda"
+    """Device whose kernels the estimate emulates."""
+
+    mode: Literal["estimate", "plan", "validate"] = "estimate"
+    """estimate one layout, plan layouts, or validate an estimate against a real run."""
+
+
+@dataclass
+class FaultTolerance:
+    enable: bool = False
+    """Fault-tolerant training with TorchFT."""
+
+    process_group: Literal["gloo", "nccl"] = "gloo"
+    """Process group for the fault-tolerant replica dimension."""
+
+    process_group_timeout_ms: int = 10000
+    """Timeout of that process group."""
+
+    replica_id: int = 0
+    """This replica group's id."""
+
+    group_size: int = 0
+    """Number of replica groups."""
+
+    min_replica_size: int = 1
+    """Replica groups needed to keep training."""
+
+    semi_sync_method: str | None = None
+    """DiLoCo or LocalSGD."""
+
+
+@dataclass
+class Experimental:
+    custom_import: str = ""
+    """Module imported at start, e.g. to register a train spec."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate on the validation split every `freq` steps."""
+
+    dataset: str = "python_stdlib_validation"
+    """Validation dataset."""
+
+    dataset_path: str | None = None
+    """Local path for file datasets."""
+
+    local_batch_size: int = 8
+    """Sequences per rank per validation batch."""
+
+    seq_len: int = 2048
+    """Tokens per validation sequence."""
+
+    freq: int = 500
+    """Validate every this many steps."""
+
+    steps: int = -1
+    """Validation batches per pass; -1 = the whole split."""
+
+    data_shards: int = 8
+    """Data shards of the validation split (the data-parallel degree must divide it). The
+    split ends where its shortest shard ends, so fewer shards keep more of it."""
+
+
+@dataclass
+class Debug:
+    seed: int | None = None
+    """Seed for weights and RNG; unset = a random seed shared by all ranks."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms (slower)."""
+
+    moe_force_load_balance: bool = False
+    """Route MoE tokens round-robin (tests: no routing flips on rounding ties)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    """Job-level settings."""
+    profiling: Profiling = field(default_factory=Profiling)
+    """Profiler settings."""
+    metrics: Metrics = field(default_factory=Metrics)
+    """Logging of metrics."""
+    model: Model = field(default_factory=Model)
+    """Model and tokenizer."""
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    """Optimizer."""
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    """Learning-rate schedule."""
+    training: Training = field(default_factory=Training)
+    """Training loop and data."""
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    """Parallel degrees and their options."""
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    """Checkpointing."""
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    """Activation checkpointing."""
+    compile: Compile = field(default_factory=Compile)
+    """torch.compile."""
+    quantize: Quantize = field(default_factory=Quantize)
+    """Low-precision training."""
+    comm: Comm = field(default_factory=Comm)
+    """Communication timeouts and tracing."""
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+    """Memory estimation and layout planning."""
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    """Fault tolerance (TorchFT)."""
+    experimental: Experimental = field(default_factory=Experimental)
+    """Experimental extensions."""
+    validation: Validation = field(default_factory=Validation)
+    """Validation during training."""
+    debug: Debug = field(default_factory=Debug)
+    """Seeds, determinism and test-only switches."""

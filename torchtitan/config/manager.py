@@ -1,0 +1,397 @@
+"""Builds a JobConfig from defaults < TOML file < CLI flags (parsed by tyro).
+
+Unknown TOML sections/keys are errors with a suggestion (upstream silently ignores them),
+older key names are accepted as deprecated aliases, and every bad input becomes one
+``ConfigError`` line naming the field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import importlib
+import io
+import logging
+import re
+import sys
+import tomllib
+import types
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import tyro
+
+from torchtitan.config.job_config import JobConfig
+
+logger = logging.getLogger("torchtitan")
+
+
+class ConfigError(ValueError):
+    """A bad job config; the message is one line that names the field and the fix."""
+
+
+# Older (section, key) names still accepted, mapped to the current ones.
+DEPRECATED_ALIASES: dict[tuple[str, str], tuple[str, str]] = {
+    ("checkpoint", "enable_checkpoint"): ("checkpoint", "enable"),
+    ("checkpoint", "last_save_model_weights_only"): ("checkpoint", "last_save_model_only"),
+    ("checkpoint", "initial_load_model_weights_only"): ("checkpoint", "initial_load_model_only"),
+    ("training", "compile"): ("compile", "enable"),
+    ("training", "seed"): ("debug", "seed"),
+    ("training", "deterministic"): ("debug", "deterministic"),
+    ("training", "batch_size"): ("training", "local_batch_size"),
+    ("training", "data_parallel_replicate_degree"): ("parallelism", "data_parallel_replicate_degree"),
+    ("training", "data_parallel_shard_degree"): ("parallelism", "data_parallel_shard_degree"),
+    ("training", "tensor_parallel_degree"): ("parallelism", "tensor_parallel_degree"),
+    ("validation", "enabled"): ("validation", "enable"),
+    ("lr_scheduler", "lr_min"): ("lr_scheduler", "min_lr_factor"),
+    ("experimental", "custom_args_module"): ("job", "custom_config_module"),
+    ("memory_estimation", "enabled"): ("memory_estimation", "enable"),
+    ("job", "print_args"): ("job", "print_config"),
+}
+
+
+def _warn_deprecated(old: tuple[str, str], new: tuple[str, str]) -> None:
+    logger.warning(f"config: '{'.'.join(old)}' is deprecated; use '{'.'.join(new)}'")
+
+
+# ---------------------------------------------------------------------------- TOML side
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"job.config_file: no such file: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"job.config_file: {path} is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"job.config_file: {path} is not valid TOML: {e}") from None
+
+
+def apply_toml_aliases(data: dict[str, Any]) -> dict[str, Any]:
+    """Move deprecated keys to their current place (one warning line each)."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for (old_sec, old_key), (new_sec, new_key) in DEPRECATED_ALIASES.items():
+        section = data.get(old_sec)
+        if isinstance(section, dict) and old_key in section:
+            _warn_deprecated((old_sec, old_key), (new_sec, new_key))
+            value = section.pop(old_key)
+            data.setdefault(new_sec, {})
+            if new_key in data[new_sec]:
+                raise ConfigError(
+                    f"{new_sec}.{new_key}: set both directly and through its deprecated "
+                    f"alias {old_sec}.{old_key}; keep only {new_sec}.{new_key}"
+                )
+            data[new_sec][new_key] = value
+    return data
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check a TOML value against the field type (no silent conversions except int->float
+    and comma strings -> lists)."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arm in get_args(tp):
+            if arm is type(None):
+                continue
+            try:
+                return _coerce(value, arm, path)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{path}: must be one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list or a comma-separated string, got {value!r}")
+        return [_coerce(v, item_tp, path) for v in value]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table [{path}], got {value!r}")
+        return build_from_dict(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _unknown_key_error(key: str, known: list[str], where: str) -> ConfigError:
+    hint = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    suggestion = f"; did you mean '{where}{hint[0]}'?" if hint else ""
+    kind = "section" if not where else "key"
+    return ConfigError(
+        f"{where}{key}: unknown {kind}{suggestion} (valid: {', '.join(known)})"
+    )
+
+
+def build_from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
+    """Instantiate dataclass ``cls`` with defaults overridden by ``data`` (checked)."""
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    where = f"{path}." if path else ""
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown_key_error(key, names, where)
+        kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------- custom config
+
+
+def merge_custom_config(base: type, custom: type) -> type:
+    """A JobConfig class with the custom dataclass's sections/fields merged in."""
+    base_fields = {f.name: f for f in dataclasses.fields(base)}
+    base_hints = get_type_hints(base)
+    custom_hints = get_type_hints(custom)
+    new_fields = []
+    for f in dataclasses.fields(custom):
+        tp = custom_hints[f.name]
+        if f.name in base_fields and dataclasses.is_dataclass(base_hints[f.name]):
+            tp = _merge_section(base_hints[f.name], tp)
+            new_fields.append((f.name, tp, dataclasses.field(default_factory=tp)))
+        else:
+            new_fields.append((f.name, tp, f))
+    return dataclasses.make_dataclass(base.__name__, new_fields, bases=(base,))
+
+
+def _merge_section(base: type, custom: type) -> type:
+    hints = get_type_hints(custom)
+    fields = [(f.name, hints[f.name], f) for f in dataclasses.fields(custom)]
+    return dataclasses.make_dataclass(base.__name__, fields, bases=(base,))
+
+
+def _load_custom_config(module_name: str, base: type) -> type:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"job.custom_config_module: cannot import {module_name!r}: {e}") from None
+    custom = getattr(module, "JobConfig", None)
+    if custom is None or not dataclasses.is_dataclass(custom):
+        raise ConfigError(
+            f"job.custom_config_module: {module_name!r} must define a dataclass named JobConfig"
+        )
+    return merge_custom_config(base, custom)
+
+
+# ---------------------------------------------------------------------------- CLI side
+
+
+def _field_types(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Flag name ('section.field') -> type, for every (nested) field."""
+    out = {}
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_field_types(tp, f"{name}."))
+        else:
+            out[name] = tp
+    return out
+
+
+def _normalize_flag(token: str) -> str:
+    """'--training.local-batch-size=4' -> '--training.local_batch_size=4'."""
+    if not token.startswith("--"):
+        return token
+    name, eq, value = token[2:].partition("=")
+    return "--" + name.replace("-", "_") + eq + value
+
+
+def _rewrite_cli_aliases(args: list[str]) -> list[str]:
+    out = []
+    for token in args:
+        name, eq, value = token.partition("=")
+        for (old_sec, old_key), (new_sec, new_key) in DEPRECATED_ALIASES.items():
+            for neg in ("", "no_"):
+                if name == f"--{old_sec}.{neg}{old_key}":
+                    _warn_deprecated((old_sec, old_key), (new_sec, new_key))
+                    name = f"--{new_sec}.{neg}{new_key}"
+        out.append(name + eq + value)
+    return out
+
+
+def _is_list_type(tp: Any) -> bool:
+    if get_origin(tp) in (Union, types.UnionType):
+        return any(_is_list_type(a) for a in get_args(tp))
+    return get_origin(tp) is list
+
+
+def _split_comma_lists(args: list[str], types_by_flag: dict[str, Any]) -> list[str]:
+    """'--checkpoint.exclude_from_loading a,b' -> '... a b' (tyro wants separate values)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        name, eq, value = token.partition("=")
+        is_list = name.startswith("--") and _is_list_type(types_by_flag.get(name[2:]))
+        if is_list and eq:
+            out.append(name)
+            out += [v for v in value.split(",") if v]
+        elif is_list and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.append(token)
+            i += 1
+            while i < len(args) and not args[i].startswith("--"):
+                out += [v for v in args[i].split(",") if v]
+                i += 1
+            continue
+        else:
+            out.append(token)
+        i += 1
+    return out
+
+
+def _find_flag_value(args: list[str], flag: str) -> str | None:
+    for i, token in enumerate(args):
+        if token == flag and i + 1 < len(args):
+            return args[i + 1]
+        if token.startswith(flag + "="):
+            return token.split("=", 1)[1]
+    return None
+
+
+_BOX_CHARS = re.compile(r"[╭╮╰╯│─━┃┏┓┗┛]")
+
+
+def _condense_tyro_error(text: str) -> str:
+    """tyro prints a multi-line box; reduce it to one line with the suggestion."""
+    lines = [_BOX_CHARS.sub("", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    message = next(
+        (
+            line
+            for line in lines
+            if line.startswith(("Error parsing", "Unrecognized options", "Missing")) and ":" in line
+        ),
+        lines[1] if len(lines) > 1 else (lines[0] if lines else "invalid command line"),
+    )
+    if "Perhaps you meant:" in lines:
+        idx = lines.index("Perhaps you meant:")
+        if idx + 1 < len(lines):
+            message += f"; did you mean {lines[idx + 1].split()[0]}?"
+    return message + " (see --help)"
+
+
+class ConfigManager:
+    """``parse_args(argv) -> JobConfig``: defaults < TOML (``--job.config_file``) < CLI."""
+
+    def __init__(self, config_cls: type = JobConfig) -> None:
+        self.config_cls = config_cls
+
+    def parse_args(self, args: list[str] | None = None) -> Any:
+        args = list(sys.argv[1:] if args is None else args)
+        args = _rewrite_cli_aliases([_normalize_flag(a) for a in args])
+
+        custom_import = _find_flag_value(args, "--experimental.custom_import")
+        config_file = _find_flag_value(args, "--job.config_file")
+        toml_data = apply_toml_aliases(load_toml(config_file)) if config_file else {}
+        if custom_import is None:
+            custom_import = toml_data.get("experimental", {}).get("custom_import") or None
+        if custom_import:
+            import_custom_module(custom_import)
+
+        config_cls = self.config_cls
+        custom_module = _find_flag_value(args, "--job.custom_config_module") or toml_data.get(
+            "job", {}
+        ).get("custom_config_module")
+        if custom_module:
+            config_cls = _load_custom_config(custom_module, config_cls)
+
+        for section, value in toml_data.items():
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"{section}: top-level keys must be [sections]; got {section} = {value!r}"
+                )
+        default = build_from_dict(config_cls, toml_data)
+        args = _split_comma_lists(args, _field_types(config_cls))
+        config = self._parse_cli(config_cls, args, default)
+        from torchtitan.config.validation import validate_job_config
+
+        validate_job_config(config)
+        return config
+
+    @staticmethod
+    def _parse_cli(config_cls: type, args: list[str], default: Any) -> Any:
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                return tyro.cli(config_cls, args=args, default=default, use_underscores=True)
+        except SystemExit as e:
+            if e.code in (0, None):
+                raise
+            raise ConfigError(_condense_tyro_error(stderr.getvalue())) from None
+
+
+def import_custom_module(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        raise ConfigError(f"experimental.custom_import: cannot import {name!r}: {e}") from None
+
+
+def config_to_toml(config: Any) -> str:
+    """Render a config as TOML (for printing the merged config)."""
+    lines: list[str] = []
+    _emit_table(dataclasses.asdict(config), "", lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _emit_table(table: dict[str, Any], prefix: str, lines: list[str]) -> None:
+    scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    if prefix and scalars:
+        lines.append(f"\n[{prefix}]")
+    for key, value in scalars.items():
+        rendered = _toml_value(value)
+        lines.append(f"{key} = {rendered}" if rendered is not None else f"# {key} = (unset)")
+    for key, value in table.items():
+        if isinstance(value, dict):
+            _emit_table(value, f"{prefix}.{key}" if prefix else key, lines)
+
+
+def _toml_value(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) or '""' for v in value) + "]"
+    return repr(value)
+

@@ -1,0 +1,49 @@
+"""Text datasets: a registry of named document collections, the embedded stdlib corpus,
+HuggingFace-backed datasets, and dp-layout-independent packing/sharding.
+
+Built-in datasets: ``python_stdlib`` / ``python_stdlib_validation`` (embedded, no download),
+``c4`` / ``c4_validation`` (needs internet), ``json``, ``jsonl``, ``parquet``, ``txt`` (local
+files at ``dataset_path``).
+"""
+
+from functools import partial
+
+from torchtitan.datasets import hf, stdlib
+from torchtitan.datasets.packing import ShardCursor, ShardedTextDataset, merge_data_states
+from torchtitan.datasets.registry import (
+    DatasetConfig,
+    Documents,
+    get_dataset_config,
+    load_documents,
+    register_dataset,
+    registered_datasets,
+)
+from torchtitan.datasets.stdlib import corpus_fingerprint
+
+__all__ = [
+    "DatasetConfig",
+    "Documents",
+    "ShardCursor",
+    "ShardedTextDataset",
+    "corpus_fingerprint",
+    "get_dataset_config",
+    "load_documents",
+    "merge_data_states",
+    "register_dataset",
+    "registered_datasets",
+]
+
+
+def _register_builtins() -> None:
+    for name, split in (("python_stdlib", "train"), ("python_stdlib_validation", "validation")):
+        register_dataset(name, DatasetConfig(name, lambda path, split=split: stdlib.load_stdlib(split)))
+    for name, split in (("c4", "train"), ("c4_validation", "validation")):
+        register_dataset(name, DatasetConfig(name, lambda path, split=split: hf.load_c4(split), hf.row_text))
+    for name in ("json", "jsonl"):
+        register_dataset(name, DatasetConfig(name, partial(hf.load_table_files, kind="json"), hf.row_text, True))
+    parquet = partial(hf.load_table_files, kind="parquet")
+    register_dataset("parquet", DatasetConfig("parquet", parquet, hf.row_text, True))
+    register_dataset("txt", DatasetConfig("txt", hf.load_text_files, hf.row_text, True))
+
+
+_register_builtins()

@@ -1,0 +1,273 @@
+"""Packing documents into fixed-length sequences, in an order that does not depend on the
+data-parallel layout.
+
+Shards: document ``i`` belongs to data shard ``i % S``. Each shard is packed on its own: its
+documents are encoded with BOS/EOS, concatenated, and cut into non-overlapping windows of
+``seq_len + 1`` tokens (input = window[:-1], label = window[1:]). A shard that runs out starts
+its next epoch over its own documents; the partial window carries over the epoch boundary.
+
+Global stream: position ``p`` is the ``(p // S)``-th sequence of shard ``p % S``; global batch
+``k`` of ``G`` sequences is positions ``[k*G, (k+1)*G)``. Data-parallel rank ``r`` of ``dp``
+reads the positions ``p % dp == r`` in increasing order. With ``dp | S`` a rank only touches the
+shards ``s % dp == r`` and only tokenizes their documents, and the union of a global batch over
+ranks is the same for every ``dp``.
+
+Finite streams (validation) end at ``E = S * min_s n_s``, ``n_s`` being the number of complete
+sequences of shard ``s`` in one epoch: the first position whose shard has no sequence left,
+rounded down to a whole round of ``S`` positions so that every rank reads ``E / dp`` of them
+whatever ``dp`` is.
+
+State: one cursor per shard (epoch, document within the shard, tokens of that document already
+consumed, sequences produced) plus the rank's next position. Restoring re-encodes the cursor's
+document and skips the consumed tokens; no token buffer is stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import astuple, dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.datasets.registry import Documents, is_indexable
+from torchtitan.datasets.sources import IndexedDocuments, ShardedDocuments, StreamedDocuments
+
+Sample = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class ShardCursor:
+    """Where a shard's next token comes from."""
+
+    epoch: int = 0
+    doc: int = 0  # index of the document within the shard
+    offset: int = 0  # tokens of that document already consumed
+    sequences: int = 0  # sequences the shard has produced since the start
+
+
+class ShardReader:
+    """Cuts one shard's token stream into windows of ``window`` tokens.
+
+    ``describe`` starts the error raised for a shard without tokens (it names the config field).
+    """
+
+    def __init__(
+        self,
+        shard: int,
+        documents: ShardedDocuments,
+        encode: Callable[[Any], list[int]],
+        window: int,
+        describe: str,
+        cursor: ShardCursor | None = None,
+    ) -> None:
+        self.shard = shard
+        self.cursor = cursor or ShardCursor()
+        self._documents = documents
+        self._encode = encode
+        self._window = window
+        self._describe = describe
+        self._tokens: list[int] | None = None  # encoded document at the cursor
+        self._epoch_has_tokens = self.cursor.doc > 0 or self.cursor.offset > 0
+        documents.seek(shard, self.cursor.epoch, self.cursor.doc)
+
+    def next_window(self) -> list[int]:
+        out: list[int] = []
+        while len(out) < self._window:
+            tokens = self._current_tokens()
+            taken = tokens[self.cursor.offset : self.cursor.offset + self._window - len(out)]
+            out.extend(taken)
+            self.cursor.offset += len(taken)
+            if self.cursor.offset == len(tokens):
+                self.cursor.doc, self.cursor.offset, self._tokens = self.cursor.doc + 1, 0, None
+        self.cursor.sequences += 1
+        return out
+
+    def _current_tokens(self) -> list[int]:
+        """Tokens of the document at the cursor, moving on past empty documents and epoch ends."""
+        while self._tokens is None:
+            cursor = self.cursor
+            document = self._documents.get(self.shard, cursor.epoch, cursor.doc)
+            if document is None:
+                self._start_next_epoch()
+                continue
+            tokens = self._encode(document)
+            if len(tokens) > cursor.offset:
+                self._tokens, self._epoch_has_tokens = tokens, True
+            else:
+                cursor.doc, cursor.offset = cursor.doc + 1, 0
+        return self._tokens
+
+    def _start_next_epoch(self) -> None:
+        if not self._epoch_has_tokens:
+            raise ValueError(
+                f"{self._describe}: data shard {self.shard} yields no tokens (the dataset has fewer "
+                f"non-empty documents than data shards)"
+            )
+        self.cursor.epoch, self.cursor.doc, self.cursor.offset = self.cursor.epoch + 1, 0, 0
+        self._epoch_has_tokens = False
+        self._documents.seek(self.shard, self.cursor.epoch, 0)
+
+
+def merge_data_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """Combine the data states of all dp ranks into one state that loads under any dp degree.
+
+    Shard cursors are united (each shard belongs to one rank); the next position is the
+    smallest over the ranks, i.e. the start of the first global batch not fully consumed.
+    """
+    if not states:
+        raise ValueError("merge_data_states: no states given")
+    shard_counts = {state["data_shards"] for state in states}
+    if len(shard_counts) != 1:
+        raise ValueError(f"merge_data_states: the states disagree on data_shards: {sorted(shard_counts)}")
+    num_shards = shard_counts.pop()
+    shards: dict[str, list[int]] = {}
+    for state in states:
+        for shard, cursor in state["shards"].items():
+            if shard in shards and list(shards[shard]) != list(cursor):
+                raise ValueError(f"merge_data_states: two states hold different cursors for data shard {shard}")
+            shards[shard] = list(cursor)
+    missing = [s for s in range(num_shards) if str(s) not in shards]
+    if missing:
+        raise ValueError(f"merge_data_states: no state holds data shards {missing}; pass the states of all dp ranks")
+    return {
+        "data_shards": num_shards,
+        "next_position": min(state["next_position"] for state in states),
+        "shards": dict(sorted(shards.items(), key=lambda item: int(item[0]))),
+    }
+
+
+def _sequences_before(position: int, shard: int, num_shards: int) -> int:
+    """How many positions below ``position`` belong to ``shard``."""
+    return max(0, -(-(position - shard) // num_shards))
+
+
+class ShardedTextDataset(IterableDataset):
+    """One dp rank's view of the global stream of packed sequences (see the module docstring).
+
+    Yields ``(input_ids, labels)``, two LongTensors of ``seq_len``. Infinite datasets continue
+    from their current state on every ``iter()``. Finite ones start from the beginning on every
+    ``iter()`` unless a state was loaded since the last one.
+
+    ``global_min`` reduces an int over the dp group (identity in one process); finite datasets
+    call it once at the start of every iteration, so all ranks must iterate together.
+    ``section`` (``training``/``validation``) names config fields in errors.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        documents: Documents,
+        text_processor: Callable[[Any], str],
+        tokenizer: BaseTokenizer,
+        seq_len: int,
+        dp_rank: int,
+        dp_degree: int,
+        data_shards: int,
+        infinite: bool,
+        global_min: Callable[[int], int] | None = None,
+        section: str = "training",
+    ) -> None:
+        super().__init__()
+        self._name = name
+        self._num_shards = data_shards
+        self._dp_rank = dp_rank
+        self._dp_degree = dp_degree
+        self._window = seq_len + 1
+        self._infinite = infinite
+        self._global_min = global_min or (lambda x: x)
+        self._section = section
+        self._shards = list(range(dp_rank, data_shards, dp_degree))
+        self._encode = lambda document: tokenizer.encode(text_processor(document))
+        self._documents = self._shard_documents(documents)
+        self._shard_windows: dict[int, int] | None = None  # finite: windows per shard, once counted
+        self._resume_pending = False
+        self._restart()
+
+    def _shard_documents(self, documents: Documents) -> ShardedDocuments:
+        if not is_indexable(documents):
+            return StreamedDocuments(documents, self._num_shards, self._shards)
+        if len(documents) < self._num_shards:
+            raise ValueError(
+                f"{self._section}.data_shards ({self._num_shards}) exceeds the number of documents "
+                f"({len(documents)}) of dataset {self._name!r}; lower {self._section}.data_shards"
+            )
+        return IndexedDocuments(documents, self._num_shards)
+
+    def _reader(self, shard: int, cursor: ShardCursor | None = None) -> ShardReader:
+        describe = f"{self._section}.data_shards ({self._num_shards}) with dataset {self._name!r}"
+        return ShardReader(shard, self._documents, self._encode, self._window, describe, cursor)
+
+    def _restart(self) -> None:
+        self._position = self._dp_rank
+        self._readers = {shard: self._reader(shard) for shard in self._shards}
+
+    def __iter__(self) -> Iterator[Sample]:
+        if not self._infinite and not self._resume_pending:
+            self._restart()
+        self._resume_pending = False
+        end = None if self._infinite else self._end_position()
+        while end is None or self._position < end:
+            position = self._position
+            window = self._readers[position % self._num_shards].next_window()
+            self._position = position + self._dp_degree
+            tokens = torch.tensor(window, dtype=torch.long)
+            yield tokens[:-1], tokens[1:]
+        self._restart()
+
+    def _end_position(self) -> int:
+        if self._shard_windows is None:
+            self._shard_windows = self._count_windows()
+        local_end = self._num_shards * min(self._shard_windows.values())
+        end = self._global_min(local_end)
+        if end == 0:
+            raise ValueError(
+                f"{self._section}.dataset {self._name!r}: some of its {self._num_shards} data shards hold "
+                f"less than one sequence of {self._section}.seq_len + 1 = {self._window} tokens; lower "
+                f"{self._section}.data_shards or {self._section}.seq_len"
+            )
+        return end
+
+    def _count_windows(self) -> dict[int, int]:
+        tokens = dict.fromkeys(self._shards, 0)
+        for shard, document in self._documents.iter_epoch(self._shards):
+            tokens[shard] += len(self._encode(document))
+        return {shard: count // self._window for shard, count in tokens.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "data_shards": self._num_shards,
+            "next_position": self._position,
+            "shards": {str(shard): list(astuple(reader.cursor)) for shard, reader in self._readers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load this rank's own state, or one merged over all ranks (any dp degree)."""
+        field = f"{self._section}.data_shards"
+        if state.get("data_shards") != self._num_shards:
+            raise ValueError(
+                f"{field}: the data state was saved with {state.get('data_shards')} data shards, "
+                f"but {field} is {self._num_shards}"
+            )
+        next_position = state["next_position"]
+        position = next_position + (self._dp_rank - next_position) % self._dp_degree
+        missing = [s for s in self._shards if str(s) not in state["shards"]]
+        if missing:
+            raise ValueError(
+                f"data state: no cursors for data shards {missing} of dp rank {self._dp_rank}; a state saved "
+                f"under another dp degree must be merged over all ranks with merge_data_states"
+            )
+        cursors = {shard: ShardCursor(*state["shards"][str(shard)]) for shard in self._shards}
+        for shard, cursor in cursors.items():
+            expected = _sequences_before(position, shard, self._num_shards)
+            if cursor.sequences != expected:
+                raise ValueError(
+                    f"data state is inconsistent: data shard {shard} produced {cursor.sequences} sequences, "
+                    f"but next position {next_position} implies {expected}"
+                )
+        self._position = position
+        self._readers = {shard: self._reader(shard, cursor) for shard, cursor in cursors.items()}
+        self._resume_pending = True

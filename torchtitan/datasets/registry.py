@@ -1,0 +1,93 @@
+"""Registry of text datasets by name.
+
+A dataset's loader returns its documents in a fixed order, in one of two forms:
+
+- indexable: anything with ``__len__`` and ``__getitem__(int)`` (a list, a lazy sequence, an
+  Arrow-backed HuggingFace ``Dataset``); document ``i`` is ``docs[i]``;
+- streamed: a re-iterable (every ``iter()`` starts again at the first document, like a streaming
+  HuggingFace ``IterableDataset``); document ``i`` is the ``i``-th one iterated.
+
+``text_processor`` turns one raw document (a row dict, say) into its text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+Documents: TypeAlias = Sequence[Any] | Iterable[Any]
+
+
+def _identity(document: Any) -> str:
+    return document
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """How to load one named dataset.
+
+    ``uses_path``: the loader reads the config's ``dataset_path`` (required then); datasets that
+    do not use it reject a set path rather than silently ignore it.
+    """
+
+    name: str
+    loader: Callable[[str | None], Documents]
+    text_processor: Callable[[Any], str] = _identity
+    uses_path: bool = False
+
+
+_DATASETS: dict[str, DatasetConfig] = {}
+
+
+def register_dataset(name: str, config: DatasetConfig) -> None:
+    """Register ``config`` under ``name``; registering a name again replaces the earlier entry."""
+    _DATASETS[name] = config
+
+
+def registered_datasets() -> list[str]:
+    return sorted(_DATASETS)
+
+
+def get_dataset_config(name: str, section: str = "training") -> DatasetConfig:
+    if name not in _DATASETS:
+        raise ValueError(
+            f"{section}.dataset: unknown dataset {name!r}; registered datasets: {', '.join(registered_datasets())}"
+        )
+    return _DATASETS[name]
+
+
+def is_indexable(documents: Documents) -> bool:
+    return hasattr(documents, "__len__") and hasattr(documents, "__getitem__")
+
+
+def load_documents(name: str, path: str | None, section: str = "training") -> tuple[DatasetConfig, Documents]:
+    """Look up ``name`` and run its loader, turning loader failures into one error naming the field.
+
+    Loaders raise FileNotFoundError / ValueError / ConnectionError with plain messages; this
+    prefixes the config field (``<section>.dataset_path`` for path-based datasets, else
+    ``<section>.dataset``) and drops the library traceback.
+    """
+    config = get_dataset_config(name, section)
+    if config.uses_path and not path:
+        raise ValueError(f"{section}.dataset_path: dataset {name!r} reads local files; set {section}.dataset_path")
+    if path and not config.uses_path:
+        raise ValueError(
+            f"{section}.dataset_path: dataset {name!r} does not read a path (got {path!r}); "
+            f"unset it, or use one of the file datasets json, jsonl, parquet, txt"
+        )
+    field = f"{section}.dataset_path" if config.uses_path else f"{section}.dataset"
+    try:
+        documents = config.loader(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{field}: {e}") from None
+    except ConnectionError as e:
+        raise ConnectionError(
+            f"{field}: cannot reach dataset {name!r} ({e}); without internet use the embedded "
+            f"'python_stdlib' dataset or local files via {section}.dataset_path"
+        ) from None
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
+    if is_indexable(documents) and len(documents) == 0:
+        raise ValueError(f"{field}: dataset {name!r} has no documents")
+    return config, documents

@@ -1,0 +1,3 @@
+from torchtitan.distributed.parallel_dims import ParallelDims, WorldMesh
+
+__all__ = ["ParallelDims", "WorldMesh"]

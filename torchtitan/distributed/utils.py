@@ -1,0 +1,127 @@
+"""Process-group start-up, determinism, cross-rank reductions and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from torchtitan.distributed.parallel_dims import ParallelDims, default_device_type
+from torchtitan.tools.logging import logger
+
+
+def init_distributed(job_config) -> torch.device:
+    """Pick the device from the machine (cuda+nccl, else cpu+gloo) and start the default
+    process group from torchrun's environment."""
+    device_type = default_device_type()
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "cuda:nccl,cpu:gloo" if job_config.training.enable_cpu_offload else "nccl"
+        _set_nccl_env(job_config)
+    else:
+        device = torch.device(device_type)
+        backend = "gloo" if device_type == "cpu" else dist.Backend.default_device_backend_map.get(device_type, "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, timeout=timedelta(seconds=job_config.comm.init_timeout_seconds)
+        )
+    return device
+
+
+def _set_nccl_env(job_config) -> None:
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    size = job_config.comm.trace_buf_size
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(size))
+    if size > 0:
+        folder = os.path.join(job_config.job.dump_folder, job_config.comm.save_traces_folder)
+        os.makedirs(folder, exist_ok=True)
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, "rank_"))
+
+
+def set_pg_timeouts(timeout_seconds: int, parallel_dims: ParallelDims) -> None:
+    """After the first step (compiles, warm-up done), tighten collective timeouts."""
+    timeout = timedelta(seconds=timeout_seconds)
+    groups = {None}
+    mesh = parallel_dims.world_mesh
+    for name in mesh.view_names:
+        groups.update(mesh[name].get_all_groups())
+    for group in groups:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        try:
+            pg._get_backend(torch.device(mesh.device_type))._set_default_timeout(timeout)
+        except (RuntimeError, AttributeError):
+            pass  # backends without a settable timeout keep the init timeout
+
+
+def set_determinism(
+    parallel_dims: ParallelDims, device: torch.device, seed: int | None, deterministic: bool
+) -> int:
+    """Seed every rank identically (rank 0's random seed when none is given) and return the
+    seed, which also seeds the per-FQN weight init."""
+    if seed is None:
+        t = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+        if dist.is_initialized():
+            dist.broadcast(t, src=0)
+        seed = int(t.item())
+    pp_rank = parallel_dims.world_mesh["pp"].get_local_rank() if parallel_dims.pp_enabled else 0
+    torch.manual_seed(seed + pp_rank)
+    if deterministic:
+        logger.info("deterministic algorithms enabled (slower)")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    return seed
+
+
+def dist_reduce(x: torch.Tensor, op: str, mesh: DeviceMesh | None) -> float:
+    """All-reduce a scalar over ``mesh`` ('sum', 'avg' or 'max'); one host sync."""
+    if mesh is None:
+        return x.item()
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    t = x.detach().clone().float()
+    if op == "avg":
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=mesh.get_group())
+        t /= mesh.size()
+    else:
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        dist.all_reduce(t, op=reduce_op, group=mesh.get_group())
+    return t.item()
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """Clip gradients by their total norm over all ranks and return that (pre-clip) norm.
+
+    DTensor gradients (FSDP/TP shards) reduce to the full norm; with pipeline parallel the
+    per-stage norms are combined over the pp group.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    total_norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    if pp_mesh is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(total_norm, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        else:
+            total_norm **= norm_type
+            dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+            total_norm **= 1.0 / norm_type
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=foreach)
+    return total_norm

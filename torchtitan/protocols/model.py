@@ -1,0 +1,40 @@
+"""What the trainer expects of a model and of its arguments."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.config import JobConfig
+
+
+@dataclass
+class BaseModelArgs(ABC):
+    """Arguments of one model flavor. Subclasses are plain dataclasses."""
+
+    @abstractmethod
+    def update_from_config(
+        self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None
+    ) -> None:
+        """Adopt run-dependent values (vocabulary size, max sequence length, ...)."""
+
+    @abstractmethod
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """Return (number of parameters, training FLOPs per token) for MFU."""
+
+
+class ModelProtocol(Protocol):
+    """A model built on the meta device from its args, then materialised with
+    ``to_empty(device=...)`` and ``init_weights(...)``."""
+
+    def __init__(self, model_args: BaseModelArgs) -> None: ...
+
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter from a generator seeded by (seed, FQN), so that
+        any parallel layout starts from exactly the single-process weights."""

@@ -1,0 +1,23 @@
+"""Mapping between our model's state dict and a Hugging Face checkpoint's."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class StateDictAdapter(ABC):
+    """One per model. ``to_hf``/``from_hf`` rename keys and reshape tensors
+    (e.g. the q/k RoPE layout) so that weights move between the two ecosystems."""
+
+    def __init__(self, model_args: Any, hf_assets_path: str | None = None) -> None:
+        self.model_args = model_args
+        self.hf_assets_path = hf_assets_path
+
+    @abstractmethod
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Our FQNs -> Hugging Face keys."""
+
+    @abstractmethod
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Hugging Face keys -> our FQNs."""

@@ -1,0 +1,68 @@
+"""torch profiler traces and CUDA memory snapshots, both every ``profile_freq`` steps."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+
+import torch
+
+from torchtitan.tools.logging import logger
+
+_WARMUP, _ACTIVE = 3, 1
+
+
+@contextlib.contextmanager
+def maybe_enable_profiling(job_config, global_step: int = 0):
+    cfg = job_config.profiling
+    if not cfg.enable_profiling:
+        yield None
+        return
+    folder = os.path.join(job_config.job.dump_folder, cfg.save_traces_folder)
+    rank = int(os.environ.get("RANK", "0"))
+
+    def on_trace_ready(prof) -> None:
+        out = os.path.join(folder, f"iteration_{prof.step_num}")
+        os.makedirs(out, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(out, f"rank{rank}_trace.json"))
+        logger.info(f"profiler trace written to {out}")
+
+    wait = max(cfg.profile_freq - _WARMUP - _ACTIVE, 0)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=wait, warmup=_WARMUP, active=_ACTIVE),
+        on_trace_ready=on_trace_ready,
+        record_shapes=True,
+    ) as prof:
+        prof.step_num = global_step
+        yield prof
+
+
+class MemorySnapshotter:
+    """Dumps CUDA allocator history every profile_freq steps (and on OOM)."""
+
+    def __init__(self, folder: str, freq: int) -> None:
+        self.folder, self.freq = folder, freq
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def step(self, step: int, exited: bool = False) -> None:
+        if not exited and step % self.freq != 0:
+            return
+        out = os.path.join(self.folder, f"iteration_{step}{'_exit' if exited else ''}")
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}_memory_snapshot.pickle"), "wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(), f)
+
+
+def maybe_memory_snapshotter(job_config, device: torch.device) -> MemorySnapshotter | None:
+    cfg = job_config.profiling
+    if not cfg.enable_memory_snapshot:
+        return None
+    if device.type != "cuda":
+        logger.warning("profiling.enable_memory_snapshot needs CUDA; no snapshots on this device")
+        return None
+    return MemorySnapshotter(os.path.join(job_config.job.dump_folder, cfg.save_memory_snapshot_folder), cfg.profile_freq)

@@ -1,0 +1,137 @@
+"""Device facts, peak FLOPs, garbage collection and small helpers used by the trainer."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from torchtitan.tools.logging import logger
+
+# Dense bf16 peak FLOP/s per device (no sparsity), from vendor data sheets.
+_GPU_PEAK_BF16 = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H20", 148e12),
+    ("B200", 2.25e15),
+    ("GB200", 2.5e15),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("MI300X", 1307e12),
+    ("MI325X", 1307e12),
+    ("MI250X", 191.5e12),
+]
+
+_CPU_PEAK_CACHE = Path(os.environ.get("TORCHTITAN_CACHE", Path.home() / ".cache" / "torchtitan"))
+
+
+def device_module(device_type: str):
+    return getattr(torch, device_type)
+
+
+def gpu_peak_flops(device_name: str) -> float | None:
+    for key, flops in _GPU_PEAK_BF16:
+        if key in device_name:
+            return flops
+    return None
+
+
+def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
+    """Measured matmul peak of this machine for ``dtype`` with the current thread count,
+    cached on disk so each machine measures once (a lock file keeps concurrent ranks from
+    all measuring at once)."""
+    key_src = f"{platform.processor()}|{platform.machine()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{dtype}"
+    key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
+    path = _CPU_PEAK_CACHE / f"cpu_peak_{key}.json"
+    cached = _read_json(path)
+    if cached:
+        return cached["flops"]
+    _CPU_PEAK_CACHE.mkdir(parents=True, exist_ok=True)
+    lock = path.with_suffix(".lock")
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        for _ in range(200):  # another rank is measuring: wait for its result
+            time.sleep(0.1)
+            cached = _read_json(path)
+            if cached:
+                return cached["flops"]
+        return _measure_matmul_flops(dtype)
+    try:
+        flops = _measure_matmul_flops(dtype)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"flops": flops, "machine": key_src}))
+        tmp.replace(path)
+        return flops
+    finally:
+        os.close(fd)
+        lock.unlink(missing_ok=True)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _measure_matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 8) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        flops = gpu_peak_flops(name)
+        if flops is None:
+            logger.warning(f"peak FLOPs of {name!r} unknown; MFU assumes A100 (312 TFLOP/s)")
+            return 312e12
+        return flops if dtype in (torch.bfloat16, torch.float16) else flops / 2
+    return cpu_peak_flops(dtype)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated device memory (CUDA) or peak process RSS (CPU), in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+class GarbageCollection:
+    """Disable automatic GC (its pauses desynchronise ranks) and collect every gc_freq steps."""
+
+    def __init__(self, gc_freq: int = 50, debug: bool = False) -> None:
+        self.gc_freq = gc_freq
+        self.debug = debug
+        gc.disable()
+        gc.collect(1)
+
+    def run(self, step: int) -> None:
+        if self.debug:
+            gc.collect()
+        elif step > 1 and step % self.gc_freq == 0:
+            gc.collect(1)
+
+    @staticmethod
+    def close() -> None:
+        gc.enable()

@@ -1,0 +1,276 @@
+"""The trainer: ``torchrun ... -m torchtitan.train --job.config_file F.toml [overrides]``.
+
+It reads like the recipe it runs: ParallelDims -> world mesh -> determinism -> tokenizer ->
+data loader -> model on meta -> converters -> parallelize -> init weights -> optimizers ->
+LR schedulers -> metrics, then the training loop. No mesh is passed around: every builder
+takes ``parallel_dims``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from torchtitan.components.loss import rescale_accumulated_loss
+from torchtitan.components.metrics import build_metrics_processor
+from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.config.entry import config_errors_exit
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.data_parallel import TORCH_DTYPES
+from torchtitan.distributed.parallel_dims import parallel_dims_from_config
+from torchtitan.distributed.utils import (
+    clip_grad_norm_,
+    dist_reduce,
+    init_distributed,
+    set_determinism,
+    set_pg_timeouts,
+)
+from torchtitan.protocols import ModelConvertersContainer, get_train_spec
+from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
+from torchtitan.tools.profiling import maybe_enable_profiling, maybe_memory_snapshotter
+from torchtitan.tools.utils import GarbageCollection
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class Trainer:
+    def __init__(self, job_config: JobConfig) -> None:
+        self.job_config = job_config
+        self.device = init_distributed(job_config)
+        self.parallel_dims = self._build_parallel_dims(dist.get_world_size())
+        parallel_dims = self.parallel_dims
+        world_mesh = parallel_dims.world_mesh
+        logger.info(f"parallel layout {parallel_dims.describe()}, mesh views {world_mesh.view_names}")
+
+        self.gc_handler = GarbageCollection(job_config.training.gc_freq, job_config.training.gc_debug)
+        self.seed = set_determinism(
+            parallel_dims, self.device, job_config.debug.seed, job_config.debug.deterministic
+        )
+        self.train_spec = get_train_spec(job_config.model.name)
+        spec = self.train_spec
+
+        self.tokenizer = spec.build_tokenizer_fn(job_config) if spec.build_tokenizer_fn else None
+        self.dataloader = spec.build_dataloader_fn(job_config, parallel_dims, self.tokenizer)
+
+        model_args = spec.flavor_args(job_config.model.flavor)
+        model_args.update_from_config(job_config, self.tokenizer)
+        self.model_args = model_args
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
+        self.converters = ModelConvertersContainer(job_config, parallel_dims)
+        self.converters.convert(model)
+        nparams, self.flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+        logger.info(
+            f"model {job_config.model.name} {job_config.model.flavor}: {nparams:,} parameters, "
+            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token"
+        )
+
+        self.grad_accum_steps = self._grad_accumulation_steps()
+        self.loss_fn = rescale_accumulated_loss(spec.build_loss_fn(job_config), self.grad_accum_steps)
+
+        model = spec.parallelize_fn(model, parallel_dims, job_config)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(seed=self.seed)
+        model.train()
+        self.model_parts = [model]
+
+        self.optimizers = spec.build_optimizers_fn(self.model_parts, job_config, parallel_dims)
+        self.lr_schedulers = spec.build_lr_schedulers_fn(self.optimizers, job_config)
+        self.optimizers.register_step_post_hook(
+            lambda *args, **kwargs: self.converters.post_optimizer_hook(self.model_parts)
+        )
+
+        self.step = 0
+        self.amp_context = self._amp_context()
+        compute_dtype = TORCH_DTYPES[job_config.training.mixed_precision_param]
+        self.metrics = build_metrics_processor(
+            job_config, parallel_dims, self.device, self.flops_per_token,
+            owns_loss=self._owns_loss(), compute_dtype=compute_dtype,
+        )
+        self.loss_mesh = world_mesh["dp_cp"] if parallel_dims.dp_cp_enabled else None
+        self.pp_mesh = world_mesh["pp"] if parallel_dims.pp_enabled else None
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _build_parallel_dims(self, world_size: int) -> ParallelDims:
+        try:
+            return parallel_dims_from_config(self.job_config, world_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def _grad_accumulation_steps(self) -> int:
+        training = self.job_config.training
+        dp = self.parallel_dims.dp_degree
+        per_pass = training.local_batch_size * dp
+        global_batch = training.global_batch_size if training.global_batch_size > 0 else per_pass
+        if global_batch % per_pass != 0:
+            raise ConfigError(
+                f"training.global_batch_size ({global_batch}) must be a multiple of "
+                f"local_batch_size x data-parallel degree ({training.local_batch_size} x {dp} "
+                f"= {per_pass})"
+            )
+        steps = global_batch // per_pass
+        if steps > 1:
+            logger.info(f"gradient accumulation: {steps} micro-batches per step (global batch {global_batch})")
+        return steps
+
+    def _amp_context(self):
+        """FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere use autocast."""
+        dtype = TORCH_DTYPES[self.job_config.training.mixed_precision_param]
+        if dtype == torch.float32:
+            logger.info("mixed precision: off (float32)")
+            return contextlib.nullcontext
+        if self.parallel_dims.fsdp_enabled:
+            logger.info(f"mixed precision: FSDP parameters in {dtype}, reduce in "
+                        f"{self.job_config.training.mixed_precision_reduce}")
+            return contextlib.nullcontext
+        logger.info(f"mixed precision: autocast to {dtype} on {self.device.type}")
+        return lambda: torch.autocast(self.device.type, dtype=dtype)
+
+    def _owns_loss(self) -> bool:
+        """Global rank 0 owns the loss (the first rank of the last pipeline stage under PP)."""
+        rank = dist.get_rank()
+        if not self.parallel_dims.pp_enabled:
+            return rank == 0
+        pp_mesh = self.parallel_dims.world_mesh["pp"]
+        last_stage = pp_mesh.get_local_rank() == pp_mesh.size() - 1
+        return last_stage and rank == min(
+            r for r in range(dist.get_world_size()) if r // (dist.get_world_size() // pp_mesh.size()) == pp_mesh.size() - 1
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def next_batch(self, data_iterator) -> tuple[dict[str, torch.Tensor], torch.Tensor, float]:
+        start = time.perf_counter()
+        input_dict, labels = next(data_iterator)
+        input_dict = {k: v.to(self.device, non_blocking=True) for k, v in input_dict.items()}
+        labels = labels.to(self.device, non_blocking=True)
+        return input_dict, labels, time.perf_counter() - start
+
+    def forward_backward_step(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        model = self.model_parts[0]
+        with self.amp_context():
+            pred = model(input_dict["input"])
+            loss = self.loss_fn(pred, labels)
+        del pred
+        loss.backward()
+        return loss.detach()
+
+    def train_step(self, data_iterator) -> None:
+        self.optimizers.zero_grad()
+        losses, tokens, data_seconds = [], 0, 0.0
+        for _ in range(self.grad_accum_steps):
+            input_dict, labels, seconds = self.next_batch(data_iterator)
+            tokens += labels.numel()
+            data_seconds += seconds
+            losses.append(self.forward_backward_step(input_dict, labels))
+        self.metrics.record_step(tokens, data_seconds)
+
+        grad_norm = clip_grad_norm_(
+            [p for part in self.model_parts for p in part.parameters()],
+            self.job_config.training.max_norm,
+            foreach=True,
+            pp_mesh=self.pp_mesh,
+        )
+        loss = torch.stack(losses).sum()
+        if self._nonfinite_anywhere(loss, grad_norm):
+            return self._handle_nonfinite()
+        lr = self.lr_schedulers.get_last_lr()  # the lr this step trains with
+        self.optimizers.step()
+        self.lr_schedulers.step()
+
+        if self.metrics.should_log(self.step):
+            self.metrics.log(
+                self.step,
+                loss=dist_reduce(loss, "avg", self.loss_mesh),
+                loss_max=dist_reduce(loss, "max", self.loss_mesh),
+                grad_norm=grad_norm.item(),
+                lr=lr,
+            )
+
+    def _nonfinite_anywhere(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """The one per-step host sync: a scalar flag all-reduced over all ranks, so that
+        every rank stops (or skips) at the same step."""
+        flag = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float().reshape(1)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _handle_nonfinite(self) -> None:
+        if self.job_config.training.skip_nonfinite_steps:
+            logger.warning(f"step {self.step}: non-finite loss or grad norm; step skipped")
+            self.optimizers.zero_grad()
+            return
+        raise NonFiniteLossError(
+            f"step {self.step}: the loss or grad norm is not finite; lower optimizer.lr, check "
+            "the data, or set training.skip_nonfinite_steps to skip such steps"
+        )
+
+    def train(self) -> None:
+        job_config = self.job_config
+        data_iterator = iter(self.dataloader)
+        snapshotter = maybe_memory_snapshotter(job_config, self.device)
+        logger.info(f"training {job_config.training.steps} steps (starting at step {self.step + 1})")
+        with maybe_enable_profiling(job_config, self.step) as profiler:
+            while self.step < job_config.training.steps:
+                self.step += 1
+                self.gc_handler.run(self.step)
+                try:
+                    self.train_step(data_iterator)
+                except StopIteration:
+                    logger.warning(f"data exhausted at step {self.step}; stopping")
+                    self.step -= 1
+                    break
+                if profiler is not None:
+                    profiler.step()
+                if snapshotter is not None:
+                    snapshotter.step(self.step)
+                if self.step == 1:
+                    set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims)
+        logger.info("training completed")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.gc_handler.close()
+
+
+@record
+@config_errors_exit
+def main(argv: list[str] | None = None) -> None:
+    init_logger()
+    silence_non_logging_ranks(os.environ.get("LOG_RANK"))
+    job_config = ConfigManager().parse_args(argv)
+    if job_config.job.print_config:
+        from torchtitan.config import config_to_toml
+
+        logger.info("job config:\n" + config_to_toml(job_config))
+    trainer = None
+    try:
+        trainer = Trainer(job_config)
+        trainer.train()
+    except NonFiniteLossError as e:
+        logger.error(str(e))
+        sys.exit(1)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
