@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import rescale_accumulated_loss
 from torchtitan.components.metrics import build_metrics_processor
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
@@ -91,6 +93,8 @@ class Trainer:
         )
 
         self.step = 0
+        self.stop_requested = False
+        self._install_preemption_handlers()
         self.amp_context = self._amp_context()
         compute_dtype = TORCH_DTYPES[job_config.training.mixed_precision_param]
         self.metrics = build_metrics_processor(
@@ -99,6 +103,27 @@ class Trainer:
         )
         self.loss_mesh = world_mesh["dp_cp"] if parallel_dims.dp_cp_enabled else None
         self.pp_mesh = world_mesh["pp"] if parallel_dims.pp_enabled else None
+
+        self.checkpointer = CheckpointManager(
+            dataloader=self.dataloader,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self},
+            job_config=job_config,
+            parallel_dims=parallel_dims,
+            train_spec=spec,
+        )
+        self.validator = None
+        if job_config.validation.enable and spec.build_validator_fn is not None:
+            self.validator = spec.build_validator_fn(
+                job_config=job_config,
+                parallel_dims=parallel_dims,
+                tokenizer=self.tokenizer,
+                loss_fn=spec.build_loss_fn(job_config),
+                train_context=self.train_context,
+                metrics_processor=self.metrics,
+            )
 
     # ------------------------------------------------------------------ set-up helpers
     def _build_parallel_dims(self, world_size: int) -> ParallelDims:
@@ -136,6 +161,22 @@ class Trainer:
         logger.info(f"mixed precision: autocast to {dtype} on {self.device.type}")
         return lambda: torch.autocast(self.device.type, dtype=dtype)
 
+    def train_context(self):
+        """The context every forward runs in (autocast where FSDP does not cast)."""
+        return self.amp_context()
+
+    def _install_preemption_handlers(self) -> None:
+        """A preemption signal only sets a flag; the per-step flag all-reduce makes every
+        rank finish the step, save a checkpoint and exit 0 together."""
+        def request_stop(signum, frame) -> None:
+            logger.warning(f"received {signal.Signals(signum).name}; saving and stopping after this step")
+            self.stop_requested = True
+
+        for name in self.job_config.checkpoint.preemption_signals:
+            if not hasattr(signal, name):
+                raise ConfigError(f"checkpoint.preemption_signals: unknown signal {name!r}")
+            signal.signal(getattr(signal, name), request_stop)
+
     def _owns_loss(self) -> bool:
         """Global rank 0 owns the loss (the first rank of the last pipeline stage under PP)."""
         rank = dist.get_rank()
@@ -157,7 +198,7 @@ class Trainer:
 
     def forward_backward_step(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         model = self.model_parts[0]
-        with self.amp_context():
+        with self.train_context():
             pred = model(input_dict["input"])
             loss = self.loss_fn(pred, labels)
         del pred
@@ -181,9 +222,12 @@ class Trainer:
             pp_mesh=self.pp_mesh,
         )
         loss = torch.stack(losses).sum()
-        if self._nonfinite_anywhere(loss, grad_norm):
+        nonfinite, stop = self._step_flags(loss, grad_norm)
+        self.stop_requested = stop
+        if nonfinite:
             return self._handle_nonfinite()
         lr = self.lr_schedulers.get_last_lr()  # the lr this step trains with
+        self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
 
@@ -196,13 +240,18 @@ class Trainer:
                 lr=lr,
             )
 
-    def _nonfinite_anywhere(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """The one per-step host sync: a scalar flag all-reduced over all ranks, so that
-        every rank stops (or skips) at the same step."""
-        flag = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float().reshape(1)
+    def _step_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
+        """The one per-step host sync: (non-finite, stop requested) all-reduced with MAX over
+        all ranks, so that every rank skips, stops or saves at the same step."""
+        stop = self.stop_requested or self.step == self.job_config.debug.stop_after_step
+        flags = torch.stack([
+            (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float(),
+            torch.tensor(float(stop), device=loss.device),
+        ])
         if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, stop_any = flags.tolist()
+        return bool(nonfinite), bool(stop_any)
 
     def _handle_nonfinite(self) -> None:
         if self.job_config.training.skip_nonfinite_steps:
@@ -216,6 +265,7 @@ class Trainer:
 
     def train(self) -> None:
         job_config = self.job_config
+        self.checkpointer.load(step=job_config.checkpoint.load_step)
         data_iterator = iter(self.dataloader)
         snapshotter = maybe_memory_snapshotter(job_config, self.device)
         logger.info(f"training {job_config.training.steps} steps (starting at step {self.step + 1})")
@@ -229,6 +279,13 @@ class Trainer:
                     logger.warning(f"data exhausted at step {self.step}; stopping")
                     self.step -= 1
                     break
+                if self.validator is not None and self.validator.should_validate(self.step):
+                    self.validator.validate(self.model_parts, self.step)
+                if self.stop_requested:
+                    self.checkpointer.save(self.step, force=True)
+                    logger.warning(f"stopped after step {self.step} on request; checkpoint saved")
+                    break
+                self.checkpointer.save(self.step, last_step=self.step == job_config.training.steps)
                 if profiler is not None:
                     profiler.step()
                 if snapshotter is not None:
@@ -244,6 +301,7 @@ class Trainer:
         self.step = int(state_dict["step"])
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
         self.gc_handler.close()
 

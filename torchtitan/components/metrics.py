@@ -52,7 +52,6 @@ class MetricsProcessor:
         flops_per_token: int,
         owns_loss: bool,
         compute_dtype: torch.dtype,
-        resumed: bool = False,
     ) -> None:
         self.job_config = job_config
         self.parallel_dims = parallel_dims
@@ -66,10 +65,8 @@ class MetricsProcessor:
         self.total_tokens = 0
         self.run_start = time.perf_counter()
         dump = Path(job_config.job.dump_folder)
+        self.jsonl_path = dump / "metrics.jsonl" if owns_loss else None
         self.jsonl = None
-        if owns_loss:
-            dump.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(dump / "metrics.jsonl", "a" if resumed else "w")
         self.tb = self._build_tensorboard(dump)
 
     def _build_tensorboard(self, dump: Path):
@@ -128,7 +125,9 @@ class MetricsProcessor:
             f"{c.reset}data: {100 * record['data_time'] / max(step_time, 1e-9):.1f}%  "
             f"eta: {_format_seconds(eta)}{c.reset}"
         )
-        if self.jsonl is not None:
+        if self.jsonl_path is not None:
+            if self.jsonl is None:
+                self.jsonl = _open_jsonl(self.jsonl_path, first_step=step)
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
         if self.tb is not None:
@@ -145,6 +144,22 @@ class MetricsProcessor:
             self.tb.close()
 
 
+def _open_jsonl(path: Path, first_step: int):
+    """Open metrics.jsonl for appending, keeping only records of steps before
+    ``first_step``: a resumed run continues the file without duplicating steps that the
+    interrupted run logged after its last checkpoint; a fresh run starts it empty."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if path.exists() and first_step > 1:
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] < first_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    tmp.replace(path)
+    return open(path, "a")
+
+
 def _format_seconds(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     h, rem = divmod(seconds, 3600)
@@ -153,6 +168,6 @@ def _format_seconds(seconds: float) -> str:
 
 
 def build_metrics_processor(job_config, parallel_dims, device, flops_per_token, owns_loss,
-                            compute_dtype, resumed=False) -> MetricsProcessor:
+                            compute_dtype) -> MetricsProcessor:
     return MetricsProcessor(job_config, parallel_dims, device, flops_per_token, owns_loss,
-                            compute_dtype, resumed)
+                            compute_dtype)

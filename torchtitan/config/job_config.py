@@ -311,6 +311,9 @@ class Checkpoint:
     load_only: bool = False
     """Load but never save."""
 
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    """Signals that make every rank finish its step, save a checkpoint and exit 0."""
+
 
 @dataclass
 class ActivationCheckpoint:
@@ -461,6 +464,10 @@ class Debug:
 
     moe_force_load_balance: bool = False
     """Route MoE tokens round-robin (tests: no routing flips on rounding ties)."""
+
+    stop_after_step: int | None = None
+    """Behave as if preempted after this step: save a full checkpoint and exit 0 (tests of
+    exact resume)."""
 
 
 @dataclass
