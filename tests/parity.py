@@ -31,7 +31,7 @@ BASE_OVERRIDES = [
 
 
 def train(nproc: int, dump_folder: Path, overrides: list[str] = (), dp: int | None = None,
-          timeout: float = 240) -> list[dict]:
+          timeout: float = 240, env: dict[str, str] | None = None) -> list[dict]:
     """Run the trainer under torchrun and return its metrics.jsonl records.
 
     ``dp`` (default nproc) sets local_batch_size = GLOBAL_BATCH / dp (no accumulation)
@@ -40,7 +40,7 @@ def train(nproc: int, dump_folder: Path, overrides: list[str] = (), dp: int | No
     args = list(BASE_OVERRIDES) + ["--job.dump_folder", str(dump_folder)]
     if "--training.local_batch_size" not in overrides:
         args += ["--training.local_batch_size", str(GLOBAL_BATCH // (dp or nproc))]
-    run_torchrun(nproc, args + list(overrides), timeout=timeout)
+    run_torchrun(nproc, args + list(overrides), timeout=timeout, env=env)
     return read_metrics(dump_folder)
 
 

@@ -18,15 +18,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import rescale_accumulated_loss
 from torchtitan.components.metrics import build_metrics_processor
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
-from torchtitan.distributed import ParallelDims
+from torchtitan.config.preflight import preflight
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
-from torchtitan.distributed.parallel_dims import parallel_dims_from_config
+from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.utils import (
     clip_grad_norm_,
     dist_reduce,
@@ -35,6 +37,7 @@ from torchtitan.distributed.utils import (
     set_pg_timeouts,
 )
 from torchtitan.protocols import ModelConvertersContainer, get_train_spec
+from torchtitan.tools.compile import compile_loss
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
 from torchtitan.tools.profiling import maybe_enable_profiling, maybe_memory_snapshotter
 from torchtitan.tools.utils import GarbageCollection
@@ -47,9 +50,11 @@ class NonFiniteLossError(RuntimeError):
 class Trainer:
     def __init__(self, job_config: JobConfig) -> None:
         self.job_config = job_config
-        self.device = init_distributed(job_config)
-        self.parallel_dims = self._build_parallel_dims(dist.get_world_size())
+        self.parallel_dims = preflight(
+            job_config, int(os.environ.get("WORLD_SIZE", "1")), default_device_type()
+        )
         parallel_dims = self.parallel_dims
+        self.device = init_distributed(job_config)
         world_mesh = parallel_dims.world_mesh
         logger.info(f"parallel layout {parallel_dims.describe()}, mesh views {world_mesh.view_names}")
 
@@ -77,7 +82,10 @@ class Trainer:
         )
 
         self.grad_accum_steps = self._grad_accumulation_steps()
-        self.loss_fn = rescale_accumulated_loss(spec.build_loss_fn(job_config), self.grad_accum_steps)
+        loss_fn = spec.build_loss_fn(job_config)
+        if job_config.compile.enable and "loss" in job_config.compile.components:
+            loss_fn = compile_loss(loss_fn, job_config.compile.backend)
+        self.loss_fn = rescale_accumulated_loss(loss_fn, self.grad_accum_steps)
 
         model = spec.parallelize_fn(model, parallel_dims, job_config)
         model.to_empty(device=self.device)
@@ -126,12 +134,6 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ set-up helpers
-    def _build_parallel_dims(self, world_size: int) -> ParallelDims:
-        try:
-            return parallel_dims_from_config(self.job_config, world_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
     def _grad_accumulation_steps(self) -> int:
         training = self.job_config.training
         dp = self.parallel_dims.dp_degree
@@ -161,9 +163,15 @@ class Trainer:
         logger.info(f"mixed precision: autocast to {dtype} on {self.device.type}")
         return lambda: torch.autocast(self.device.type, dtype=dtype)
 
+    @contextlib.contextmanager
     def train_context(self):
-        """The context every forward runs in (autocast where FSDP does not cast)."""
-        return self.amp_context()
+        """The context every forward (and backward) runs in: loss parallel under TP, and
+        autocast where FSDP does not cast parameters itself."""
+        with contextlib.ExitStack() as stack:
+            if self.parallel_dims.tp_enabled and not self.job_config.parallelism.disable_loss_parallel:
+                stack.enter_context(loss_parallel())
+            stack.enter_context(self.amp_context())
+            yield
 
     def _install_preemption_handlers(self) -> None:
         """A preemption signal only sets a flag; the per-step flag all-reduce makes every
@@ -201,9 +209,11 @@ class Trainer:
         with self.train_context():
             pred = model(input_dict["input"])
             loss = self.loss_fn(pred, labels)
-        del pred
-        loss.backward()
-        return loss.detach()
+            del pred
+            loss.backward()
+        loss = loss.detach()
+        # Under loss parallel the loss is a replicated DTensor: take the local value.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def train_step(self, data_iterator) -> None:
         self.optimizers.zero_grad()

@@ -10,6 +10,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 @pytest.mark.parametrize("nproc, overrides", [
     (2, []),  # FSDP 2
+    (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    (4, ["--parallelism.tensor_parallel_degree", "2"]),  # FSDP 2 x TP 2
 ])
 def test_full_tensors_equal_single_process_init(tmp_path, nproc, overrides):
     run_torchrun(nproc, overrides, script=str(SCRIPT), env={"OUT_DIR": str(tmp_path)}, timeout=170)

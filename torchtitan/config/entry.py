@@ -38,12 +38,10 @@ def main(argv: list[str]) -> int:
     argv, world_size = _pop_world_size(argv)
     config = ConfigManager().parse_args(argv)
     if world_size is not None:
-        from torchtitan.distributed.parallel_dims import parallel_dims_from_config
+        from torchtitan.config.preflight import preflight
+        from torchtitan.distributed.parallel_dims import default_device_type
 
-        try:
-            parallel_dims_from_config(config, world_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        preflight(config, world_size, default_device_type())
         return 0
     print(config_to_toml(config), end="")
     return 0

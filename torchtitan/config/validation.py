@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchtitan.config.manager import ConfigError
+from torchtitan.distributed.activation_checkpoint import check_ac_config
 
 # (field, predicate that must hold, what the user should do)
 _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -50,8 +51,6 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
 # Features whose issue has not landed: (field, predicate for "in use", issue title).
 # The issue that builds a feature removes its line here.
 _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("parallelism.tensor_parallel_degree", lambda v: v > 1, "tensor parallel"),
-    ("parallelism.enable_async_tensor_parallel", bool, "async tensor parallel"),
     ("parallelism.pipeline_parallel_degree", lambda v: v > 1, "pipeline parallel"),
     ("parallelism.context_parallel_degree", lambda v: v > 1, "context parallel"),
     ("parallelism.expert_parallel_degree", lambda v: v > 1, "expert parallel"),
@@ -59,8 +58,6 @@ _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallelism.enable_compiled_autograd", bool, "compiled autograd"),
     ("checkpoint.enable", bool, "checkpointing"),
     ("checkpoint.create_seed_checkpoint", bool, "seed checkpoints"),
-    ("activation_checkpoint.mode", lambda v: v != "none", "activation checkpointing"),
-    ("compile.enable", bool, "torch.compile"),
     ("validation.enable", bool, "validation"),
     ("fault_tolerance.enable", bool, "fault tolerance"),
     ("optimizer.early_step_in_backward", bool, "optimizer step in backward"),
@@ -92,6 +89,15 @@ def validate_job_config(config: Any) -> None:
     if dl.prefetch_factor is not None and dl.num_workers == 0:
         raise ConfigError(
             "training.dataloader.prefetch_factor: needs training.dataloader.num_workers > 0"
+        )
+    ac_error = check_ac_config(config.activation_checkpoint.mode,
+                               config.activation_checkpoint.selective_ac_option)
+    if ac_error:
+        raise ConfigError(ac_error)
+    if config.parallelism.enable_async_tensor_parallel and not config.compile.enable:
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel: needs compile.enable (inductor fuses "
+            "the overlapped collectives)"
         )
     etp, tp = config.parallelism.expert_tensor_parallel_degree, config.parallelism.tensor_parallel_degree
     if etp not in (1, tp):

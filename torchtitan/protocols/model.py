@@ -12,6 +12,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torchtitan.components.tokenizer import BaseTokenizer
     from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
 
 
 @dataclass
@@ -27,6 +28,10 @@ class BaseModelArgs(ABC):
     @abstractmethod
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Return (number of parameters, training FLOPs per token) for MFU."""
+
+    def check_parallelism(self, parallel_dims: ParallelDims) -> None:
+        """Raise ConfigError when this model cannot run under ``parallel_dims`` (e.g. heads
+        not divisible by the tensor-parallel degree). Called before any process group."""
 
 
 class ModelProtocol(Protocol):

@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from torchtitan.config.manager import ConfigError
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
     from torchtitan.components.tokenizer import BaseTokenizer
     from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
 
 
 @dataclass
@@ -57,6 +59,17 @@ class TransformerModelArgs(BaseModelArgs):
         if tokenizer is not None:
             self.vocab_size = tokenizer.vocab_size
         self.max_seq_len = job_config.training.seq_len
+        if job_config.validation.enable:
+            self.max_seq_len = max(self.max_seq_len, job_config.validation.seq_len)
+
+    def check_parallelism(self, parallel_dims: ParallelDims) -> None:
+        tp = parallel_dims.tp
+        for name, heads in (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads)):
+            if heads % tp != 0:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree ({tp}) must divide the model's "
+                    f"{name} ({heads}); choose a tensor_parallel_degree that divides it"
+                )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token.

@@ -1,0 +1,43 @@
+"""Checks that need the world size and the model flavor, run once before any process
+group exists (by run_train.sh through ``python -m torchtitan.config --world-size N`` and
+by the trainer itself), so bad layouts fail with one line instead of one traceback per rank."""
+
+from __future__ import annotations
+
+from torchtitan.config.manager import ConfigError
+
+
+def preflight(job_config, world_size: int, device_type: str):
+    """Validate the parallel layout for this config, world size and device; return the
+    ParallelDims (not yet holding a mesh)."""
+    from torchtitan.distributed.parallel_dims import parallel_dims_from_config
+    from torchtitan.protocols import get_train_spec
+
+    try:
+        parallel_dims = parallel_dims_from_config(job_config, world_size)
+        spec = get_train_spec(job_config.model.name)
+        model_args = spec.flavor_args(job_config.model.flavor)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model_args.check_parallelism(parallel_dims)
+    seq_len = job_config.training.seq_len
+    if seq_len % parallel_dims.seq_len_divisor != 0:
+        raise ConfigError(
+            f"training.seq_len ({seq_len}) must be divisible by tp * 2 * cp = "
+            f"{parallel_dims.seq_len_divisor} (sequence parallel and context-parallel load "
+            "balancing split the sequence)"
+        )
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and parallel_dims.tp_enabled:
+        # torch's replicate() leaves DTensor (TP) gradients unsynchronised: refuse, never
+        # train silently wrong.
+        raise ConfigError(
+            "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1) does not "
+            "compose with tensor_parallel_degree > 1; use HSDP (data_parallel_shard_degree >= 2) "
+            "or FSDP with TP"
+        )
+    if job_config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel: needs CUDA (symmetric memory); this "
+            f"machine runs on {device_type}"
+        )
+    return parallel_dims

@@ -1,0 +1,84 @@
+"""Activation checkpointing: recompute activations in backward to save memory.
+
+Modes: ``full`` wraps every block; ``selective`` with an integer N wraps every N-th block
+(counted per model part); ``selective`` with ``op`` keeps a per-op policy: outputs of
+attention, reduce-scatters and every other matmul are saved, everything else recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from torchtitan.tools.logging import logger
+
+_ALWAYS_SAVE = {
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+_MATMUL = torch.ops.aten.mm.default
+
+
+def _op_level_policy():
+    """Save attention and reduce-scatter outputs and every other matmul (counted separately
+    in forward and in recompute so both make the same choices)."""
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in _ALWAYS_SAVE:
+            return CheckpointPolicy.MUST_SAVE
+        if op == _MATMUL:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            if counts[key] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _op_level_context():
+    """A fresh policy (fresh matmul counts) for every checkpointed block call."""
+    return create_selective_checkpoint_contexts(_op_level_policy())
+
+
+def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
+    """Wrap the blocks of one model part in place (FQNs gain no prefix in state dicts:
+    checkpoint_wrapper's prefix is stripped by torch's state-dict hooks)."""
+    if mode == "none":
+        return
+    if mode == "full":
+        chosen = list(blocks.keys())
+        kwargs = {}
+    elif selective_option == "op":
+        chosen = list(blocks.keys())
+        kwargs = {"context_fn": _op_level_context}
+    else:
+        every = int(selective_option)
+        chosen = [name for i, name in enumerate(blocks.keys()) if (i + 1) % every == 0]
+        kwargs = {}
+    for name in chosen:
+        blocks.register_module(
+            name, checkpoint_wrapper(blocks[name], preserve_rng_state=False, **kwargs)
+        )
+    detail = f" ({selective_option})" if mode == "selective" else ""
+    logger.info(f"activation checkpointing {mode}{detail} on {len(chosen)}/{len(blocks)} blocks")
+
+
+def check_ac_config(mode: str, selective_option: str) -> str | None:
+    """An error message for an invalid selective option, else None."""
+    if mode != "selective" or selective_option == "op":
+        return None
+    if not selective_option.isdigit() or int(selective_option) < 1:
+        return (
+            f"activation_checkpoint.selective_ac_option: must be a positive integer N (every "
+            f"N-th block) or 'op', got {selective_option!r}"
+        )
+    return None
