@@ -2,7 +2,8 @@
 # Launch training with torchrun.
 #   NGPU=4 CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh --training.steps 20
 # Env: NGPU (default: visible CUDA devices, else 1), NNODES / NODE_RANK / MASTER_ADDR /
-# MASTER_PORT for multi-node, LOG_RANK (ranks whose logs are shown, default 0),
+# MASTER_PORT for multi-node, LOG_RANK (ranks whose logs are shown; default: the rank that
+# shows the loss, 0 unless pipeline parallel puts the last stage elsewhere),
 # CONFIG_FILE (default: the Llama 3 debug config). Extra args are CLI overrides.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -17,13 +18,14 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-29500}
-LOG_RANK=${LOG_RANK:-0}
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 
-# Validate the merged config and the parallel degrees once, in one process, so that bad
-# input prints one line once (exit 2) instead of a traceback per rank.
-"$PYTHON" -m torchtitan.config --world-size $((NGPU * NNODES)) \
-  --job.config_file "$CONFIG_FILE" "$@" || exit $?
+# Validate the merged config and the parallel layout once, in one process, so that bad
+# input prints one line once (exit 2) instead of a traceback per rank. It prints the rank
+# that shows the loss (the last pipeline stage's first rank), the default LOG_RANK.
+loss_rank=$("$PYTHON" -m torchtitan.config --world-size $((NGPU * NNODES)) --print-loss-rank \
+  --job.config_file "$CONFIG_FILE" "$@") || exit $?
+LOG_RANK=${LOG_RANK:-$loss_rank}
 
 if [ "$NNODES" -gt 1 ]; then
   rdzv=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --rdzv_backend=c10d

@@ -28,6 +28,7 @@ from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.config.preflight import preflight
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
+from torchtitan.distributed.pipeline import loss_owner_rank
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.utils import (
     clip_grad_norm_,
@@ -87,12 +88,23 @@ class Trainer:
             loss_fn = compile_loss(loss_fn, job_config.compile.backend)
         self.loss_fn = rescale_accumulated_loss(loss_fn, self.grad_accum_steps)
 
-        model = spec.parallelize_fn(model, parallel_dims, job_config)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(seed=self.seed)
-        model.train()
-        self.model_parts = [model]
+        self.pp_schedule = None
+        self.pp_has_first_stage = self.pp_has_last_stage = True
+        if parallel_dims.pp_enabled:
+            if spec.pipelining_fn is None:
+                raise ConfigError(f"parallelism.pipeline_parallel_degree: model {spec.name!r} has no pipelining support")
+            (self.pp_schedule, self.model_parts, self.pp_has_first_stage,
+             self.pp_has_last_stage) = spec.pipelining_fn(
+                model, parallel_dims, job_config, self.device, model_args,
+                spec.parallelize_fn, self.loss_fn,
+            )
+        else:
+            self.model_parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                part.init_weights(seed=self.seed)
+            part.train()
 
         self.optimizers = spec.build_optimizers_fn(self.model_parts, job_config, parallel_dims)
         self.lr_schedulers = spec.build_lr_schedulers_fn(self.optimizers, job_config)
@@ -186,15 +198,9 @@ class Trainer:
             signal.signal(getattr(signal, name), request_stop)
 
     def _owns_loss(self) -> bool:
-        """Global rank 0 owns the loss (the first rank of the last pipeline stage under PP)."""
-        rank = dist.get_rank()
-        if not self.parallel_dims.pp_enabled:
-            return rank == 0
-        pp_mesh = self.parallel_dims.world_mesh["pp"]
-        last_stage = pp_mesh.get_local_rank() == pp_mesh.size() - 1
-        return last_stage and rank == min(
-            r for r in range(dist.get_world_size()) if r // (dist.get_world_size() // pp_mesh.size()) == pp_mesh.size() - 1
-        )
+        """The first rank holding the last pipeline stage (global rank 0 without PP); pp is
+        the outermost mesh dim, so that is the lowest rank among those with the last stage."""
+        return dist.get_rank() == loss_owner_rank(self.job_config, dist.get_world_size(), self.parallel_dims)
 
     # ------------------------------------------------------------------ the loop
     def next_batch(self, data_iterator) -> tuple[dict[str, torch.Tensor], torch.Tensor, float]:
@@ -205,6 +211,8 @@ class Trainer:
         return input_dict, labels, time.perf_counter() - start
 
     def forward_backward_step(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        if self.pp_schedule is not None:
+            return self.pipeline_forward_backward(input_dict, labels)
         model = self.model_parts[0]
         with self.train_context():
             pred = model(input_dict["input"])
@@ -213,6 +221,21 @@ class Trainer:
             loss.backward()
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor: take the local value.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def pipeline_forward_backward(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """One local batch through the pipeline schedule; only the last stage has a loss
+        (the mean over micro-batches), other stages report -1."""
+        losses: list[torch.Tensor] = []
+        targets = {"target": labels, "losses": losses} if self.pp_has_last_stage else {}
+        with self.train_context():
+            if self.pp_has_first_stage:
+                self.pp_schedule.step(input_dict["input"], **targets)
+            else:
+                self.pp_schedule.step(**targets)
+        if not self.pp_has_last_stage:
+            return torch.tensor(-1.0, device=self.device)
+        loss = torch.mean(torch.stack([l.detach() for l in losses]))
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def train_step(self, data_iterator) -> None:

@@ -12,6 +12,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
     (2, []),  # FSDP 2
     (2, ["--parallelism.tensor_parallel_degree", "2"]),
     (4, ["--parallelism.tensor_parallel_degree", "2"]),  # FSDP 2 x TP 2
+    (2, ["--parallelism.pipeline_parallel_degree", "2"]),  # each pipeline stage
 ])
 def test_full_tensors_equal_single_process_init(tmp_path, nproc, overrides):
     run_torchrun(nproc, overrides, script=str(SCRIPT), env={"OUT_DIR": str(tmp_path)}, timeout=170)

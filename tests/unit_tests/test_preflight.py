@@ -40,3 +40,38 @@ def test_async_tp_needs_cuda_and_compile():
     with pytest.raises(ConfigError, match="needs CUDA"):
         check(2, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel",
               "--compile.enable", device="cpu")
+
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.seq_len", "64"]
+
+
+@pytest.mark.parametrize("world, args, message", [
+    (2, PP2 + ["--parallelism.pipeline_parallel_split_points", "layers.9"],
+     "pipeline_parallel_split_points: 'layers.9' names no layer"),
+    (2, PP2 + ["--parallelism.pipeline_parallel_split_points", "blocks.2"], "names no layer"),
+    (8, ["--parallelism.pipeline_parallel_degree", "8", "--training.seq_len", "64"],
+     "8 stages but only 4 layers"),
+    (2, PP2 + ["--training.local_batch_size", "6", "--parallelism.pipeline_parallel_microbatch_size", "4"],
+     "training.local_batch_size (6) must be divisible by parallelism.pipeline_parallel_microbatch_size (4)"),
+    (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "2F2B"], "unknown schedule '2F2B'; valid: GPipe"),
+    (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "GPipe",
+               "--parallelism.pipeline_parallel_layers_per_stage", "1"], "GPipe runs one stage per rank"),
+])
+def test_bad_pipeline_input_gives_one_line(world, args, message):
+    with pytest.raises(ConfigError) as e:
+        check(world, *args)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_stage_plans():
+    from torchtitan.distributed.pipeline import plan_stages
+
+    def plan(*args):
+        config = ConfigManager().parse_args(["--model.flavor", "debugmodel_tiny", *args])
+        return plan_stages(config, 4, 2)
+
+    assert plan().layers == [[0, 1], [2, 3]]  # embedding and output count as a layer each
+    assert plan("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B").layers == [[0], [1, 2], [3], []]
+    assert plan("--parallelism.pipeline_parallel_split_points", "layers.1").layers == [[0], [1, 2, 3]]
+    zbv = plan("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble")
+    assert zbv.stages_of_rank(0, 2) == [0, 3] and zbv.stages_of_rank(1, 2) == [1, 2]

@@ -1,6 +1,7 @@
 """``python -m torchtitan.config --job.config_file F.toml [overrides]``: print the merged
-config. With ``--world-size N`` (used by run_train.sh) also validate the parallel degrees
-against N processes. Bad input: one line on stderr, exit code 2."""
+config. With ``--world-size N`` (used by run_train.sh) instead validate the parallel layout
+for N processes (``--print-loss-rank`` prints the rank that shows the loss). Bad input: one
+line on stderr, exit code 2."""
 
 import sys
 

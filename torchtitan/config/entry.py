@@ -21,8 +21,10 @@ def config_errors_exit(fn):
     return wrapper
 
 
-def _pop_world_size(argv: list[str]) -> tuple[list[str], int | None]:
+def _pop_world_size(argv: list[str]) -> tuple[list[str], int | None, bool]:
     out, world_size, i = [], None, 0
+    print_loss_rank = "--print-loss-rank" in argv
+    argv = [a for a in argv if a != "--print-loss-rank"]
     while i < len(argv):
         if argv[i] == "--world-size" and i + 1 < len(argv):
             world_size = int(argv[i + 1])
@@ -30,18 +32,22 @@ def _pop_world_size(argv: list[str]) -> tuple[list[str], int | None]:
             continue
         out.append(argv[i])
         i += 1
-    return out, world_size
+    return out, world_size, print_loss_rank
 
 
 @config_errors_exit
 def main(argv: list[str]) -> int:
-    argv, world_size = _pop_world_size(argv)
+    argv, world_size, print_loss_rank = _pop_world_size(argv)
     config = ConfigManager().parse_args(argv)
     if world_size is not None:
         from torchtitan.config.preflight import preflight
         from torchtitan.distributed.parallel_dims import default_device_type
 
-        preflight(config, world_size, default_device_type())
+        parallel_dims = preflight(config, world_size, default_device_type())
+        if print_loss_rank:
+            from torchtitan.distributed.pipeline import loss_owner_rank
+
+            print(loss_owner_rank(config, world_size, parallel_dims))
         return 0
     print(config_to_toml(config), end="")
     return 0

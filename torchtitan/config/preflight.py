@@ -35,6 +35,11 @@ def preflight(job_config, world_size: int, device_type: str):
             "compose with tensor_parallel_degree > 1; use HSDP (data_parallel_shard_degree >= 2) "
             "or FSDP with TP"
         )
+    if parallel_dims.pp_enabled:
+        from torchtitan.distributed.pipeline import microbatches, plan_stages
+
+        plan = plan_stages(job_config, model_args.n_layers, parallel_dims.pp)
+        microbatches(job_config, plan.num_stages)
     if job_config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
         raise ConfigError(
             "parallelism.enable_async_tensor_parallel: needs CUDA (symmetric memory); this "

@@ -29,19 +29,26 @@ def main() -> None:
 
     with torch.device("meta"):
         model = spec.model_cls(args)
-    model = spec.parallelize_fn(model, parallel_dims, config)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(seed=3)
-    result, sharded = "ok", 0
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        sharded += isinstance(param, DTensor)
-        if not torch.equal(full.detach(), expected[clean_fqn(name)].detach()):
-            result = f"mismatch {name}"
-            break
-    if result == "ok" and sharded == 0:
+    if parallel_dims.pp_enabled:
+        _, parts, _, _ = spec.pipelining_fn(model, parallel_dims, config, torch.device("cpu"), args,
+                                            spec.parallelize_fn, None)
+    else:
+        parts = [spec.parallelize_fn(model, parallel_dims, config)]
+    result, sharded, count = "ok", 0, 0
+    for part in parts:
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(seed=3)
+        for name, param in part.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            sharded += isinstance(param, DTensor)
+            count += 1
+            if not torch.equal(full.detach(), expected[clean_fqn(name)].detach()):
+                result = f"mismatch {name}"
+    if result == "ok" and sharded == 0 and not parallel_dims.pp_enabled:
         result = "no parameter was sharded"
+    if result == "ok" and parallel_dims.pp_enabled and count >= len(expected):
+        result = "a pipeline stage holds the whole model"
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.txt"), "w") as f:
         f.write(result)
     dist.destroy_process_group()

@@ -5,6 +5,7 @@ from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.distributed.pipeline import pipeline_llm
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
@@ -20,7 +21,7 @@ register_train_spec(
         model_cls=Transformer,
         model_args=llama3_flavors,
         parallelize_fn=parallelize_llama,
-        pipelining_fn=None,
+        pipelining_fn=pipeline_llm,
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_dataloader,
