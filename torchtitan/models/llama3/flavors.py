@@ -27,6 +27,19 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         rope_theta=500000,
         max_seq_len=2048,
     ),
+    # Llama 3.2 1B dimensions (with an untied output layer): fits one GPU for GPU checks.
+    "1B": TransformerModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_theta=500000,
+        use_scaled_rope=True,
+        rope_scale_factor=32.0,
+    ),
     "8B": TransformerModelArgs(
         dim=4096,
         n_layers=32,

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# GPU checks for a machine with one CUDA GPU. Installs nothing from the network: it uses the
+# torch already installed there, plus wheels carried along in .whl/ (if any) for the other
+# dependencies. Prints: the gpu-marked tests, bf16 tokens/s, MFU and peak memory of a short
+# Llama 3 1B training run, and (when the estimator is present) estimate vs measured memory.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/titan-site .whl/*.whl
+  export PYTHONPATH=/tmp/titan-site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+echo "== gpu tests"
+"$PY" -m pytest -q -m gpu tests/unit_tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -15
+
+echo "== bf16 training: Llama 3 1B, seq 4096, local batch 2, selective AC, 30 steps"
+NGPU=1 PYTHON="$PY" ./run_train.sh --model.flavor 1B --training.seq_len 4096 \
+  --training.local_batch_size 2 --training.steps 30 --metrics.log_freq 5 \
+  --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op \
+  --lr_scheduler.warmup_steps 5 --job.dump_folder "$OUT/train_1b" 2>&1 | grep -E "step:|error|Error" | tail -8
+"$PY" - "$OUT/train_1b/metrics.jsonl" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+last = rows[-1]
+print(f"steady state (step {last['step']}): {last['tps']:.0f} tokens/s, {last['tflops']:.1f} TFLOP/s, "
+      f"MFU {last['mfu']:.1f}%, peak memory {last['memory_gib']:.2f} GiB, loss {rows[0]['loss']:.3f} -> {last['loss']:.3f}")
+PYEOF
+
+if [ -f scripts/estimate/estimation.py ]; then
+  echo "== memory estimate vs measured (same 1B layout, 1 GPU)"
+  "$PY" scripts/estimate/estimation.py --model.flavor 1B --training.seq_len 4096 \
+    --training.local_batch_size 2 --activation_checkpoint.mode selective \
+    --activation_checkpoint.selective_ac_option op --memory_estimation.world_size 1 \
+    --memory_estimation.mode validate 2>&1 | tail -20
+fi

@@ -1,0 +1,42 @@
+"""Single-process CUDA checks (run by scripts/gpu_check.sh on a GPU machine; skipped elsewhere)."""
+
+import pytest
+import torch
+
+from tests.launcher import read_metrics, run_torchrun
+from tests.parity import BASE_OVERRIDES
+from torchtitan.protocols import get_train_spec
+
+pytestmark = pytest.mark.gpu
+
+
+def test_forward_on_cuda_matches_cpu():
+    spec = get_train_spec("llama3")
+    args = spec.flavor_args("debugmodel_tiny")
+    cpu = spec.model_cls(args)
+    cpu.init_weights(seed=0)
+    gpu = spec.model_cls(args).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    gpu.init_weights(seed=0, buffer_device=torch.device("cuda"))
+    gpu.load_state_dict(cpu.state_dict())
+    tokens = torch.randint(0, args.vocab_size, (2, 32))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.testing.assert_close(gpu(tokens.cuda()).cpu(), cpu(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_trainer_on_one_gpu_learns_in_bf16(tmp_path):
+    run_torchrun(1, [*BASE_OVERRIDES, "--training.local_batch_size", "8",
+                     "--training.mixed_precision_param", "bfloat16", "--job.dump_folder", str(tmp_path)],
+                 env={"TORCHTITAN_DEVICE_TYPE": "cuda"}, timeout=300)
+    records = read_metrics(tmp_path)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert records[-1]["memory_gib"] > 0 and records[-1]["mfu"] > 0
+
+
+def test_fused_adamw_is_used_on_cuda():
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import ConfigManager
+
+    model = torch.nn.Linear(4, 4).cuda()
+    optimizers = build_optimizers([model], ConfigManager().parse_args([]), None)
+    assert optimizers.optimizers[0].defaults["fused"] is True
