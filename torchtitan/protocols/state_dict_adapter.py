@@ -21,3 +21,11 @@ class StateDictAdapter(ABC):
     @abstractmethod
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         """Hugging Face keys -> our FQNs."""
+
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` contents describing this model to transformers."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write a Hugging Face config.json")
+
+    def check_hf_config(self, config: dict[str, Any]) -> None:
+        """Raise ValueError (naming the field) when a Hugging Face config.json describes
+        another architecture or other dimensions than this model."""

@@ -70,6 +70,25 @@ class Llama3StateDictAdapter(StateDictAdapter):
             out[key] = self._permute_from_hf(key, value)
         return out
 
+    def hf_config(self) -> dict[str, Any]:
+        return to_hf_config(self.model_args)
+
+    def check_hf_config(self, config: dict[str, Any]) -> None:
+        architectures = config.get("architectures") or []
+        if "LlamaForCausalLM" not in architectures:
+            raise ValueError(
+                f"config.json describes {architectures or 'an unknown architecture'}, not "
+                "LlamaForCausalLM; point at a Llama checkpoint or choose the matching model.name"
+            )
+        theirs = from_hf_config(config)
+        ours = self.model_args
+        for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim"):
+            if getattr(theirs, field) != getattr(ours, field):
+                raise ValueError(
+                    f"config.json has {field} = {getattr(theirs, field)} but model.flavor gives "
+                    f"{getattr(ours, field)}; choose the flavor (or tokenizer) that matches"
+                )
+
     def _hf_key(self, key: str) -> str:
         if key in _TOP_LEVEL:
             return _TOP_LEVEL[key]

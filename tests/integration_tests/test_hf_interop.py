@@ -1,0 +1,83 @@
+"""Hugging Face interop: a transformers LlamaForCausalLM's safetensors load into any layout
+with identical logits, and our export loads back into transformers."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.launcher import REPO_ROOT, run_torchrun
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+PROBE = str(REPO_ROOT / "tests" / "integration_tests" / "scripts" / "hf_probe.py")
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A tiny random LlamaForCausalLM saved with save_pretrained, plus its logits."""
+    folder = tmp_path_factory.mktemp("hf_llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="eager",
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tokens = torch.randint(0, 128, (2, 16))
+    torch.save(tokens, folder / "tokens.pt")
+    with torch.no_grad():
+        logits = model(tokens).logits
+    return folder, tokens, logits
+
+
+def probe(nproc, hf_dir, out_dir, overrides=(), save_dir=None):
+    env = {"HF_DIR": str(hf_dir), "OUT_DIR": str(out_dir)}
+    if save_dir is not None:
+        env["SAVE_DIR"] = str(save_dir)
+    run_torchrun(nproc, list(overrides), script=PROBE, env=env, timeout=280)
+    return torch.load(out_dir / "logits.pt")
+
+
+@pytest.mark.parametrize("nproc, overrides", [
+    (1, []),
+    (2, []),  # FSDP 2
+    (2, ["--parallelism.tensor_parallel_degree", "2"]),
+])
+def test_initial_load_matches_transformers_logits(hf_model, tmp_path, nproc, overrides):
+    folder, _, expected = hf_model
+    logits = probe(nproc, folder, tmp_path, overrides)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+def test_export_round_trip_is_exact_and_loads_in_transformers(hf_model, tmp_path):
+    folder, tokens, expected = hf_model
+    export = tmp_path / "export"
+    probe(2, folder, tmp_path, save_dir=export)
+    original, exported = load_file(folder / "model.safetensors"), load_file(export / "model.safetensors")
+    assert original.keys() == exported.keys()
+    for key in original:
+        assert torch.equal(original[key], exported[key]), key
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_mismatched_config_names_the_field(hf_model, tmp_path):
+    folder, _, _ = hf_model
+    from torchtitan.components.hf_checkpoint import HFCheckpointError, load_hf_weights
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+    from torchtitan.protocols import get_train_spec
+
+    spec = get_train_spec("llama3")
+    args = spec.flavor_args("debugmodel_tiny")
+    model = spec.model_cls(args)
+    with pytest.raises(HFCheckpointError, match="config.json has n_layers = 2 but model.flavor gives 4"):
+        load_hf_weights([model], folder, Llama3StateDictAdapter(args))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with pytest.raises(HFCheckpointError, match="checkpoint.initial_load_path: no \\*.safetensors"):
+        load_hf_weights([model], bad, Llama3StateDictAdapter(args))
