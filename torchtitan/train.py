@@ -100,10 +100,12 @@ class Trainer:
             )
         else:
             self.model_parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
+        # With CPU offload FSDP keeps parameters on the CPU; buffers stay on the device.
+        init_device = torch.device("cpu") if job_config.training.enable_cpu_offload else self.device
         for part in self.model_parts:
-            part.to_empty(device=self.device)
+            part.to_empty(device=init_device)
             with torch.no_grad():
-                part.init_weights(seed=self.seed)
+                part.init_weights(seed=self.seed, buffer_device=self.device)
             part.train()
 
         self.optimizers = spec.build_optimizers_fn(self.model_parts, job_config, parallel_dims)

@@ -27,6 +27,7 @@ def test_valid_layout_returns_parallel_dims():
     (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
          "--parallelism.data_parallel_shard_degree", "1"], "does not compose with tensor_parallel_degree"),
     (2, ["--model.flavor", "huge"], "model.flavor: unknown flavor 'huge'"),
+    (2, ["--training.enable_cpu_offload"], "already trains on the CPU"),
 ])
 def test_bad_layouts_give_one_line(world, args, message):
     with pytest.raises(ConfigError) as e:

@@ -40,6 +40,16 @@ def preflight(job_config, world_size: int, device_type: str):
 
         plan = plan_stages(job_config, model_args.n_layers, parallel_dims.pp)
         microbatches(job_config, plan.num_stages)
+    if job_config.training.enable_cpu_offload and device_type == "cpu":
+        raise ConfigError(
+            "training.enable_cpu_offload: offloads accelerator memory to the CPU, but this run "
+            "already trains on the CPU; leave it off"
+        )
+    if job_config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
+        raise ConfigError(
+            "training.enable_cpu_offload: needs FSDP (data_parallel_shard_degree > 1), which "
+            "does the offloading"
+        )
     if job_config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
         raise ConfigError(
             "parallelism.enable_async_tensor_parallel: needs CUDA (symmetric memory); this "
