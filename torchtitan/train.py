@@ -27,6 +27,7 @@ from torchtitan.components.metrics import build_metrics_processor
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.config.preflight import preflight
+from torchtitan.distributed.context_parallel import shard_batch_for_cp
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
 from torchtitan.distributed.pipeline import loss_owner_rank
 from torchtitan.distributed.parallel_dims import default_device_type
@@ -216,8 +217,14 @@ class Trainer:
         if self.pp_schedule is not None:
             return self.pipeline_forward_backward(input_dict, labels)
         model = self.model_parts[0]
+        inputs, positions = input_dict["input"], None
+        if self.parallel_dims.cp_enabled:
+            inputs, labels, positions = shard_batch_for_cp(
+                inputs, labels, self.parallel_dims.world_mesh["cp"],
+                self.job_config.parallelism.context_parallel_load_balancer,
+            )
         with self.train_context():
-            pred = model(input_dict["input"])
+            pred = model(inputs, positions=positions)
             loss = self.loss_fn(pred, labels)
             del pred
             loss.backward()

@@ -76,3 +76,21 @@ def test_stage_plans():
     assert plan("--parallelism.pipeline_parallel_split_points", "layers.1").layers == [[0], [1, 2, 3]]
     zbv = plan("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble")
     assert zbv.stages_of_rank(0, 2) == [0, 3] and zbv.stages_of_rank(1, 2) == [1, 2]
+
+
+@pytest.mark.parametrize("world, args, message", [
+    (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"],
+     "must be divisible by tp * 2 * cp = 4"),
+    (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+         "--training.seq_len", "64"], "is not supported yet"),
+    (4, ["--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_rotate_method",
+         "ulysses", "--parallelism.tensor_parallel_degree", "1", "--training.seq_len", "64",
+         "--model.flavor", "debugmodel"], None),
+])
+def test_context_parallel_layouts(world, args, message):
+    if message is None:
+        check(world, *args)
+        return
+    with pytest.raises(ConfigError) as e:
+        check(world, *args)
+    assert message in str(e.value)

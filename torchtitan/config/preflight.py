@@ -35,6 +35,8 @@ def preflight(job_config, world_size: int, device_type: str):
             "compose with tensor_parallel_degree > 1; use HSDP (data_parallel_shard_degree >= 2) "
             "or FSDP with TP"
         )
+    if parallel_dims.cp_enabled:
+        _check_context_parallel(job_config, parallel_dims, model_args)
     if parallel_dims.pp_enabled:
         from torchtitan.distributed.pipeline import microbatches, plan_stages
 
@@ -56,3 +58,23 @@ def preflight(job_config, world_size: int, device_type: str):
             f"machine runs on {device_type}"
         )
     return parallel_dims
+
+
+def _check_context_parallel(job_config, parallel_dims, model_args) -> None:
+    from torchtitan.distributed.context_parallel import check_cp_config
+
+    p = job_config.parallelism
+    if parallel_dims.pp_enabled:
+        raise ConfigError(
+            "parallelism.context_parallel_degree > 1 with pipeline_parallel_degree > 1 is not "
+            "supported yet (stages would need the sharded positions); use one of them"
+        )
+    seq_lens = [job_config.training.seq_len]
+    if job_config.validation.enable:
+        seq_lens.append(job_config.validation.seq_len)
+    for seq_len in seq_lens:
+        try:
+            check_cp_config(seq_len, parallel_dims.cp, parallel_dims.tp, model_args.n_heads,
+                            p.context_parallel_rotate_method, p.context_parallel_load_balancer)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None

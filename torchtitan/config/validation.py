@@ -51,7 +51,6 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
 # Features whose issue has not landed: (field, predicate for "in use", issue title).
 # The issue that builds a feature removes its line here.
 _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("parallelism.context_parallel_degree", lambda v: v > 1, "context parallel"),
     ("parallelism.expert_parallel_degree", lambda v: v > 1, "expert parallel"),
     ("parallelism.expert_tensor_parallel_degree", lambda v: v > 1, "expert tensor parallel"),
     ("parallelism.enable_compiled_autograd", bool, "compiled autograd"),

@@ -1,3 +1,12 @@
-"""Built-in models; importing this package registers their train specs."""
+"""Built-in models. Their train specs register when ``register_builtin_models()`` imports
+them (the train-spec registry calls it on first use), not when this package is imported, so
+that low-level modules (attention, init) import without pulling in every model."""
 
-from torchtitan.models import llama3  # noqa: F401
+import importlib
+
+BUILTIN_MODELS = ("llama3",)
+
+
+def register_builtin_models() -> None:
+    for name in BUILTIN_MODELS:
+        importlib.import_module(f"torchtitan.models.{name}")

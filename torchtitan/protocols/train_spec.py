@@ -107,4 +107,6 @@ def registered_train_specs() -> list[str]:
 
 def _import_builtin_models() -> None:
     # Imported lazily so that the config tooling does not pay for model imports.
-    import torchtitan.models  # noqa: F401
+    from torchtitan.models import register_builtin_models
+
+    register_builtin_models()

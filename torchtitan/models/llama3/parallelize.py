@@ -1,5 +1,5 @@
-"""Applies parallelisms to a Llama 3 model in a fixed order: tensor parallel, activation
-checkpointing, compile, then FSDP/HSDP (or DDP). Reads ``parallel_dims.world_mesh`` itself."""
+"""Applies parallelisms to a Llama 3 model in a fixed order: tensor parallel, context
+parallel attention, activation checkpointing, compile, then FSDP/HSDP (or DDP). Reads ``parallel_dims.world_mesh`` itself."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import (
     TORCH_DTYPES,
     apply_ddp,
@@ -35,6 +36,11 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config)
         apply_tp(model, tp_mesh, loss_parallel=loss_parallel)
         if job_config.parallelism.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh, compiled=job_config.compile.enable)
+
+    if parallel_dims.cp_enabled:
+        p = job_config.parallelism
+        apply_cp(model, parallel_dims.world_mesh["cp"], p.context_parallel_rotate_method,
+                 p.context_parallel_load_balancer)
 
     ac = job_config.activation_checkpoint
     apply_ac(model.layers, ac.mode, ac.selective_ac_option)

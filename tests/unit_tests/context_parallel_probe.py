@@ -1,0 +1,185 @@
+"""Run by test_context_parallel.py under torchrun (4 ranks, gloo). Compares every CP attention
+configuration (cp 2 and 4) with unsharded causal SDPA, and a small Llama 3 with ``apply_cp``
+(alone, and after TP 2 x CP 2) with the same model unsharded; writes the errors to
+``{OUT_DIR}/rank{r}.json``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.distributed.context_parallel import (
+    ContextParallelAttention,
+    apply_cp,
+    cp_shard,
+    cp_unshard,
+    shard_batch_for_cp,
+)
+from torchtitan.models.llama3.args import TransformerModelArgs
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.llama3.parallelize import apply_tp
+
+METHODS = ("allgather", "alltoall", "ulysses")
+BALANCERS = ("headtail", "none")
+
+
+def shapes_for(method: str) -> list[tuple[tuple[int, int, int, int], float | None]]:
+    """([B, H, S, D], softmax scale); S = 24 and 40 give odd chunk sizes (3 and 5) at cp 4
+    headtail."""
+    if method == "ulysses":  # heads divisible by cp
+        return [((2, 4, 24, 8), None), ((1, 8, 40, 5), 0.3)]
+    return [((2, 3, 24, 8), None), ((1, 5, 40, 5), 0.3)]
+
+
+def attention_errors(
+    cp_mesh: DeviceMesh,
+    method: str,
+    shard_balancer: str,
+    attn_balancer: str,
+    shape: tuple[int, ...],
+    scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """Max |CP - reference| of the output and dq, dk, dv on this rank's shard."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    q, k, v, dout = (torch.randn(shape, generator=gen).to(dtype) for _ in range(4))
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(*ref, is_causal=True, scale=scale)
+    ref_out.backward(dout.float())
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return cp_shard(t, 2, cp_mesh, shard_balancer)
+
+    local = [shard(t).requires_grad_() for t in (q, k, v)]
+    out = ContextParallelAttention(cp_mesh, method, attn_balancer)(*local, scale=scale)
+    out.backward(shard(dout))
+    assert all(type(t.grad) is torch.Tensor for t in local), "grads must be plain tensors"
+    full_out = cp_unshard(out.detach(), 2, cp_mesh, shard_balancer)
+    pairs = {"out": (out, ref_out), "unshard": (full_out, ref_out)}
+    pairs.update({f"d{n}": (t.grad, r.grad) for n, t, r in zip("qkv", local, ref)})
+    return {
+        name: (a.float() - (b if name == "unshard" else shard(b))).abs().max().item()
+        for name, (a, b) in pairs.items()
+    }
+
+
+def attention_cases(meshes: dict[int, DeviceMesh]) -> list[dict]:
+    results = []
+    for cp, mesh in meshes.items():
+        for method in METHODS:
+            for balancer in BALANCERS:
+                for shape, scale in shapes_for(method):
+                    errs = attention_errors(mesh, method, balancer, balancer, shape, scale)
+                    results.append(dict(kind="attention", cp=cp, method=method,
+                                        balancer=balancer, shape=shape, errors=errs))
+            # bf16 inputs (fp32 block math inside, bf16 in and out), loose tolerance.
+            errs = attention_errors(mesh, method, "headtail", "headtail", (2, 4, 24, 8),
+                                    dtype=torch.bfloat16)
+            results.append(dict(kind="attention_bf16", cp=cp, method=method,
+                                balancer="headtail", errors=errs))
+            # Negative control: attention told the wrong layout must not match.
+            errs = attention_errors(mesh, method, "headtail", "none", (2, 4, 24, 8))
+            results.append(dict(kind="attention_wrong_layout", cp=cp, method=method,
+                                errors=errs))
+    return results
+
+
+def tiny_llama(seq_len: int) -> Transformer:
+    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                multiple_of=16, max_seq_len=seq_len)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    with torch.no_grad():  # sharpen attention, so that positions and masks matter
+        for layer in model.layers.values():
+            layer.attention.wq.weight.mul_(15)
+            layer.attention.wk.weight.mul_(15)
+    return model
+
+
+def model_errors(
+    cp_mesh: DeviceMesh,
+    method: str,
+    balancer: str,
+    pass_positions: bool = True,
+    tp_mesh: DeviceMesh | None = None,
+) -> dict[str, float]:
+    """A CP model's loss and gradients, averaged over cp ranks as the trainer (loss over
+    dp_cp) and FSDP (gradients over dp_shard_cp) do, against the unsharded model's. With
+    ``tp_mesh``, tensor + sequence parallel is applied first (CP goes after TP)."""
+    seq_len = 32
+    tokens = torch.randint(0, 64, (2, seq_len + 1), generator=torch.Generator().manual_seed(1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    ref = tiny_llama(seq_len)
+    ref_loss = cross_entropy_loss(ref(inputs), labels)
+    ref_loss.backward()
+
+    model = copy.deepcopy(ref)
+    model.zero_grad()
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, loss_parallel=False)
+    apply_cp(model, cp_mesh, method, balancer)
+    x, y, positions = shard_batch_for_cp(inputs, labels, cp_mesh, balancer)
+    loss = cross_entropy_loss(model(x, positions=positions if pass_positions else None), y)
+    loss.backward()
+
+    group, cp = cp_mesh.get_group(), cp_mesh.size()
+    loss = loss.detach()
+    dist.all_reduce(loss, group=group)
+    grad_err = 0.0
+    for p, p_ref in zip(model.parameters(), ref.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(grad, group=group)
+        grad_err = max(grad_err, (grad / cp - p_ref.grad).abs().max().item())
+    return {"loss": (loss / cp - ref_loss).abs().item(), "grads": grad_err}
+
+
+def model_cases(meshes: dict[int, DeviceMesh], cp_tp: DeviceMesh) -> list[dict]:
+    results = []
+    for method in METHODS:
+        errors = model_errors(cp_tp["cp"], method, "headtail", tp_mesh=cp_tp["tp"])
+        results.append(dict(kind="model_tp", cp=cp_tp["cp"].size(), method=method,
+                            balancer="headtail", errors=errors))
+    for cp, mesh in meshes.items():
+        for method in METHODS:
+            for balancer in BALANCERS:
+                results.append(dict(kind="model", cp=cp, method=method, balancer=balancer,
+                                    errors=model_errors(mesh, method, balancer)))
+        # Negative control: local positions (0..S_local-1) for RoPE must change the loss.
+        results.append(dict(kind="model_no_positions", cp=cp, method="allgather",
+                            errors=model_errors(mesh, "allgather", "headtail", False)))
+    return results
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    world = dist.get_world_size()
+    meshes = {
+        world // 2: init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))["cp"],
+        world: init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)),
+    }
+    timings = {}
+    start = time.perf_counter()
+    results = attention_cases(meshes)
+    timings["attention_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    cp_tp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "tp"))
+    results += model_cases(meshes, cp_tp)
+    timings["model_s"] = time.perf_counter() - start
+    path = os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.json")
+    with open(path, "w") as f:
+        json.dump({"results": results, "timings": timings}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

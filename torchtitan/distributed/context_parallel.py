@@ -1,0 +1,527 @@
+"""Context parallelism (CP): the ranks of the ``cp`` mesh each hold a slice of every sequence.
+
+Layout. A sequence of length ``S`` is cut into equal chunks. ``"headtail"`` cuts ``2 * cp``
+chunks and gives rank ``r`` chunks ``r`` and ``2 * cp - 1 - r``, so every rank does the same
+amount of causal-attention work; ``"none"`` cuts ``cp`` chunks and gives rank ``r`` chunk ``r``.
+Everything below (batch sharding, RoPE positions, attention masks) follows from that one rule,
+:func:`_chunk_ids`. The attention therefore needs no per-step state: it reads the global length
+as ``S_local * cp`` and its own chunks from its cp rank, which must match how the batch was cut
+(:func:`shard_batch_for_cp` with the same ``load_balancer``).
+
+Attention (:class:`ContextParallelAttention`, the drop-in for ``ScaledDotProductAttention``):
+
+- ``allgather``: all-gather K and V (the backward reduce-scatters dK and dV); each local query
+  chunk runs SDPA against the keys up to its end with a lower-right causal bool mask
+  (``S_local x S`` bools per rank and layer, the price of using the fused SDPA kernels).
+- ``alltoall``: ring attention. K/V blocks travel around the ring while each rank attends its
+  queries to the block it holds; partial results merge by log-sum-exp. The backward recomputes
+  each block, keeps dQ local and passes the dK/dV accumulators around the ring behind the
+  blocks; a rank holds at most two K/V blocks (the one in use and the one arriving). The
+  shift is an all-to-all with one non-empty split, which torch.compile can trace.
+- ``ulysses``: all-to-all from sequence-sharded to head-sharded, causal SDPA over the full
+  sequence on ``H / cp`` heads, all-to-all back (needs ``H % cp == 0``).
+
+All communication is in this file; every collective runs on ``cp_mesh.get_group()`` and works
+on gloo (CPU) and NCCL (CUDA).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.models.attention import ScaledDotProductAttention
+
+RotateMethod = Literal["allgather", "alltoall", "ulysses"]
+LoadBalancer = Literal["headtail", "none"]
+
+
+# ---------------------------------------------------------------------------- layout
+def _num_chunks(cp: int, load_balancer: str) -> int:
+    if load_balancer not in get_args(LoadBalancer):
+        raise ValueError(
+            f"unknown context-parallel load balancer {load_balancer!r}; "
+            f"expected one of {get_args(LoadBalancer)}"
+        )
+    return 2 * cp if load_balancer == "headtail" else cp
+
+
+def _chunk_ids(cp: int, rank: int, load_balancer: str) -> list[int]:
+    """The global chunk indices cp rank ``rank`` holds, in local order."""
+    if _num_chunks(cp, load_balancer) == cp:
+        return [rank]
+    return [rank, 2 * cp - 1 - rank]
+
+
+def _rank_major_chunks(cp: int, load_balancer: str) -> list[int]:
+    """Global chunk ids in the order they appear when every rank's shard is concatenated."""
+    return [c for r in range(cp) for c in _chunk_ids(cp, r, load_balancer)]
+
+
+def _chunk_size(seq_len: int, cp: int, load_balancer: str) -> int:
+    n = _num_chunks(cp, load_balancer)
+    if seq_len % n != 0:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {n}, the number of chunks that "
+            f"context parallel (cp={cp}, load_balancer={load_balancer!r}) cuts it into"
+        )
+    return seq_len // n
+
+
+def check_cp_config(
+    seq_len: int,
+    cp: int,
+    tp: int,
+    n_heads: int,
+    rotate_method: str,
+    load_balancer: str = "headtail",
+) -> None:
+    """Raise ValueError (one line) when this CP layout cannot run.
+
+    Under TP the attention sees ``n_heads / tp`` heads and sequence parallel splits each cp
+    shard ``tp`` ways, hence the ``tp`` factors.
+    """
+    if rotate_method not in get_args(RotateMethod):
+        raise ValueError(
+            f"parallelism.context_parallel_rotate_method must be one of "
+            f"{get_args(RotateMethod)}, got {rotate_method!r}"
+        )
+    divisor = _num_chunks(cp, load_balancer) * tp
+    if seq_len % divisor != 0:
+        raise ValueError(
+            f"training.seq_len {seq_len} must be divisible by {divisor} (= "
+            f"{'2 * ' if load_balancer == 'headtail' else ''}cp {cp} * tp {tp}) for context "
+            f"parallel with load_balancer {load_balancer!r}"
+        )
+    if rotate_method == "ulysses" and n_heads % (cp * tp) != 0:
+        raise ValueError(
+            f"context_parallel_rotate_method 'ulysses' shards heads: n_heads {n_heads} must be "
+            f"divisible by cp {cp} * tp {tp}"
+        )
+
+
+# ---------------------------------------------------------------------------- sharding
+def cp_shard(
+    tensor: torch.Tensor, seq_dim: int, cp_mesh: DeviceMesh, load_balancer: str = "headtail"
+) -> torch.Tensor:
+    """This rank's slice of ``tensor`` along ``seq_dim`` (contiguous)."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    size = _chunk_size(tensor.shape[seq_dim], cp, load_balancer)
+    chunks = tensor.split(size, dim=seq_dim)
+    return torch.cat([chunks[i] for i in _chunk_ids(cp, rank, load_balancer)], dim=seq_dim)
+
+
+def cp_unshard(
+    local: torch.Tensor, seq_dim: int, cp_mesh: DeviceMesh, load_balancer: str = "headtail"
+) -> torch.Tensor:
+    """Inverse of :func:`cp_shard` (no autograd): the full tensor on every cp rank."""
+    shards = [torch.empty_like(local) for _ in range(cp_mesh.size())]
+    dist.all_gather(shards, local.contiguous(), group=cp_mesh.get_group())
+    return _to_global_order(shards, seq_dim, load_balancer)
+
+
+def cp_positions(
+    seq_len: int,
+    cp_mesh: DeviceMesh,
+    load_balancer: str = "headtail",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Global positions ``[S_local]`` (int64) of this rank's tokens, for RoPE."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    size = _chunk_size(seq_len, cp, load_balancer)
+    return torch.cat([
+        torch.arange(i * size, (i + 1) * size, device=device)
+        for i in _chunk_ids(cp, rank, load_balancer)
+    ])
+
+
+def shard_batch_for_cp(
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    cp_mesh: DeviceMesh,
+    load_balancer: str = "headtail",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``inputs``/``labels`` ``[batch, seq]`` -> this rank's ``(inputs, labels, positions)``.
+
+    Labels are already shifted by the data loader (``labels[:, p]`` is the target of token
+    ``p``), so they are cut exactly like the inputs.
+    """
+    seq_len = inputs.shape[1]
+    return (
+        cp_shard(inputs, 1, cp_mesh, load_balancer),
+        cp_shard(labels, 1, cp_mesh, load_balancer),
+        cp_positions(seq_len, cp_mesh, load_balancer, inputs.device),
+    )
+
+
+def _to_global_order(shards: list[torch.Tensor], seq_dim: int, load_balancer: str) -> torch.Tensor:
+    """Every cp rank's shard, in rank order -> the full sequence."""
+    cp = len(shards)
+    order = _rank_major_chunks(cp, load_balancer)
+    chunks = [c for shard in shards for c in shard.chunk(len(order) // cp, dim=seq_dim)]
+    by_id = dict(zip(order, chunks))
+    return torch.cat([by_id[i] for i in range(len(order))], dim=seq_dim)
+
+
+def _to_rank_major(x: torch.Tensor, seq_dim: int, cp: int, load_balancer: str) -> torch.Tensor:
+    """The full sequence -> ``[cp, *x.shape with seq / cp]``, rank r's shard at index r."""
+    chunks = x.chunk(_num_chunks(cp, load_balancer), dim=seq_dim)
+    return torch.stack([
+        torch.cat([chunks[i] for i in _chunk_ids(cp, r, load_balancer)], dim=seq_dim)
+        for r in range(cp)
+    ])
+
+
+# ---------------------------------------------------------------------------- communication
+class _AllGather(torch.autograd.Function):
+    """``x`` -> ``[cp, *x.shape]``, every rank's ``x`` in rank order. The backward
+    reduce-scatters (sums) the gradients: each rank's keys were used by every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        # [1, ...] pieces concatenated on dim 0 (gloo rejects the stacked form)
+        out = x.new_empty((dist.get_world_size(group), *x.shape))
+        dist.all_gather_single(out, x.unsqueeze(0).contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.new_empty((1, *grad.shape[1:]))
+        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        return out.squeeze(0), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` over dim 0 (size cp): rank r's ``x[j]`` goes to rank j, which
+    stores it at ``out[r]``. With equal splits this is its own adjoint."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_to_all(grad, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _ring_shift(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Send ``x`` to the next rank of the ring; return the previous rank's ``x``.
+
+    An all-to-all with one non-empty split (NCCL and gloo turn it into one send and one
+    receive) rather than P2P ops, which torch.compile cannot trace. The result is an
+    AsyncCollectiveTensor: the transfer overlaps whatever runs before its first use.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    rank = dist.get_rank(group)
+    send, recv = [0] * size, [0] * size
+    send[(rank + 1) % size] = recv[(rank - 1) % size] = x.numel()
+    return funcol.all_to_all_single(x.reshape(-1), recv, send, group).view(x.shape)
+
+
+def _ready(x: torch.Tensor) -> torch.Tensor:
+    """Wait for a :func:`_ring_shift` result (under torch.compile it is a plain tensor)."""
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+# ---------------------------------------------------------------------------- ring attention
+def _block_pairs(q_ids: list[int], k_ids: list[int]) -> list[tuple[int, int, bool]]:
+    """(local q chunk, k chunk in block, diagonal?) for every chunk pair that attends:
+    a key chunk before the query chunk is fully visible, the same chunk is causal, a later
+    chunk is skipped. No pair has a fully masked row."""
+    return [
+        (a, b, qid == kid)
+        for a, qid in enumerate(q_ids)
+        for b, kid in enumerate(k_ids)
+        if kid <= qid
+    ]
+
+
+# The block functions run outside autograd and work in place: at most two [c, c] fp32
+# blocks are alive at a time. ``q`` arrives pre-multiplied by the softmax scale.
+def _probs(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, lse: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(q k^T - lse)`` and the lse used (computed here when not given)."""
+    s = q @ k.transpose(-2, -1)
+    if causal:
+        n = s.shape[-1]
+        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if lse is None:
+        lse = s.logsumexp(-1)
+    return s.sub_(lse.unsqueeze(-1)).exp_(), lse
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    p, lse = _probs(q, k, causal)
+    return p @ v, lse
+
+
+def _merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial softmax-attention results over disjoint key sets."""
+    if out is None:
+        return out_b, lse_b
+    new = torch.logaddexp(lse, lse_b)
+    weight, weight_b = torch.exp(lse - new).unsqueeze(-1), torch.exp(lse_b - new).unsqueeze(-1)
+    return out.mul_(weight).add_(out_b.mul_(weight_b)), new
+
+
+def _block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one block, given the final (all-block) ``lse`` and
+    ``delta = rowsum(dout * out)``."""
+    p, _ = _probs(q, k, causal, lse)
+    dv = p.transpose(-2, -1) @ dout
+    ds = (dout @ v.transpose(-2, -1)).sub_(delta.unsqueeze(-1)).mul_(p)
+    return (ds @ k).mul_(scale), ds.transpose(-2, -1) @ q, dv
+
+
+def _ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    load_balancer: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, fp32 log-sum-exp ``[B, H, S_local]``)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    q_ids = _chunk_ids(cp, rank, load_balancer)
+    size = q.shape[2] // len(q_ids)
+    qs = (q.float() * scale).split(size, dim=2)
+    outs: list = [None] * len(q_ids)
+    lses: list = [None] * len(q_ids)
+    kv = torch.stack([k, v])
+    for step in range(cp):
+        kv_next = _ring_shift(kv, group) if step < cp - 1 else None
+        k_ids = _chunk_ids(cp, (rank - step) % cp, load_balancer)
+        ks, vs = (t.float().split(size, dim=2) for t in kv)
+        for a, b, causal in _block_pairs(q_ids, k_ids):
+            block = _block_forward(qs[a], ks[b], vs[b], causal)
+            outs[a], lses[a] = _merge(outs[a], lses[a], *block)
+        if kv_next is not None:
+            kv = kv_next
+    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+
+
+def _ring_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    group: dist.ProcessGroup,
+    load_balancer: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    q_ids = _chunk_ids(cp, rank, load_balancer)
+    size = q.shape[2] // len(q_ids)
+    dout = grad_out.float()
+    delta = (dout * out.float()).sum(-1)
+    qs, douts = (q.float() * scale).split(size, dim=2), dout.split(size, dim=2)
+    lses, deltas = lse.split(size, dim=2), delta.split(size, dim=2)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dqs = dq.split(size, dim=2)
+    kv = torch.stack([k, v])
+    dkv_in_flight = None
+    for step in range(cp):
+        kv_next = _ring_shift(kv, group) if step < cp - 1 else None
+        k_ids = _chunk_ids(cp, (rank - step) % cp, load_balancer)
+        ks, vs = (t.float().split(size, dim=2) for t in kv)
+        dkv = torch.zeros_like(kv, dtype=torch.float32)
+        dks, dvs = dkv[0].split(size, dim=2), dkv[1].split(size, dim=2)
+        for a, b, causal in _block_pairs(q_ids, k_ids):
+            dq_ab, dk_ab, dv_ab = _block_backward(
+                qs[a], ks[b], vs[b], douts[a], lses[a], deltas[a], causal, scale
+            )
+            dqs[a].add_(dq_ab)
+            dks[b].add_(dk_ab)
+            dvs[b].add_(dv_ab)
+        # The accumulator of the block held now comes from the previous rank, which held this
+        # block one step earlier; after cp hops every accumulator is back with its owner.
+        if dkv_in_flight is not None:
+            dkv += dkv_in_flight
+        dkv_in_flight = _ring_shift(dkv, group)
+        if kv_next is not None:
+            kv = kv_next
+    dk, dv = _ready(dkv_in_flight)  # a plain tensor, never an AsyncCollectiveTensor, as grads
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal ring attention over the cp group. Block math runs in fp32 with autocast off
+    (the trainer may run the forward under autocast)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup,
+        load_balancer: str,
+        scale: float,
+    ) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ring_forward(q, k, v, group, load_balancer, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout = group, load_balancer, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grads = _ring_backward(*ctx.saved_tensors, grad_out, *ctx.layout)
+        return *grads, None, None, None
+
+
+# ---------------------------------------------------------------------------- the other methods
+def _allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    load_balancer: str,
+    scale: float,
+) -> torch.Tensor:
+    shards = _AllGather.apply(torch.stack([k, v]), group).unbind(0)
+    kv = _to_global_order(shards, -2, load_balancer)  # [2, B, H, S, D]
+    q_ids = _chunk_ids(len(shards), dist.get_rank(group), load_balancer)
+    size = q.shape[2] // len(q_ids)
+    outs = []
+    for chunk_id, q_chunk in zip(q_ids, q.split(size, dim=2)):
+        end = (chunk_id + 1) * size  # keys after this chunk's last query are all masked
+        # Lower-right causal: query j (global position end - size + j) sees keys <= that.
+        # A plain bool mask, not torch.nn.attention.bias.CausalBias, which fails under
+        # TorchDispatchModes such as selective activation checkpointing.
+        mask = torch.ones(size, end, dtype=torch.bool, device=q.device).tril(end - size)
+        outs.append(F.scaled_dot_product_attention(
+            q_chunk, kv[0, :, :, :end], kv[1, :, :, :end], attn_mask=mask, scale=scale
+        ))
+    return torch.cat(outs, dim=2)
+
+
+def _ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    load_balancer: str,
+    scale: float,
+) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    heads = q.shape[1]
+    # [3, B, H, S_l, D] -> [cp (head group), 3, B, H/cp, S_l, D] -> sequence-complete head groups
+    qkv = torch.stack([q, k, v]).unflatten(2, (cp, heads // cp)).movedim(2, 0)
+    qkv = _to_global_order(_AllToAll.apply(qkv, group).unbind(0), -2, load_balancer)
+    out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True, scale=scale)
+    # back to [cp (head group), B, H/cp, S_l, D] -> [B, H, S_l, D]
+    out = _AllToAll.apply(_to_rank_major(out, -2, cp, load_balancer), group)
+    return out.movedim(0, 1).flatten(1, 2)
+
+
+# ---------------------------------------------------------------------------- module + apply
+class ContextParallelAttention(nn.Module):
+    """Causal attention over sequences sharded across ``cp_mesh``.
+
+    ``forward(q, k, v, scale=None)`` takes this rank's shard ``[batch, heads, S_local,
+    head_dim]`` (cut by :func:`cp_shard` with the same ``load_balancer``; k/v with as many heads
+    as q) and returns this rank's shard of the output. The global length is ``S_local * cp``;
+    ``scale`` is the softmax scale, by default ``1 / sqrt(head_dim)``.
+    """
+
+    def __init__(
+        self,
+        cp_mesh: DeviceMesh,
+        rotate_method: str = "allgather",
+        load_balancer: str = "headtail",
+    ) -> None:
+        super().__init__()
+        if rotate_method not in get_args(RotateMethod):
+            raise ValueError(
+                f"unknown context-parallel rotate method {rotate_method!r}; "
+                f"expected one of {get_args(RotateMethod)}"
+            )
+        _num_chunks(cp_mesh.size(), load_balancer)  # validates the name
+        self.cp_mesh = cp_mesh
+        self.rotate_method = rotate_method
+        self.load_balancer = load_balancer
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+    ) -> torch.Tensor:
+        if not q.shape == k.shape == v.shape:
+            raise ValueError(
+                f"context-parallel attention needs q, k, v of one shape [batch, heads, seq, "
+                f"head_dim] (expand KV heads first); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}"
+            )
+        cp = self.cp_mesh.size()
+        _chunk_size(q.shape[2] * cp, cp, self.load_balancer)
+        group = self.cp_mesh.get_group()
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.rotate_method == "allgather":
+            return _allgather_attention(q, k, v, group, self.load_balancer, scale)
+        if self.rotate_method == "alltoall":
+            return _RingAttention.apply(q, k, v, group, self.load_balancer, scale)
+        if q.shape[1] % cp != 0:
+            raise ValueError(
+                f"ulysses context parallel needs heads ({q.shape[1]}) divisible by cp ({cp})"
+            )
+        return _ulysses_attention(q, k, v, group, self.load_balancer, scale)
+
+    def extra_repr(self) -> str:
+        return (f"cp={self.cp_mesh.size()}, rotate_method={self.rotate_method!r}, "
+                f"load_balancer={self.load_balancer!r}")
+
+
+def apply_cp(
+    model: nn.Module,
+    cp_mesh: DeviceMesh,
+    rotate_method: str = "allgather",
+    load_balancer: str = "headtail",
+) -> int:
+    """Replace every ``inner_attention`` ScaledDotProductAttention in ``model`` with a
+    :class:`ContextParallelAttention`; returns how many were replaced (at least one)."""
+    owners = [
+        m for m in model.modules()
+        if isinstance(getattr(m, "inner_attention", None), ScaledDotProductAttention)
+    ]
+    if not owners:
+        raise ValueError(
+            "context parallel found no `inner_attention` ScaledDotProductAttention module to "
+            "replace; the model must compute attention through torchtitan.models.attention"
+        )
+    for owner in owners:
+        owner.inner_attention = ContextParallelAttention(cp_mesh, rotate_method, load_balancer)
+    return len(owners)
