@@ -31,22 +31,8 @@ def run_torchrun(
 
     The processes run in their own session so that a timeout kills every rank.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}"]
-    cmd += ["-m", module] if script is None else [str(script)]
-    cmd += list(args)
-    full_env = dict(os.environ)
-    full_env.update(
-        TORCHTITAN_DEVICE_TYPE="cpu",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
-    )
-    full_env.update(env or {})
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+    proc = start_torchrun(nproc, args, module=module, script=script, env=env)
+    cmd = proc.args
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -60,6 +46,35 @@ def run_torchrun(
     if check and proc.returncode != 0:
         raise TorchrunError(f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-8000:]}")
     return result
+
+
+def start_torchrun(
+    nproc: int,
+    args: list[str],
+    *,
+    module: str | None = "torchtitan.train",
+    script: str | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start torchrun as ``run_torchrun`` does, without waiting: stdout (merged with stderr)
+    is a text pipe, and ``os.killpg(proc.pid, ...)`` reaches every rank. The caller must
+    reap it (tests that kill a run mid-way)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}"]
+    cmd += ["-m", module] if script is None else [str(script)]
+    cmd += list(args)
+    full_env = dict(os.environ)
+    full_env.update(
+        TORCHTITAN_DEVICE_TYPE="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
+    )
+    full_env.update(env or {})
+    return subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
 
 
 def read_metrics(dump_folder: str | Path) -> list[dict]:

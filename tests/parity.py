@@ -37,11 +37,16 @@ def train(nproc: int, dump_folder: Path, overrides: list[str] = (), dp: int | No
     ``dp`` (default nproc) sets local_batch_size = GLOBAL_BATCH / dp (no accumulation)
     unless the overrides set it themselves.
     """
+    run_torchrun(nproc, train_args(nproc, dump_folder, overrides, dp), timeout=timeout, env=env)
+    return read_metrics(dump_folder)
+
+
+def train_args(nproc: int, dump_folder: Path, overrides: list[str] = (), dp: int | None = None) -> list[str]:
+    """The trainer arguments ``train`` uses (for tests that launch the run themselves)."""
     args = list(BASE_OVERRIDES) + ["--job.dump_folder", str(dump_folder)]
     if "--training.local_batch_size" not in overrides:
         args += ["--training.local_batch_size", str(GLOBAL_BATCH // (dp or nproc))]
-    run_torchrun(nproc, args + list(overrides), timeout=timeout, env=env)
-    return read_metrics(dump_folder)
+    return args + list(overrides)
 
 
 class ParityError(AssertionError):

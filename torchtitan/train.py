@@ -136,6 +136,7 @@ class Trainer:
             job_config=job_config,
             parallel_dims=parallel_dims,
             train_spec=spec,
+            model_args=model_args,
         )
         self.validator = None
         if job_config.validation.enable and spec.build_validator_fn is not None:
@@ -307,6 +308,9 @@ class Trainer:
 
     def train(self) -> None:
         job_config = self.job_config
+        if job_config.checkpoint.create_seed_checkpoint:
+            self.checkpointer.create_seed_checkpoint()
+            return
         self.checkpointer.load(step=job_config.checkpoint.load_step)
         data_iterator = iter(self.dataloader)
         snapshotter = maybe_memory_snapshotter(job_config, self.device)

@@ -81,3 +81,75 @@ def test_mismatched_config_names_the_field(hf_model, tmp_path):
     bad.mkdir()
     with pytest.raises(HFCheckpointError, match="checkpoint.initial_load_path: no \\*.safetensors"):
         load_hf_weights([model], bad, Llama3StateDictAdapter(args))
+
+
+CONVERT = REPO_ROOT / "scripts" / "checkpoint_conversion"
+
+
+@pytest.fixture(scope="module")
+def trained_export(tmp_path_factory):
+    """A short training run that exports Hugging Face weights at its last step, and also
+    keeps a full DCP checkpoint of the same step."""
+    from tests.parity import train
+
+    folder = tmp_path_factory.mktemp("hf_export_run")
+    train(1, folder, ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "3",
+                      "--checkpoint.last_save_in_hf", "--debug.stop_after_step", "2"])
+    train(1, folder, ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.last_save_in_hf"])
+    return folder / "checkpoint"
+
+
+def test_training_export_loads_in_transformers_with_our_logits(trained_export):
+    from torchtitan.components.hf_checkpoint import load_hf_weights
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+    from torchtitan.protocols import get_train_spec
+
+    export = trained_export / "step-3-hf"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    spec = get_train_spec("llama3")
+    args = spec.flavor_args("debugmodel_tiny")
+    args.vocab_size = 264
+    ours = spec.model_cls(args)
+    ours.init_weights(seed=0)
+    load_hf_weights([ours], export, Llama3StateDictAdapter(args))
+    tokens = torch.randint(0, 264, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_dcp_to_hf_to_dcp_round_trip_is_bit_exact(trained_export, tmp_path):
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan.components.checkpoint import SafeFileSystemReader, read_dcp_metadata
+
+    config = ["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
+              "--model.flavor", "debugmodel_tiny"]
+    source = trained_export / "step-2"  # the full checkpoint the stopped run saved
+    for script, args in (("convert_to_hf.py", [str(source), str(tmp_path / "hf")]),
+                         ("convert_from_hf.py", [str(tmp_path / "hf"), str(tmp_path / "dcp")])):
+        subprocess.run([sys.executable, str(CONVERT / script), *args, *config], check=True,
+                       cwd=REPO_ROOT, timeout=120)
+    keys = list(read_dcp_metadata(tmp_path / "dcp").state_dict_metadata)
+    meta = read_dcp_metadata(source).state_dict_metadata
+    original = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
+    again = {k: torch.empty_like(v) for k, v in original.items()}
+    dcp.load(original, storage_reader=SafeFileSystemReader(source), no_dist=True)
+    dcp.load(again, storage_reader=SafeFileSystemReader(tmp_path / "dcp"), no_dist=True)
+    assert "layers.0.attention.wq.weight" in keys
+    for key in keys:
+        assert torch.equal(original[key], again[key]), key
+
+
+def test_initial_load_in_hf_gives_every_layout_the_same_start(trained_export, tmp_path):
+    from tests.parity import train
+
+    start = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--training.steps", "1",
+             "--checkpoint.initial_load_path", str(trained_export / "step-3-hf")]
+    one = train(1, tmp_path / "one", start)
+    fsdp = train(2, tmp_path / "fsdp", start)
+    scratch = train(1, tmp_path / "scratch", ["--training.steps", "1"])
+    assert one[0]["loss"] == pytest.approx(fsdp[0]["loss"], rel=1e-5)
+    assert one[0]["loss"] < scratch[0]["loss"] - 0.1  # the trained weights were loaded

@@ -1,24 +1,685 @@
-"""CheckpointManager (being built for the checkpointing issue; the config refuses
-checkpoint.enable until it lands, so only the disabled path runs here)."""
+"""Checkpointing with torch.distributed.checkpoint (DCP).
+
+A checkpoint is the folder ``{job.dump_folder}/{checkpoint.folder}/step-N``:
+
+- DCP files (``.metadata``, ``__R_0.distcp``) hold the tensors: the model weights under their
+  plain FQNs (identical for every parallel layout, so DCP reshards on load), ``optimizer.*``
+  (FQN-keyed, flattened) and ``rng.rank{R}.{cpu,cuda}`` (every rank's RNG state as uint8).
+- ``checkpoint.json``, written last, is the completion marker: the manifest (step, model-only
+  or not, world size, dp degree, the size of every file) plus the non-tensor states as plain
+  JSON: ``train_state``, ``lr_scheduler`` and the data-loader state merged over the dp ranks,
+  which loads under any dp degree.
+
+A save is written to ``step-N.tmp`` and renamed to ``step-N`` by rank 0 once DCP reports every
+rank's files written (DCP's own all-reduce at the end of a save is the barrier), so a crash
+never leaves a ``step-N`` that looks complete. Loading runs no code from the files: JSON, tensors
+through ``weights_only`` and DCP's pickled ``.metadata`` through an allow-list unpickler.
+"""
 
 from __future__ import annotations
 
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from torchtitan.components.hf_checkpoint import HFCheckpointError, load_hf_weights, save_hf_weights
+from torchtitan.config import ConfigError
+from torchtitan.datasets.packing import merge_data_states
+from torchtitan.distributed.data_parallel import TORCH_DTYPES
+from torchtitan.tools.logging import logger
+
+MANIFEST = "checkpoint.json"
+FORMAT = "torchtitan-dcp-1"
+PAUSE_ENV = "TORCHTITAN_TEST_PAUSE_CHECKPOINT_WRITE"
+"""Test hook: seconds rank 0 sleeps with a finished-but-unmarked ``step-N.tmp`` on disk."""
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_LEFTOVER_RE = re.compile(r"^step-\d+\.(tmp|old)$")
+_BUILTIN_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
+
+
+# ---------------------------------------------------------------------- safe DCP reading
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *((module, name) for module in ("pathlib", "pathlib._local")
+      for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only its own data classes and torch dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not allowed")
+
+
+def read_dcp_metadata(path: Path, name: str = ".metadata") -> Metadata:
+    """The DCP metadata of the checkpoint folder ``path``, unpickled through the allow-list."""
+    with open(path / name, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{path / name} does not hold DCP metadata")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata goes through the allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        metadata = read_dcp_metadata(Path(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor values (optimizer hyper-parameters) are decoded with ``weights_only=True``;
+    the default planner then places the re-encoded, known-safe value."""
+
+    def load_bytes(self, read_item, value) -> None:
+        safe = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+# ---------------------------------------------------------------------- checkpoint folders
+def step_folders(root: Path) -> dict[int, Path]:
+    """``step-N`` folders under ``root`` by step; other names are ignored."""
+    if not root.is_dir():
+        return {}
+    found = {}
+    for entry in root.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir():
+            found[int(match.group(1))] = entry
+    return found
+
+
+def inspect_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) for a complete checkpoint, else (None, what is wrong with it)."""
+    marker = path / MANIFEST
+    if not marker.is_file():
+        return None, f"{path} is incomplete (no {MANIFEST}: its save did not finish)"
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return None, f"{path} is corrupt ({MANIFEST} is unreadable: {e})"
+    for name, size in files.items():
+        actual = (path / name).stat().st_size if (path / name).is_file() else None
+        if actual != size:
+            found = "missing" if actual is None else f"{actual} bytes"
+            return None, f"{path} is corrupt ({name}: {found}, expected {size} bytes)"
+    try:
+        read_dcp_metadata(path)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        return None, f"{path} is corrupt (unreadable DCP metadata: {e})"
+    return manifest, None
+
+
+def complete_checkpoints(root: Path) -> dict[int, dict[str, Any]]:
+    """Manifests of the complete checkpoints under ``root`` by step (marker present)."""
+    out = {}
+    for step, path in step_folders(root).items():
+        try:
+            out[step] = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def purge_old_checkpoints(root: Path, keep: int) -> list[int]:
+    """Delete all but the ``keep`` newest complete checkpoints; return the deleted steps.
+
+    Only complete ``step-N`` folders count and are deleted (marker first, so an interrupted
+    delete leaves an incomplete folder that loading skips); other entries are left alone.
+    """
+    if keep <= 0:
+        return []
+    steps = sorted(complete_checkpoints(root), reverse=True)
+    deleted = []
+    for step in steps[keep:]:
+        path = root / f"step-{step}"
+        (path / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(step)
+    return deleted
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` to ``final``, replacing an older checkpoint of that step."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _plain_json(states: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``states`` through JSON; a state that is not plain data is an error."""
+    out = {}
+    for key, value in states.items():
+        try:
+            out[key] = json.loads(json.dumps(value))
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"checkpoint: the state {key!r} is not plain JSON data ({e}); its state_dict() "
+                "must return only dicts, lists, strings, numbers, booleans and None"
+            ) from None
+    return out
+
+
+# ---------------------------------------------------------------------- the manager
+@dataclass
+class _LoadChoice:
+    """What rank 0 decided to load (broadcast to every rank)."""
+
+    path: str | None = None
+    manifest: dict[str, Any] | None = None  # None: a plain DCP folder (initial_load_path)
+    model_only: bool = False
+    error: str | None = None
+    hf: bool = False  # a folder of Hugging Face safetensors
+
+
+@dataclass
+class _PendingSave:
+    staging: Future | None
+    upload: Future
+    finish: Future | None  # rank 0: marker + rename
 
 
 class CheckpointManager:
-    def __init__(self, *, dataloader, model_parts, optimizers, lr_schedulers,
-                 states: dict[str, Any], job_config, parallel_dims, train_spec=None) -> None:
-        self.enable = job_config.checkpoint.enable
+    """Saves and loads the whole training state; see the module docstring for the format.
 
-    def load(self, step: int = -1) -> bool:
-        return False
+    ``states`` holds extra Stateful objects whose state_dict() is plain JSON data (the
+    trainer's ``{"step": N}``). Coordination uses a dedicated gloo group, so that async saves
+    never interleave with training collectives; the data-loader state is gathered over
+    ``parallel_dims.world_mesh["dp"]``.
+    """
+
+    def __init__(self, *, dataloader, model_parts, optimizers, lr_schedulers,
+                 states: dict[str, Any], job_config, parallel_dims, train_spec=None,
+                 model_args=None) -> None:
+        self.config = job_config.checkpoint
+        self.train_spec = train_spec
+        self.model_args = model_args
+        self.hf_assets_path = job_config.model.hf_assets_path
+        self.enable = self.config.enable
+        self.dataloader = dataloader
+        self.model_parts = model_parts
+        self.optimizers = optimizers
+        self.lr_schedulers = lr_schedulers
+        self.states = dict(states)
+        self.parallel_dims = parallel_dims
+        self.root = Path(job_config.job.dump_folder) / self.config.folder
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.excluded = self._check_exclusions(self.config.exclude_from_loading)
+        self._async = self.config.async_mode != "disabled"
+        self._pending: _PendingSave | None = None
+        self._stager = None
+        self._group = None
+        self._worker: ThreadPoolExecutor | None = None
+        if self.enable or self.config.create_seed_checkpoint:
+            self._group = dist.new_group(backend="gloo")
+            if self.rank == 0:  # rank 0 publishes and purges, in order, off the training thread
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            if self.config.async_mode == "async_with_pinned_mem":
+                self._stager = self._pinned_memory_stager()
+
+    # ------------------------------------------------------------------ set-up
+    def _check_exclusions(self, names: list[str]) -> set[str]:
+        valid = (*_BUILTIN_STATES, *self.states)
+        unknown = [n for n in names if n not in valid]
+        if unknown:
+            raise ConfigError(
+                f"checkpoint.exclude_from_loading: unknown state(s) {', '.join(unknown)}; "
+                f"choose from {', '.join(valid)}"
+            )
+        return set(names)
+
+    @staticmethod
+    def _pinned_memory_stager() -> DefaultStager | None:
+        """Stages GPU tensors to pinned CPU memory in the background (maybe_wait_for_staging
+        waits for it); None (plain async staging) without CUDA."""
+        if not torch.cuda.is_available():
+            logger.info("checkpoint.async_mode=async_with_pinned_mem: pinned memory needs CUDA; "
+                        "staging to ordinary CPU memory (as async)")
+            return None
+        return DefaultStager(StagingOptions(
+            use_pinned_memory=True, use_shared_memory=False,
+            use_async_staging=True, use_non_blocking_copy=True,
+        ))
+
+    @property
+    def _dp_group(self):
+        if not self.parallel_dims.dp_enabled:
+            return None
+        return self.parallel_dims.world_mesh["dp"].get_group()
+
+    # ------------------------------------------------------------------ saving
+    def _should_save(self, step: int, last_step: bool, force: bool) -> bool:
+        if not self.enable or self.config.load_only:
+            return False
+        if force or last_step or step % self.config.interval == 0:
+            return True
+        return step == 1 and self.config.enable_first_step_checkpoint
 
     def save(self, curr_step: int, last_step: bool = False, force: bool = False) -> None:
-        return None
+        """Save after step ``curr_step``: every ``interval`` steps, after step 1 with
+        ``enable_first_step_checkpoint``, at the last step (model only with
+        ``last_save_model_only``) and always when ``force`` (a full checkpoint that is
+        complete when this returns: preemption, debug.stop_after_step)."""
+        if not self._should_save(curr_step, last_step, force):
+            return
+        if last_step and not force and self.config.last_save_in_hf:
+            self._save_hf(curr_step)
+            return
+        model_only = last_step and not force and self.config.last_save_model_only
+        dtype = self.config.export_dtype if model_only else None
+        self._write(curr_step, model_only=model_only, dtype=dtype, blocking=force or not self._async)
+
+    def _write(self, step: int, *, model_only: bool, dtype: str | None, blocking: bool) -> None:
+        """Save a checkpoint; ``dtype`` (model-only exports) casts the weights."""
+        self._wait_for_pending()
+        start = time.perf_counter()
+        tensors = self._tensor_state(model_only, dtype)
+        manifest = self._manifest(step, model_only, dtype, tensors)
+        tmp, final = self.root / f"step-{step}.tmp", self.root / f"step-{step}"
+        writer = FileSystemWriter(tmp)
+        kind = "model-only " if model_only else ""
+        if blocking:
+            dcp.save(tensors, storage_writer=writer, process_group=self._group)
+            if self.rank == 0:  # the worker thread does every rename and delete, in order
+                self._worker.submit(self._finish, None, tmp, final, manifest, start).result()
+                self._worker.submit(self._purge)
+            return
+        logger.info(f"saving {kind}checkpoint step-{step} in the background")
+        response = dcp.async_save(tensors, storage_writer=writer, process_group=self._group,
+                                  async_stager=self._stager)
+        staging, upload = (
+            (response.staging_completion, response.upload_completion)
+            if isinstance(response, AsyncSaveResponse) else (None, response)
+        )
+        finish = None
+        if self.rank == 0:
+            finish = self._worker.submit(self._finish, upload, tmp, final, manifest, start)
+            self._worker.submit(self._purge)
+        self._pending = _PendingSave(staging, upload, finish)
+
+    def _tensor_state(self, model_only: bool, dtype: str | None) -> dict[str, Any]:
+        tensors: dict[str, Any] = self._model_state_dict()
+        if dtype is not None:
+            tensors = {k: v.to(TORCH_DTYPES[dtype]) for k, v in tensors.items()}
+        if model_only:
+            return tensors
+        tensors["optimizer"] = self.optimizers.state_dict()
+        tensors["rng"] = {f"rank{self.rank}": self._rng_state()}
+        return tensors
+
+    def _model_state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in self.model_parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    @staticmethod
+    def _rng_state() -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def _manifest(self, step: int, model_only: bool, dtype: str | None,
+                  tensors: dict[str, Any]) -> dict[str, Any]:
+        """The manifest with the JSON states, taken now (the data-loader gather is a
+        collective over the dp group, so every rank calls this)."""
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "model_only": model_only,
+            "dtype": dtype,
+            "world_size": self.world_size,
+            "dp_degree": self.parallel_dims.dp_degree,
+            "rng": [] if model_only else sorted(tensors["rng"][f"rank{self.rank}"]),
+            "states": {},
+        }
+        if model_only:
+            return manifest
+        states = {"lr_scheduler": self.lr_schedulers.state_dict()}
+        states.update({name: obj.state_dict() for name, obj in self.states.items()})
+        if self.dataloader is not None:
+            states["dataloader"] = self._merged_data_state()
+        manifest["states"] = _plain_json(states)
+        return manifest
+
+    def _merged_data_state(self) -> dict[str, Any]:
+        local = self.dataloader.state_dict()
+        group = self._dp_group
+        if group is None:
+            return merge_data_states([local])
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+        return merge_data_states(gathered)
+
+    def _finish(self, upload: Future | None, tmp: Path, final: Path, manifest: dict[str, Any],
+                start: float) -> None:
+        """Rank 0, once every rank's files are written: marker, then the atomic rename."""
+        if upload is not None:
+            upload.result()
+        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
+        if pause > 0:
+            logger.warning(f"{PAUSE_ENV}: pausing {pause:g}s before completing {tmp}")
+            time.sleep(pause)
+        manifest["files"] = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
+        _write_json_atomic(tmp / MANIFEST, manifest)
+        _publish(tmp, final)
+        kind = "model-only checkpoint" if manifest["model_only"] else "checkpoint"
+        logger.info(f"saved {kind} {final} in {time.perf_counter() - start:.2f}s")
+
+    def _purge(self) -> None:
+        try:
+            deleted = purge_old_checkpoints(self.root, self.config.keep_latest_k)
+        except OSError as e:
+            logger.warning(f"checkpoint.keep_latest_k: could not delete old checkpoints: {e}")
+            return
+        if deleted:
+            logger.info(f"deleted old checkpoints (keep_latest_k={self.config.keep_latest_k}): "
+                        + ", ".join(f"step-{s}" for s in deleted))
 
     def maybe_wait_for_staging(self) -> None:
-        return None
+        """Before the optimizer step: the tensors being staged must not change under it."""
+        if self._pending is not None and self._pending.staging is not None:
+            self._pending.staging.result()
+            self._pending.staging = None
 
+    def _wait_for_pending(self) -> None:
+        """Finish the background save (every rank: its upload; rank 0: also the rename)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.staging is not None:
+            pending.staging.result()
+        pending.upload.result()
+        if pending.finish is not None:
+            pending.finish.result()
+
+    # ------------------------------------------------------------------ loading
+    def load(self, step: int = -1) -> bool:
+        """Restore the state from ``step`` (-1: the newest complete checkpoint, preferring
+        full ones over model-only exports, else checkpoint.initial_load_path); return whether
+        anything was loaded."""
+        if not self.enable:
+            return False
+        choice = self._choose(step) if self.rank == 0 else None
+        objects = [choice]
+        dist.broadcast_object_list(objects, src=0, group=self._group)
+        choice = objects[0]
+        if choice.error:
+            raise ConfigError(choice.error)
+        if choice.path is None:
+            logger.info(f"no checkpoint in {self.root}; starting from scratch")
+            return False
+        if choice.hf:
+            self._load_hf(Path(choice.path))
+        else:
+            self._load(Path(choice.path), choice.manifest, choice.model_only)
+        return True
+
+    def _adapter(self, field: str):
+        if self.train_spec is None or self.train_spec.state_dict_adapter is None:
+            raise ConfigError(f"{field}: this model has no Hugging Face state-dict adapter")
+        return self.train_spec.state_dict_adapter(self.model_args, self.hf_assets_path)
+
+    def _load_hf(self, path: Path) -> None:
+        field = "checkpoint.initial_load_path"
+        try:
+            load_hf_weights(self.model_parts, path, self._adapter(field), field)
+        except HFCheckpointError as e:
+            raise ConfigError(str(e)) from None
+
+    def _save_hf(self, step: int) -> None:
+        folder = self.root / f"step-{step}-hf"
+        dtype = TORCH_DTYPES[self.config.export_dtype]
+        save_hf_weights(self.model_parts, folder, self._adapter("checkpoint.last_save_in_hf"),
+                        dtype, self.parallel_dims)
+
+    def create_seed_checkpoint(self) -> None:
+        """Write the freshly initialised weights as step-0 (one process); any layout that
+        loads it starts from identical weights."""
+        existing = sorted(s for s in complete_checkpoints(self.root) if s != 0)
+        if existing:
+            raise ConfigError(
+                f"checkpoint.create_seed_checkpoint: {self.root} already holds checkpoints "
+                f"(step-{existing[-1]}), which a later run would load instead of the seed; "
+                "use an empty checkpoint.folder"
+            )
+        self._remove_leftovers()
+        self._write(0, model_only=True, dtype=None, blocking=True)
+        self._wait_for_pending()
+        logger.info(f"seed checkpoint written to {self.root / 'step-0'}")
+
+    def _remove_leftovers(self) -> None:
+        """Drop ``step-N.tmp``/``.old`` folders that an interrupted save left behind."""
+        if not self.root.is_dir():
+            return
+        for entry in self.root.iterdir():
+            if _LEFTOVER_RE.match(entry.name):
+                logger.warning(f"removing {entry}, left by an interrupted checkpoint save")
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _choose(self, step: int) -> _LoadChoice:
+        """Rank 0: which checkpoint to load, or the error to raise on every rank."""
+        self._remove_leftovers()
+        folders = step_folders(self.root)
+        if step != -1:
+            return self._choose_explicit(step, folders)
+        model_only_choice = None
+        for candidate in sorted(folders, reverse=True):
+            manifest, problem = inspect_checkpoint(folders[candidate])
+            if manifest is None:
+                logger.warning(f"skipping checkpoint: {problem}; falling back to an older one")
+            elif not manifest["model_only"]:
+                return _LoadChoice(str(folders[candidate]), manifest, False)
+            elif model_only_choice is None:  # an export or a seed: weights only
+                model_only_choice = _LoadChoice(str(folders[candidate]), manifest, True)
+        if model_only_choice is not None:
+            return model_only_choice
+        if self.config.initial_load_in_hf:
+            return self._choose_hf()
+        if self.config.initial_load_path:
+            return self._choose_initial(Path(self.config.initial_load_path))
+        return _LoadChoice()
+
+    def _choose_explicit(self, step: int, folders: dict[int, Path]) -> _LoadChoice:
+        field = f"checkpoint.load_step={step}"
+        complete = ", ".join(str(s) for s in sorted(complete_checkpoints(self.root))) or "none"
+        if step not in folders:
+            return _LoadChoice(error=(
+                f"{field}: there is no {self.root / f'step-{step}'} (complete checkpoints: "
+                f"{complete}); pick one of those or -1 for the newest"
+            ))
+        manifest, problem = inspect_checkpoint(folders[step])
+        if manifest is None:
+            return _LoadChoice(error=(
+                f"{field}: {problem}; pick another step (complete: {complete}) or -1 for the "
+                "newest complete checkpoint"
+            ))
+        return _LoadChoice(str(folders[step]), manifest, manifest["model_only"])
+
+    def _choose_hf(self) -> _LoadChoice:
+        path = self.config.initial_load_path or self.hf_assets_path
+        if not path:
+            return _LoadChoice(error=(
+                "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path (or "
+                "model.hf_assets_path) to a folder of Hugging Face safetensors"
+            ))
+        return _LoadChoice(str(path), None, True, hf=True)
+
+    def _choose_initial(self, path: Path) -> _LoadChoice:
+        field = "checkpoint.initial_load_path"
+        model_only = self.config.initial_load_model_only
+        if not path.is_dir():
+            return _LoadChoice(error=f"{field}: {path} is not a checkpoint folder")
+        if not (path / MANIFEST).exists():
+            if not (path / ".metadata").is_file():
+                return _LoadChoice(error=f"{field}: {path} holds no DCP checkpoint (no .metadata)")
+            if not model_only:
+                return _LoadChoice(error=(
+                    f"{field}: {path} is a plain DCP checkpoint (no {MANIFEST}); only its model "
+                    "weights can load: set checkpoint.initial_load_model_only"
+                ))
+            return _LoadChoice(str(path), None, True)
+        manifest, problem = inspect_checkpoint(path)
+        if manifest is None:
+            return _LoadChoice(error=f"{field}: {problem}")
+        if manifest["model_only"] and not model_only:
+            return _LoadChoice(error=(
+                f"{field}: {path} holds model weights only; set checkpoint.initial_load_model_only"
+            ))
+        return _LoadChoice(str(path), manifest, model_only)
+
+    def _load(self, path: Path, manifest: dict[str, Any] | None, model_only: bool) -> None:
+        start = time.perf_counter()
+        wanted = ({"model"} if model_only else set(_BUILTIN_STATES) | set(self.states)) - self.excluded
+        rng_kinds = self._rng_kinds(manifest) if "rng" in wanted else []
+        tensors: dict[str, Any] = {}
+        if "model" in wanted:
+            tensors.update(self._model_state_dict())
+        if "optimizer" in wanted:
+            tensors["optimizer"] = self.optimizers.state_dict()
+        if rng_kinds:
+            current = self._rng_state()
+            tensors["rng"] = {f"rank{self.rank}": {k: current[k] for k in rng_kinds}}
+        if tensors:
+            self._dcp_load(tensors, path)
+        self._apply_tensors(tensors)
+        loaded = [name for name in ("model", "optimizer") if name in wanted]
+        loaded += ["rng"] if rng_kinds else []
+        loaded += self._apply_json_states(manifest["states"] if manifest else {}, wanted, manifest)
+        step = manifest["step"] if manifest else "?"
+        logger.info(f"loaded checkpoint {path} (step {step}; {', '.join(loaded) or 'nothing'}) "
+                    f"in {time.perf_counter() - start:.2f}s")
+        if model_only and manifest and manifest["step"] > 0:
+            logger.warning(f"{path} holds model weights only: optimizer, data position and step "
+                           "start fresh")
+
+    def _dcp_load(self, tensors: dict[str, Any], path: Path) -> None:
+        try:
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(path),
+                     planner=WeightsOnlyLoadPlanner(), process_group=self._group)
+        except CheckpointException as e:  # one line instead of every rank's traceback
+            error, _ = next(iter(e.failures.values()))
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ConfigError(
+                f"checkpoint {path} does not fit this job ({reason}); load it with the model "
+                "flavor that saved it, or skip states with checkpoint.exclude_from_loading"
+            ) from None
+
+    def _rng_kinds(self, manifest: dict[str, Any] | None) -> list[str]:
+        if not manifest or not manifest["rng"]:
+            return []
+        if manifest["world_size"] != self.world_size:
+            logger.info(f"RNG states not restored: saved by {manifest['world_size']} ranks, now "
+                        f"{self.world_size}; every rank keeps its seeded state")
+            return []
+        return [kind for kind in manifest["rng"] if kind in self._rng_state()]
+
+    def _apply_tensors(self, tensors: dict[str, Any]) -> None:
+        model_keys = {k: v for k, v in tensors.items() if k not in ("optimizer", "rng")}
+        if model_keys:
+            options = StateDictOptions(strict=len(self.model_parts) == 1)
+            for part in self.model_parts:
+                set_model_state_dict(part, model_keys, options=options)
+        if "optimizer" in tensors:
+            self.optimizers.load_state_dict(tensors["optimizer"])
+        for kind, state in tensors.get("rng", {}).get(f"rank{self.rank}", {}).items():
+            (torch.set_rng_state if kind == "cpu" else torch.cuda.set_rng_state)(state)
+
+    def _apply_json_states(self, states: dict[str, Any], wanted: set[str],
+                           manifest: dict[str, Any] | None) -> list[str]:
+        loaded = []
+        if "lr_scheduler" in wanted and "lr_scheduler" in states:
+            self.lr_schedulers.load_state_dict(states["lr_scheduler"])
+            loaded.append("lr_scheduler")
+        if "dataloader" in wanted and "dataloader" in states and self.dataloader is not None:
+            self.dataloader.load_state_dict(states["dataloader"])
+            data = states["dataloader"]
+            logger.info(
+                f"data position restored for dp degree {self.parallel_dims.dp_degree} (saved under "
+                f"dp degree {manifest['dp_degree']}): next global sequence {data['next_position']} "
+                f"of {data['data_shards']} data shards"
+            )
+            loaded.append("dataloader")
+        for name, obj in self.states.items():
+            if name in wanted and name in states:
+                obj.load_state_dict(states[name])
+                loaded.append(name)
+        return loaded
+
+    # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        return None
+        """Finish any background save and purge (idempotent)."""
+        try:
+            self._wait_for_pending()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None

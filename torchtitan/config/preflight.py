@@ -42,6 +42,11 @@ def preflight(job_config, world_size: int, device_type: str):
 
         plan = plan_stages(job_config, model_args.n_layers, parallel_dims.pp)
         microbatches(job_config, plan.num_stages)
+    if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1, all parallel "
+            f"degrees 1), got {world_size} processes; any layout loads the seed later"
+        )
     if job_config.training.enable_cpu_offload and device_type == "cpu":
         raise ConfigError(
             "training.enable_cpu_offload: offloads accelerator memory to the CPU, but this run "

@@ -54,8 +54,6 @@ _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallelism.expert_parallel_degree", lambda v: v > 1, "expert parallel"),
     ("parallelism.expert_tensor_parallel_degree", lambda v: v > 1, "expert tensor parallel"),
     ("parallelism.enable_compiled_autograd", bool, "compiled autograd"),
-    ("checkpoint.enable", bool, "checkpointing"),
-    ("checkpoint.create_seed_checkpoint", bool, "seed checkpoints"),
     ("validation.enable", bool, "validation"),
     ("fault_tolerance.enable", bool, "fault tolerance"),
     ("optimizer.early_step_in_backward", bool, "optimizer step in backward"),
@@ -97,9 +95,25 @@ def validate_job_config(config: Any) -> None:
             "parallelism.enable_async_tensor_parallel: needs compile.enable (inductor fuses "
             "the overlapped collectives)"
         )
+    _check_checkpoint(config.checkpoint)
     etp, tp = config.parallelism.expert_tensor_parallel_degree, config.parallelism.tensor_parallel_degree
     if etp not in (1, tp):
         raise ConfigError(
             f"parallelism.expert_tensor_parallel_degree: must be 1 or tensor_parallel_degree "
             f"({tp}), got {etp}"
         )
+
+
+_CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")
+
+
+def _check_checkpoint(ckpt: Any) -> None:
+    unknown = [n for n in ckpt.exclude_from_loading if n not in _CHECKPOINT_STATES]
+    if unknown:
+        raise ConfigError(
+            f"checkpoint.exclude_from_loading: unknown state(s) {', '.join(unknown)}; choose "
+            f"from {', '.join(_CHECKPOINT_STATES)}"
+        )
+    for name in ("initial_load_in_hf", "last_save_in_hf", "initial_load_path"):
+        if getattr(ckpt, name) and not ckpt.enable:
+            raise ConfigError(f"checkpoint.{name}: needs checkpoint.enable")

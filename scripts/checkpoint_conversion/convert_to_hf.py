@@ -1,0 +1,51 @@
+"""Convert a DCP checkpoint folder (step-N) into Hugging Face safetensors + config.json.
+
+    python scripts/checkpoint_conversion/convert_to_hf.py CHECKPOINT_DIR OUT_DIR \\
+        --job.config_file train_configs/debug_model.toml [--dtype bfloat16] [config overrides]
+
+The model (name, flavor, tokenizer) comes from the job config that trained it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.components.checkpoint import SafeFileSystemReader, WeightsOnlyLoadPlanner
+from torchtitan.components.hf_checkpoint import save_hf_weights
+from torchtitan.config.entry import config_errors_exit
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import build_cpu_model  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@config_errors_exit
+def convert_to_hf(checkpoint: str, out: str, dtype: str, config_args: list[str]) -> None:
+    if not (Path(checkpoint) / ".metadata").is_file():
+        raise SystemExit(f"error: {checkpoint} is not a DCP checkpoint folder (no .metadata)")
+    model, spec, args = build_cpu_model(config_args)
+    state = model.state_dict()
+    dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint),
+             planner=WeightsOnlyLoadPlanner(allow_partial_load=True), no_dist=True)
+    model.load_state_dict(state)
+    save_hf_weights([model], out, spec.state_dict_adapter(args), DTYPES[dtype], None)
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("out")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    known, config_args = parser.parse_known_args(argv)
+    convert_to_hf(known.checkpoint, known.out, known.dtype, config_args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Checkpointing end to end (tiny Llama 3, fp32, CPU/gloo): exact resume, resharding to other
+layouts, kill -9 in the middle of a save, seed checkpoints.
+
+The uninterrupted runs and the seed are shared through module-scoped fixtures: 15 launches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.launcher import read_metrics, run_torchrun, start_torchrun
+from tests.parity import train_args
+from torchtitan.components.checkpoint import MANIFEST, PAUSE_ENV, read_dcp_metadata
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+STEPS = 20
+RESUME_AT = 10
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(RESUME_AT), "--training.steps", str(STEPS)]
+FULL_LAST = ["--checkpoint.no-last_save_model_only"]  # step-20 keeps the data state to compare
+LAYOUTS = {
+    "1proc": (1, []),
+    "fsdp2": (2, []),
+    "fsdp4": (4, []),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2"]),
+    "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2",
+                 "--parallelism.data_parallel_shard_degree", "1"]),
+    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
+    "pp2_fsdp2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]),
+}
+RESHARD_RTOL = 1e-4
+
+
+def run(layout: str, folder: Path, overrides: list[str]) -> tuple[list[dict], str]:
+    """(metrics.jsonl records, console output) of one run."""
+    nproc, layout_args = LAYOUTS[layout]
+    out = run_torchrun(nproc, train_args(nproc, folder, layout_args + list(overrides)), timeout=300).stdout
+    return read_metrics(folder), out
+
+
+def copy_checkpoint(src: Path, dst: Path, step: int) -> None:
+    shutil.copytree(src / "checkpoint" / f"step-{step}", dst / "checkpoint" / f"step-{step}")
+
+
+def manifest(folder: Path, step: int) -> dict:
+    return json.loads((folder / "checkpoint" / f"step-{step}" / MANIFEST).read_text())
+
+
+def by_step(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records}
+
+
+class StraightRuns:
+    """20 uninterrupted steps per layout (full checkpoint at 10), each run once per module."""
+
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.cache: dict[str, tuple[Path, list[dict]]] = {}
+
+    def __call__(self, layout: str) -> tuple[Path, list[dict]]:
+        if layout not in self.cache:
+            folder = self.factory.mktemp(f"straight-{layout}")
+            extra = FULL_LAST if layout == "fsdp4" else []
+            self.cache[layout] = (folder, run(layout, folder, CKPT + extra)[0])
+        return self.cache[layout]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> StraightRuns:
+    return StraightRuns(tmp_path_factory)
+
+
+def stop_after_step_10(layout: str, folder: Path) -> None:
+    """Train as if preempted after step 10: a forced full checkpoint, exit 0."""
+    stopped, _ = run(layout, folder, CKPT + ["--debug.stop_after_step", str(RESUME_AT)])
+    assert [r["step"] for r in stopped] == list(range(1, RESUME_AT + 1))
+    state = manifest(folder, RESUME_AT)
+    assert not state["model_only"] and state["states"]["train_state"] == {"step": RESUME_AT}
+
+
+def assert_bitwise_equal_after_10(straight: list[dict], resumed: list[dict]) -> None:
+    for step in range(RESUME_AT + 1, STEPS + 1):
+        a, b = by_step(straight)[step], by_step(resumed)[step]
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"step {step}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("layout", ["1proc", "fsdp2_tp2"])
+def test_exact_resume(straight, layout, tmp_path):
+    stop_after_step_10(layout, tmp_path)
+    resumed, out = run(layout, tmp_path, CKPT)
+    assert f"step-{RESUME_AT} (step {RESUME_AT}; model, optimizer, rng" in out
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert_bitwise_equal_after_10(straight(layout)[1], resumed)
+
+
+def _kill_when_paused(proc, timeout: float) -> str:
+    """Read the run's output until the pause hook fires, then SIGKILL every rank."""
+    watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+    watchdog.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if PAUSE_ENV in line:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+    finally:
+        watchdog.cancel()
+        proc.wait()
+        proc.stdout.close()
+    return "".join(lines)
+
+
+def test_fsdp2_exact_resume_through_a_kill_during_save(straight, tmp_path):
+    """FSDP 2 stopped after step 10; relaunched (async saves every 5 steps) and killed -9 on
+    all ranks while step-15 is half-saved; relaunched again: it ignores the half-saved
+    checkpoint, resumes from step-10 and trains on bitwise as the uninterrupted run."""
+    stop_after_step_10("fsdp2", tmp_path)
+    overrides = CKPT + ["--checkpoint.interval", "5", "--checkpoint.async_mode", "async"]
+    nproc, _ = LAYOUTS["fsdp2"]
+    proc = start_torchrun(nproc, train_args(nproc, tmp_path, overrides), env={PAUSE_ENV: "120"})
+    out = _kill_when_paused(proc, timeout=240)
+    assert proc.returncode != 0 and PAUSE_ENV in out, out[-3000:]
+    folder = tmp_path / "checkpoint"
+    assert (folder / "step-15.tmp" / ".metadata").is_file()  # every rank's data is written ...
+    assert not (folder / "step-15.tmp" / MANIFEST).exists()  # ... but the save never completed
+    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-15.tmp"]
+
+    resumed, out = run("fsdp2", tmp_path, overrides)
+    assert "step-15.tmp, left by an interrupted checkpoint save" in out
+    assert f"step-{RESUME_AT} (step {RESUME_AT}; model, optimizer, rng" in out
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert_bitwise_equal_after_10(straight("fsdp2")[1], resumed)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-15", "step-20"]
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "hsdp2x2", "ddp2", "fsdp2_tp2", "pp2_fsdp2"])
+def test_resume_under_another_layout(straight, layout, tmp_path):
+    """Saved at step 10 by FSDP 4, resumed by another layout: same losses, same data."""
+    ref_folder, reference = straight("fsdp4")
+    copy_checkpoint(ref_folder, tmp_path, RESUME_AT)
+    resumed, out = run(layout, tmp_path, CKPT + FULL_LAST)
+    dp = 2 if layout != "hsdp2x2" else 4
+    assert f"data position restored for dp degree {dp} (saved under dp degree 4)" in out
+    assert [r["step"] for r in resumed] == list(range(RESUME_AT + 1, STEPS + 1))
+    worst = 0.0
+    for got in resumed:
+        ref = by_step(reference)[got["step"]]
+        worst = max(worst, abs(got["loss"] - ref["loss"]) / abs(ref["loss"]))
+        assert math.isclose(got["loss"], ref["loss"], rel_tol=RESHARD_RTOL), f"step {got['step']}: {got['loss']} vs {ref['loss']}"
+    print(f"{layout}: max relative loss difference to FSDP 4 over steps 11-20: {worst:.2e}")
+    # the same data position after step 20 (the merged cursors of every data shard)
+    assert manifest(tmp_path, STEPS)["states"]["dataloader"] == manifest(ref_folder, STEPS)["states"]["dataloader"]
+
+
+def test_checkpoint_keys_are_plain_fqns_for_every_layout(straight):
+    def keys(layout: str) -> set[str]:
+        folder = straight(layout)[0] / "checkpoint" / f"step-{RESUME_AT}"
+        return {k for k in read_dcp_metadata(folder).state_dict_metadata if not k.startswith("rng.")}
+
+    one, fsdp4 = keys("1proc"), keys("fsdp4")
+    assert one == fsdp4
+    assert "layers.0.attention.wq.weight" in one and "optimizer.state.layers.0.attention.wq.weight.exp_avg" in one
+    assert not any(w in k for k in one for w in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"))
+
+
+@pytest.fixture(scope="module")
+def seed_folder(tmp_path_factory) -> Path:
+    """A seed checkpoint of weights initialised with another seed than the runs use."""
+    folder = tmp_path_factory.mktemp("seed")
+    args = train_args(1, folder, ["--checkpoint.create_seed_checkpoint", "--debug.seed", "123"])
+    out = run_torchrun(1, args, timeout=300).stdout
+    assert "seed checkpoint written" in out
+    assert manifest(folder, 0)["model_only"]
+    assert not (folder / "metrics.jsonl").exists()
+    return folder
+
+
+def test_seed_checkpoint_gives_every_layout_the_same_start(straight, seed_folder, tmp_path):
+    one_step = ["--checkpoint.enable", "--training.steps", "1"]
+    seed = str(seed_folder / "checkpoint" / "step-0")
+    losses = {}
+    for layout in ("fsdp4", "fsdp2"):
+        records, out = run(layout, tmp_path / layout, one_step + ["--checkpoint.initial_load_path", seed])
+        assert "step-0 (step 0; model)" in out
+        losses[layout] = records[0]["loss"]
+    copy_checkpoint(seed_folder, tmp_path / "1proc", 0)  # the seed in the run's own folder
+    records, _ = run("1proc", tmp_path / "1proc", one_step)
+    losses["1proc"] = records[0]["loss"]
+    assert all(math.isclose(v, losses["1proc"], rel_tol=1e-6) for v in losses.values()), losses
+    unseeded = straight("1proc")[1][0]["loss"]
+    assert not math.isclose(unseeded, losses["1proc"], rel_tol=1e-3), "the seed was not loaded"
