@@ -46,16 +46,22 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("validation.steps", lambda v: v == -1 or v >= 1, "must be -1 (whole split) or >= 1"),
     ("comm.init_timeout_seconds", lambda v: v >= 1, "must be >= 1"),
     ("comm.train_timeout_seconds", lambda v: v >= 1, "must be >= 1"),
+    ("memory_estimation.world_size", lambda v: v is None or v >= 1, "must be >= 1"),
+    ("memory_estimation.device_memory_gib", lambda v: v is None or v > 0, "must be > 0"),
+    ("memory_estimation.reserved_margin", lambda v: v >= 0, "must be >= 0"),
+    ("memory_estimation.nccl_allowance_gib", lambda v: v >= 0, "must be >= 0"),
+    ("memory_estimation.gpus_per_node", lambda v: v >= 1, "must be >= 1"),
+    ("memory_estimation.plan_traced_layouts", lambda v: v >= 0, "must be >= 0"),
 ]
 
 # Features whose issue has not landed: (field, predicate for "in use", issue title).
 # The issue that builds a feature removes its line here.
 _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("parallelism.enable_compiled_autograd", bool, "compiled autograd"),
+    ("fault_tolerance.enable", bool, "fault tolerance"),
     ("parallelism.expert_parallel_degree", lambda v: v > 1, "expert parallel"),
     ("parallelism.expert_tensor_parallel_degree", lambda v: v > 1, "expert tensor parallel"),
-    ("parallelism.enable_compiled_autograd", bool, "compiled autograd"),
     ("validation.enable", bool, "validation"),
-    ("fault_tolerance.enable", bool, "fault tolerance"),
     ("optimizer.early_step_in_backward", bool, "optimizer step in backward"),
     ("memory_estimation.enable", bool, "memory estimation inside the trainer (use scripts/estimate/estimation.py)"),
 ]

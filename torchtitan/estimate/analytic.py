@@ -1,0 +1,263 @@
+"""Closed-form per-rank peak memory of a Llama-style decoder, for instant sweeps (the planner)
+and as a cross-check of the traced figure.
+
+Assumptions: AdamW (two fp32 states), fp32 master parameters, two training iterations (the
+peak is a steady-state step), the model repeats KV heads before attention, and the kernels of
+the target device: on CUDA the fused rms_norm saves its input and an fp32 rstd; on CPU the
+rms_norm decomposition saves fp32 copies. Accurate to well under 1 % of the trace when the peak
+is in the loss backward (the usual case for large vocabularies); approximate when it moves into
+the layers' backward or the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Geometry:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_model_args(cls, args) -> Geometry | None:
+        """None for model args without Llama-style fields."""
+        try:
+            return cls(
+                dim=args.dim,
+                n_layers=args.n_layers,
+                n_heads=args.n_heads,
+                n_kv_heads=args.kv_heads,
+                head_dim=args.head_dim,
+                ffn_dim=args.ffn_hidden_dim,
+                vocab_size=args.vocab_size,
+            )
+        except AttributeError:
+            return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ac: str = "none"  # "none" | "full" | "selective:N" | "selective:op"
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    def describe(self) -> str:
+        parts = [f"{n}={v}" for n, v in (
+            ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp),
+            ("tp", self.tp), ("pp", self.pp),
+        ) if v > 1]
+        return " ".join(parts or ["single device"]) + f", AC {self.ac}"
+
+
+@dataclass(frozen=True)
+class Run:
+    seq_len: int
+    local_batch: int
+    grad_accum: int = 1
+    param_bytes: int = 2  # FSDP compute dtype (or autocast dtype without FSDP)
+    foreach_optimizer: bool = False
+    loss_parallel: bool = True
+    target: str = "cuda"
+    pp_microbatch: int = 1
+
+
+@dataclass
+class AnalyticEstimate:
+    peak_bytes: int
+    phase: str
+    phases: dict[str, int]
+    items: dict[str, int]
+
+
+def _linear_shapes(g: Geometry) -> list[tuple[int, int, str]]:
+    """(rows, cols, tp style) of one block's weights; colwise shards rows, rowwise cols."""
+    q, kv = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
+    return [
+        (q, g.dim, "col"), (kv, g.dim, "col"), (kv, g.dim, "col"), (g.dim, q, "row"),
+        (g.ffn_dim, g.dim, "col"), (g.ffn_dim, g.dim, "col"), (g.dim, g.ffn_dim, "row"),
+        (g.dim, 1, "rep"), (g.dim, 1, "rep"),
+    ]
+
+
+def _root_shapes(g: Geometry) -> list[tuple[int, int, str]]:
+    return [(g.vocab_size, g.dim, "col"), (g.dim, 1, "rep"), (g.vocab_size, g.dim, "col")]
+
+
+def _local_numel(shapes: list[tuple[int, int, str]], tp: int, shards: int) -> tuple[int, int]:
+    """(TP-local numel, TP-local then FSDP-sharded numel; FSDP pads dim 0 to the shard count)."""
+    local = sharded = 0
+    for rows, cols, style in shapes:
+        rows_l = rows // tp if style == "col" else rows
+        cols_l = cols // tp if style == "row" else cols
+        local += rows_l * cols_l
+        sharded += math.ceil(rows_l / shards) * cols_l
+    return local, sharded
+
+
+def _norm_kept_bytes(a: int, d: int, target: str) -> float:
+    """Per token, what one rms_norm keeps besides its output: CUDA's fused kernel keeps the
+    input and an fp32 rstd; the CPU decomposition keeps an fp32 input (the input itself in
+    fp32, else an fp32 copy while the input is dropped), an fp32 normalised copy and rstd."""
+    if target == "cuda":
+        return a * d + 4
+    return 4 * d + 4 * d + 4
+
+
+def _layer_activation_bytes(g: Geometry, lay: Layout, run: Run, a: int, tokens: float) -> float:
+    t = lay.tp
+    sp = t  # sequence parallel shards the residual stream when TP is on
+    q_local = g.n_heads * g.head_dim / t
+    per_token = (
+        2 * _norm_kept_bytes(a, g.dim, run.target) / sp  # attention_norm, ffn_norm
+        + 2 * a * g.dim  # norm outputs (all-gathered under SP) saved by wq/wk/wv and w1/w3
+        + a * 4 * q_local  # q, repeated k and v, attention output
+        + 4 * g.n_heads / t  # logsumexp
+        + 4 * a * g.ffn_dim / t  # w1, w3, silu, silu*w3
+    )
+    return tokens * per_token
+
+
+def estimate(g: Geometry, lay: Layout, run: Run) -> AnalyticEstimate | None:
+    """The per-rank peak of the most loaded pipeline stage (None for op-level selective AC,
+    which this model does not cover)."""
+    if lay.ac == "selective:op":
+        return None
+    stages = [_stage(g, lay, run, first=(s == 0), last=(s == lay.pp - 1)) for s in range(lay.pp)]
+    return max(stages, key=lambda e: e.peak_bytes)
+
+
+@dataclass
+class _Stage:
+    """Per-rank byte counts of one pipeline stage."""
+
+    weights: float  # sharded fp32 parameters (full ones without FSDP)
+    opt: float  # Adam states
+    u_layer: float  # one block's gathered low-precision parameters
+    u_root: float  # embedding/norm/output gathered (or autocast copies without FSDP)
+    root_local: float  # TP-local numel of the root parameters on this stage
+    layer_local: float  # TP-local numel of one block
+    layer_sharded: float  # its FSDP shard
+    layers: int
+    tokens: float  # per micro-batch on this rank
+    a_in: float  # one block's input (all that full AC keeps)
+    a_layer: float  # everything one block keeps without AC
+    kept: float  # what one block keeps under the configured AC
+
+
+def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> _Stage:
+    a = run.param_bytes
+    shards = lay.dp_shard * lay.cp if lay.fsdp else 1
+    layers = math.ceil(g.n_layers / lay.pp)
+    batch = run.pp_microbatch if lay.pp > 1 else run.local_batch
+    tokens = batch * run.seq_len / lay.cp
+    layer_local, layer_sharded = _local_numel(_linear_shapes(g), lay.tp, shards)
+    root_shapes = [s for i, s in enumerate(_root_shapes(g)) if (i == 0 and first) or (i > 0 and last)]
+    root_local, root_sharded = _local_numel(root_shapes, lay.tp, shards)
+    params_sharded = layers * layer_sharded + root_sharded
+    if lay.fsdp:
+        u_layer, u_root = a * layer_local, a * root_local
+    else:  # autocast keeps low-precision copies of the matmul weights for backward
+        u_layer, u_root = 0, (layers * layer_local + root_local) * a if a < 4 else 0
+    a_in = a * tokens * g.dim / lay.tp
+    a_layer = _layer_activation_bytes(g, lay, run, a, tokens)
+    kept = a_layer
+    if lay.ac == "full":
+        kept = a_in
+    elif lay.ac.startswith("selective:"):
+        every = int(lay.ac.split(":")[1])
+        kept = (a_layer * (every - 1) + a_in) / every
+    return _Stage(4 * params_sharded, 8 * params_sharded, u_layer, u_root, root_local,
+                  layer_local, layer_sharded, layers, tokens, a_in, a_layer, kept)
+
+
+def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> AnalyticEstimate:
+    st = _stage_sizes(g, lay, run, first, last)
+    a = run.param_bytes
+    grads = st.weights
+    in_flight = min(lay.pp, max(1, run.local_batch // run.pp_microbatch)) if (lay.pp > 1 and first) else 1
+    activations = in_flight * st.layers * st.kept
+    inputs = 16 * run.local_batch * run.seq_len / lay.cp
+    base = st.weights + st.opt + st.u_root + inputs
+    phases = {
+        "optimizer step": st.weights + grads + st.opt + (grads if run.foreach_optimizer else 0),
+        "layer backward": _layer_backward(st, g, lay, a, base) + (a * st.root_local if last else 0),
+    }
+    log_probs = 0.0
+    if last:
+        vocab_local = g.vocab_size / lay.tp if run.loss_parallel else g.vocab_size
+        loss_k = 3 if (lay.tp > 1 and run.loss_parallel) else 2  # fp32 gradient buffers
+        log_probs = 4 * st.tokens * vocab_local
+        final_norm = st.tokens * (_norm_kept_bytes(a, g.dim, run.target) / lay.tp + a * g.dim)
+        accum_grads = grads if run.grad_accum > 1 else 0
+        phases["loss backward"] = base + accum_grads + activations + final_norm + (1 + loss_k) * log_probs
+    phase = max(phases, key=phases.get)
+    items = {
+        "parameters (sharded fp32)": st.weights,
+        "gathered root parameters": st.u_root,
+        "optimizer states": st.opt,
+        "activations kept for backward": activations,
+        "saved log-probabilities": log_probs,
+    }
+    return AnalyticEstimate(int(phases[phase]), phase, {k: int(v) for k, v in phases.items()},
+                            {k: int(v) for k, v in items.items()})
+
+
+def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -> float:
+    """Backward of one block: the blocks below keep their activations, the blocks above hold
+    their sharded fp32 gradients; plus this block's gathered parameters and the next one's
+    (prefetch), its recomputed activations under AC, gradient temporaries, its low-precision
+    gradients and fp32 reduce-scatter input. Linear in the block index, so the maximum is
+    at the first or the last block."""
+    recompute = st.a_layer if st.kept != st.a_layer else 0
+    temps = st.tokens * a * (2 * g.ffn_dim / lay.tp + 2 * g.dim) + (a + 4) * st.layer_local
+    current = base + 2 * st.u_layer + st.kept + recompute + temps
+    top_block = current + (st.layers - 1) * st.kept
+    bottom_block = current + (st.layers - 1) * 4 * st.layer_sharded
+    return max(top_block, bottom_block)
+
+
+def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, target: str) -> tuple[Geometry | None, Layout, Run]:
+    """The analytic inputs of a configured run."""
+    ac = job_config.activation_checkpoint
+    ac_mode = ac.mode if ac.mode != "selective" else f"selective:{ac.selective_ac_option}"
+    layout = Layout(
+        dp_replicate=parallel_dims.dp_replicate,
+        dp_shard=parallel_dims.dp_shard,
+        cp=parallel_dims.cp,
+        tp=parallel_dims.tp,
+        pp=parallel_dims.pp,
+        ac=ac_mode,
+    )
+    training = job_config.training
+    param_bytes = 4 if training.mixed_precision_param == "float32" else 2
+    run = Run(
+        seq_len=training.seq_len,
+        local_batch=training.local_batch_size,
+        grad_accum=grad_accum,
+        param_bytes=param_bytes,
+        foreach_optimizer=job_config.optimizer.implementation == "foreach",
+        loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        target=target,
+        pp_microbatch=job_config.parallelism.pipeline_parallel_microbatch_size,
+    )
+    return Geometry.from_model_args(model_args), layout, run

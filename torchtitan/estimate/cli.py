@@ -1,0 +1,113 @@
+"""``python scripts/estimate/estimation.py --job.config_file F.toml [overrides]``: estimate
+one layout (this module), plan layouts (``plan_mode``) or validate against a real run
+(``validate_mode``)."""
+
+from __future__ import annotations
+
+import sys
+
+from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.config.entry import config_errors_exit
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.estimate import analytic, report
+from torchtitan.estimate.build import TrainingSetup
+from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
+from torchtitan.estimate.plan_mode import run_plan
+from torchtitan.estimate.steps import ITERATIONS, microbatches_per_step
+from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
+from torchtitan.estimate.validate_mode import measure_single_process, run_validate
+from torchtitan.tools.logging import init_logger
+
+# The trainer refuses memory_estimation.enable; this script always estimates, so the flag
+# (which upstream's run script passes) is accepted here as a no-op.
+_ENABLE_FLAGS = ("--memory_estimation.enable", "--memory_estimation.enabled")
+
+
+def analytic_lines(job_config: JobConfig, outcome: TraceOutcome, target: str) -> list[str]:
+    setup = outcome.setup
+    geometry, layout, run = analytic.from_job_config(
+        job_config, setup.model_args, setup.parallel_dims, setup.grad_accum_steps, target
+    )
+    if geometry is None:
+        return ["analytic estimate: not available (the model args are not Llama-style)"]
+    closed_form = analytic.estimate(geometry, layout, run)
+    if closed_form is None:
+        return ["analytic estimate: not available for op-level selective activation checkpointing"]
+    return report.analytic_lines(outcome.result.peak_bytes, closed_form)
+
+
+def degrees(parallel_dims: ParallelDims) -> str:
+    names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+    parts = [f"{n}={getattr(parallel_dims, n)}" for n in names if getattr(parallel_dims, n) > 1]
+    return " x ".join(parts) or "single device"
+
+
+def header_lines(job_config: JobConfig, setup: TrainingSetup, world_size: int, target: str) -> list[str]:
+    t, o = job_config.training, job_config.optimizer
+    vocab_source = "tokenizer" if job_config.model.tokenizer_path else "flavor; no model.tokenizer_path"
+    ac = job_config.activation_checkpoint
+    ac_text = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
+    return [
+        f"memory estimate: {job_config.model.name} {job_config.model.flavor}, {world_size} ranks "
+        f"({degrees(setup.parallel_dims)})",
+        f"  seq_len {t.seq_len} x local batch {t.local_batch_size}, {_microbatch_text(setup)}; params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}; "
+        f"{o.name} ({o.implementation}); activation checkpointing {ac_text}",
+        f"  vocabulary {setup.vocab_size:,} (from the {vocab_source}); target device {target}"
+        + (": CUDA-kernel emulation (rms_norm) and 512-byte block rounding" if target == "cuda" else ""),
+    ]
+
+
+def _microbatch_text(setup: TrainingSetup) -> str:
+    accum, traced = setup.grad_accum_steps, microbatches_per_step(setup)
+    if accum == traced:
+        return f"{accum} micro-batch{'es' if accum > 1 else ''} per step"
+    return f"{accum} micro-batches per step (traced {traced}; the others repeat the last)"
+
+
+def run_estimate(job_config: JobConfig) -> int:
+    me = job_config.memory_estimation
+    world_size = resolve_world_size(job_config)
+    job_config = eager_config(job_config)
+    check_covered(job_config, world_size)
+    if me.disable_fake_mode:
+        return _estimate_on_real_tensors(job_config, world_size)
+    outcome = trace_training_memory(job_config, world_size, me.target_device)
+    print("\n".join(estimate_lines(job_config, outcome, world_size)))
+    return 0
+
+
+def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int) -> list[str]:
+    me, result = job_config.memory_estimation, outcome.result
+    lines = header_lines(job_config, outcome.setup, world_size, me.target_device)
+    lines += [
+        f"  traced rank 0 of {world_size} over {ITERATIONS} steps in {outcome.seconds:.1f} s",
+        "",
+        f"traced allocated peak per rank: {report.size(result.peak_bytes)} ({result.peak_bytes:,} B)",
+        report.where_line(result),
+    ]
+    if me.target_device == "cuda":
+        lines.append(f"  includes 512-byte block rounding: {result.rounding_bytes / 2**20:.2f} MiB")
+    lines += report.breakdown_lines(result) + report.phase_lines(result) + report.module_lines(result)
+    lines += [""] + analytic_lines(job_config, outcome, me.target_device) + [""]
+    if me.target_device == "cpu":
+        return lines + ["target cpu: no device additions (the figure is what the CPU allocator is asked for)"]
+    additions = report.device_additions(result.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib)
+    return lines + report.additions_lines(result.peak_bytes, additions, me.device_memory_gib)
+
+
+def _estimate_on_real_tensors(job_config: JobConfig, world_size: int) -> int:
+    measured = measure_single_process(job_config, world_size)
+    print(f"measured on real tensors (rank 0 of {world_size} emulated in one process, "
+          f"{measured.method}): {report.size(measured.peak_bytes)} ({measured.peak_bytes:,} B)")
+    if measured.tracker is not None:
+        print("\n".join(report.breakdown_lines(measured.tracker) + report.phase_lines(measured.tracker)))
+    return 0
+
+
+@config_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in _ENABLE_FLAGS]
+    job_config = ConfigManager().parse_args(args)
+    modes = {"estimate": run_estimate, "plan": run_plan, "validate": run_validate}
+    return modes[job_config.memory_estimation.mode](job_config)

@@ -1,0 +1,63 @@
+"""What the estimator covers, and the settings every mode resolves the same way."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+from torchtitan.config import ConfigError, JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.estimate.build import build_parallel_dims
+
+COVERED = "FSDP, HSDP, DDP, tensor parallel (with sequence and loss parallel), activation checkpointing"
+
+
+def resolve_world_size(job_config: JobConfig) -> int:
+    configured = job_config.memory_estimation.world_size
+    if configured is not None:
+        return configured
+    if "NGPU" in os.environ:
+        return int(os.environ["NGPU"]) * int(os.environ.get("NNODES", "1"))
+    raise ConfigError(
+        "memory_estimation.world_size: not set; pass --memory_estimation.world_size N "
+        "(or set NGPU and NNODES)"
+    )
+
+
+def coverage_gap(job_config: JobConfig, parallel_dims: ParallelDims) -> str | None:
+    """Why the estimator cannot trace this config, or None."""
+    if parallel_dims.pp_enabled:
+        return f"parallelism.pipeline_parallel_degree={parallel_dims.pp}: pipeline parallel"
+    if parallel_dims.cp_enabled:
+        return f"parallelism.context_parallel_degree={parallel_dims.cp}: context parallel"
+    if parallel_dims.ep_enabled:
+        return f"parallelism.expert_parallel_degree={parallel_dims.ep}: expert parallel"
+    if job_config.parallelism.enable_async_tensor_parallel:
+        return "parallelism.enable_async_tensor_parallel: async tensor parallel"
+    if job_config.model.converters:
+        return f"model.converters={job_config.model.converters}: model converters (float8, ...)"
+    if job_config.training.enable_cpu_offload:
+        return "training.enable_cpu_offload: CPU offload"
+    return None
+
+
+def check_covered(job_config: JobConfig, world_size: int) -> ParallelDims:
+    parallel_dims = build_parallel_dims(job_config, world_size, "cpu")
+    gap = coverage_gap(job_config, parallel_dims)
+    if gap is not None:
+        raise ConfigError(f"{gap} is not covered by the memory estimator yet (covered: {COVERED})")
+    return parallel_dims
+
+
+def eager_config(job_config: JobConfig) -> JobConfig:
+    """Tracing runs eagerly: compile is turned off, with a notice (compiled runs usually
+    need somewhat less memory)."""
+    if not job_config.compile.enable:
+        return job_config
+    print("note: compile.enable is ignored: the estimate traces eager mode (compiled runs "
+          "usually need somewhat less activation memory)")
+    config = copy.deepcopy(job_config)
+    config.compile.enable = False
+    return config
+
+

@@ -1,0 +1,120 @@
+"""The measured side of validation: the same training steps on real tensors.
+
+On CPU the peak is taken two independent ways at allocation level: the tracker on real
+tensors, and the CPU allocator's events from the profiler (live bytes at the start plus the
+running sum of allocations and frees). On CUDA it is ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from torchtitan.config import JobConfig
+from torchtitan.estimate.build import TrainingSetup, build_parallel_dims, build_training_setup
+from torchtitan.estimate.steps import run_training_steps
+from torchtitan.estimate.tracker import TrackerResult, build_tracker
+
+INIT_SEED = 0
+
+
+@dataclass
+class MeasuredOutcome:
+    peak_bytes: int
+    """The primary measure: the profiler's allocator peak on CPU, max_memory_allocated on CUDA."""
+    method: str
+    tracker: TrackerResult | None = None
+    reserved_bytes: int | None = None
+    phase_peaks: dict[tuple[int, str], int] = field(default_factory=dict)
+
+
+class CudaPhaseProbe:
+    """Per-phase ``max_memory_allocated`` (the peak counter is reset at each phase change)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phase_peaks: dict[tuple[int, str], int] = {}
+        self._current: tuple[int, str] = (0, "setup")
+
+    def start_iteration(self, iteration: int) -> None:
+        pass
+
+    def start_microbatch(self) -> None:
+        pass
+
+    def set_phase(self, iteration: int, phase: str) -> None:
+        torch.cuda.synchronize(self.device)
+        self.phase_peaks[self._current] = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._current = (iteration, phase)
+
+
+def live_storage_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of the distinct storages behind parameters, buffers, grads and optimizer state."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    tensors += [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    storages = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _allocator_peak(prof: profile) -> int:
+    """Highest running sum of the CPU allocator's alloc/free events."""
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    running = peak = 0
+    for event in events:
+        running += event.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
+def _measure_cpu(setup: TrainingSetup) -> MeasuredOutcome:
+    optimizers = list(setup.optimizers)
+    tracker = build_tracker(setup.model, optimizers)
+    gc.collect()
+    baseline = live_storage_bytes(setup.model, optimizers)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, tracker:
+        run_training_steps(setup, tracker)
+    result = tracker.result()
+    return MeasuredOutcome(
+        peak_bytes=baseline + _allocator_peak(prof),
+        method="CPU allocator events (torch.profiler profile_memory)",
+        tracker=result,
+        phase_peaks=result.phase_peaks,
+    )
+
+
+def _measure_cuda(setup: TrainingSetup) -> MeasuredOutcome:
+    probe = CudaPhaseProbe(setup.device)
+    torch.cuda.synchronize(setup.device)
+    torch.cuda.reset_peak_memory_stats(setup.device)
+    run_training_steps(setup, probe)
+    stats = torch.cuda.memory_stats(setup.device)
+    peaks = {k: v for k, v in probe.phase_peaks.items() if k[1] != "setup"}
+    return MeasuredOutcome(
+        peak_bytes=max(peaks.values()),
+        method="torch.cuda.max_memory_allocated",
+        reserved_bytes=stats.get("reserved_bytes.all.peak"),
+        phase_peaks=peaks,
+    )
+
+
+def measure_training_memory(job_config: JobConfig, device: torch.device) -> MeasuredOutcome:
+    """Run the steps for real on this rank (the default process group must exist)."""
+    parallel_dims = build_parallel_dims(job_config, dist.get_world_size(), device.type)
+    setup = build_training_setup(job_config, parallel_dims, device, init_seed=INIT_SEED)
+    if device.type == "cuda":
+        return _measure_cuda(setup)
+    return _measure_cpu(setup)

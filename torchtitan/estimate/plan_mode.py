@@ -1,0 +1,131 @@
+"""``--memory_estimation.mode plan``: the layouts of a model on N GPUs that fit, ranked by
+the planner's throughput model, the best traceable ones traced."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config.validation import validate_job_config
+from torchtitan.estimate import analytic, planner, report
+from torchtitan.estimate.build import build_parallel_dims, estimation_model_args
+from torchtitan.estimate.coverage import coverage_gap, resolve_world_size
+from torchtitan.estimate.trace import trace_training_memory
+from torchtitan.protocols import get_train_spec
+
+
+def run_plan(job_config: JobConfig) -> int:
+    me, training = job_config.memory_estimation, job_config.training
+    world_size = resolve_world_size(job_config)
+    if me.device_memory_gib is None:
+        raise ConfigError(
+            "memory_estimation.device_memory_gib: mode plan needs the memory per GPU in GiB, "
+            "e.g. --memory_estimation.device_memory_gib 80"
+        )
+    spec = get_train_spec(job_config.model.name)
+    model_args = estimation_model_args(job_config, spec)
+    geometry = analytic.Geometry.from_model_args(model_args)
+    if geometry is None:
+        raise ConfigError(f"model.name: the planner needs Llama-style model args; {spec.name!r} has none")
+    global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * world_size
+    overhead = report.CUBLAS_WORKSPACE_BYTES + report.CUDA_CONTEXT_BYTES + (me.nccl_allowance_gib * 2**30 if world_size > 1 else 0)
+    request = planner.PlanRequest(
+        geometry=geometry, seq_len=training.seq_len, global_batch=global_batch, world_size=world_size,
+        device_memory_gib=me.device_memory_gib, gpus_per_node=me.gpus_per_node,
+        param_bytes=4 if training.mixed_precision_param == "float32" else 2,
+        overhead_bytes=overhead, reserved_margin=me.reserved_margin,
+    )
+    try:
+        entries, enumerated = planner.plan(request)
+    except planner.PlanError as e:
+        raise ConfigError(str(e)) from None
+    print(f"plan: {job_config.model.name} {job_config.model.flavor}, seq_len {training.seq_len}, global batch "
+          f"{global_batch} sequences, {world_size} GPUs of {me.device_memory_gib:g} GiB "
+          f"({me.gpus_per_node} per node)")
+    if not entries:
+        need, layout = planner.smallest_need(request)
+        print(f"no layout fits in {me.device_memory_gib:g} GiB per GPU: the least any layout needs is "
+              f"{report.gib(need)} GiB ({layout.describe()}, local batch 1); use more GPUs, a shorter "
+              "training.seq_len or a smaller model", file=sys.stderr)
+        return 1
+    print("\n".join(plan_lines(job_config, request, entries, enumerated)))
+    return 0
+
+
+PLAN_ROWS = 10
+OTHER_ROWS = 5
+
+
+def plan_lines(job_config: JobConfig, request: planner.PlanRequest, entries, enumerated: int) -> list[str]:
+    """The best layouts the trainer runs and the estimator traces (the first few traced),
+    then the best of the others (analytic figures only, with the reason)."""
+    gaps = [layout_gap(layout_config(job_config, request, e), request.world_size) for e in entries]
+    supported = [(i, e) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is None]
+    others = [(i, e, gap) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is not None]
+    lines = [
+        f"  {len(entries)} of {enumerated} layouts fit (need = analytic peak x (1 + reserved_margin) + "
+        "context, workspaces, NCCL), ranked by a throughput model (compute at 400 TFLOP/s per GPU, "
+        "FSDP overlapped, TP/CP exposed, pipeline bubble; NVLink 400 GB/s, network 50 GB/s per GPU)",
+        "",
+        "  layouts the trainer runs and the estimator traces:",
+        _plan_header(),
+    ]
+    lines += [_plan_row(i, e) for i, e in supported[:PLAN_ROWS]] or ["    (none)"]
+    lines += _traced_lines(job_config, request, supported)
+    if others:
+        lines += ["", "  better-ranked or other layouts, analytic only:", _plan_header()]
+        lines += [_plan_row(i, e) + f"  {gap}" for i, e, gap in others[:OTHER_ROWS]]
+    return lines
+
+
+def _plan_header() -> str:
+    return (f"  {'#':>4}  {'layout':<50}{'batch x accum':>14}{'peak GiB':>10}{'need GiB':>10}"
+            f"{'tok/s/GPU':>11}")
+
+
+def _plan_row(rank: int, entry: planner.PlanEntry) -> str:
+    batch = f"{entry.local_batch} x {entry.grad_accum}"
+    return (f"  {rank:>4}  {entry.layout.describe():<50}{batch:>14}{report.gib(entry.peak_bytes):>10}"
+            f"{report.gib(entry.need_bytes):>10}{entry.tokens_per_second_per_gpu:>11,.0f}")
+
+
+def _traced_lines(job_config: JobConfig, request: planner.PlanRequest, supported) -> list[str]:
+    budget = job_config.memory_estimation.plan_traced_layouts
+    lines = []
+    for rank, entry in supported[:budget]:
+        config = layout_config(job_config, request, entry)
+        outcome = trace_training_memory(config, request.world_size, job_config.memory_estimation.target_device)
+        peak = outcome.result.peak_bytes
+        lines.append(f"    traced #{rank}: {report.gib(peak)} GiB allocated peak (analytic "
+                     f"{(entry.peak_bytes - peak) / peak:+.2%}; traced in {outcome.seconds:.0f} s)")
+    return lines
+
+
+def layout_config(job_config: JobConfig, request: planner.PlanRequest, entry: planner.PlanEntry) -> JobConfig:
+    config = copy.deepcopy(job_config)
+    lay, p = entry.layout, config.parallelism
+    p.data_parallel_replicate_degree, p.data_parallel_shard_degree = lay.dp_replicate, lay.dp_shard
+    p.context_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree = lay.cp, lay.tp, lay.pp
+    config.activation_checkpoint.mode = lay.ac
+    config.training.local_batch_size = entry.local_batch
+    config.training.global_batch_size = request.global_batch
+    config.compile.enable = False
+    return config
+
+
+def layout_gap(config: JobConfig, world_size: int) -> str | None:
+    """Why a layout cannot be traced ('not in trainer: ...', 'estimator: ... not covered
+    yet'), or None."""
+    try:
+        validate_job_config(config)
+        parallel_dims = build_parallel_dims(config, world_size, "cpu")
+    except ConfigError as e:
+        return f"not in trainer: {_first_clause(str(e))}"
+    gap = coverage_gap(config, parallel_dims)
+    return None if gap is None else f"estimator: {gap.split(':')[1].strip()} not covered yet"
+
+
+def _first_clause(message: str, limit: int = 70) -> str:
+    clause = message.split(";")[0].split(" (")[0]
+    return clause if len(clause) <= limit else clause[: limit - 3] + "..."

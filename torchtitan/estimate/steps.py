@@ -1,0 +1,68 @@
+"""The training steps that are traced (fake) or measured (real): the trainer's
+zero_grad -> forward/loss/backward per micro-batch -> clip -> optimizer and LR step."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.estimate.build import TrainingSetup
+
+ITERATIONS = 2
+"""Two steps: the second one runs with optimizer states and grads as in steady state."""
+
+MAX_MICROBATCHES = 2
+"""With gradient accumulation, micro-batches after the second allocate exactly what the
+second does (the gradients already exist), so at most two run per step."""
+
+
+def microbatches_per_step(setup: TrainingSetup) -> int:
+    return min(setup.grad_accum_steps, MAX_MICROBATCHES)
+
+
+class PhaseObserver(Protocol):
+    def start_iteration(self, iteration: int) -> None: ...
+
+    def start_microbatch(self) -> None: ...
+
+    def set_phase(self, iteration: int, phase: str) -> None: ...
+
+
+def random_batch(setup: TrainingSetup) -> tuple[torch.Tensor, torch.Tensor]:
+    training = setup.job_config.training
+    shape = (training.local_batch_size, training.seq_len)
+    inputs = torch.randint(0, setup.vocab_size, shape, device=setup.device)
+    labels = torch.randint(0, setup.vocab_size, shape, device=setup.device)
+    return inputs, labels
+
+
+def _forward_backward(setup: TrainingSetup, observer: PhaseObserver, iteration: int) -> torch.Tensor:
+    inputs, labels = random_batch(setup)
+    observer.start_microbatch()
+    observer.set_phase(iteration, "forward")
+    with setup.train_context():
+        pred = setup.model(inputs)
+        observer.set_phase(iteration, "loss")
+        loss = setup.loss_fn(pred, labels)
+        del pred
+        observer.set_phase(iteration, "backward")
+        loss.backward()
+    return loss.detach()
+
+
+def run_training_steps(setup: TrainingSetup, observer: PhaseObserver, iterations: int = ITERATIONS) -> None:
+    params = [p for p in setup.model.parameters()]
+    for iteration in range(1, iterations + 1):
+        observer.start_iteration(iteration)
+        observer.set_phase(iteration, "zero_grad")
+        setup.optimizers.zero_grad()
+        losses = [_forward_backward(setup, observer, iteration) for _ in range(microbatches_per_step(setup))]
+        observer.set_phase(iteration, "clip_grad_norm")
+        clip_grad_norm_(params, setup.job_config.training.max_norm, foreach=True)
+        observer.set_phase(iteration, "optimizer_step")
+        setup.optimizers.step()
+        setup.lr_schedulers.step()
+        del losses
+    observer.set_phase(iterations, "done")

@@ -1,0 +1,124 @@
+"""What makes a fake-tensor trace of training match a real device's allocations.
+
+* a fake process group, so one process can be any rank of any world size;
+* a tracker guard against DTensor sharding propagation, whose global-shape scratch tensors
+  would otherwise be counted as real memory (torch reuses the caller's FakeTensorMode for it);
+* the CUDA caching allocator's 512-byte block rounding, applied to the traced CPU storages;
+* emulation of CUDA kernels whose saved-for-backward tensors differ from the CPU kernels'
+  (the fused rms_norm saves the input and an fp32 rstd; the CPU decomposition saves fp32 copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+CUDA_BLOCK_BYTES = 512
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """The default process group is the "fake" backend: collectives return at once and every
+    buffer still has its true per-rank size."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def private_propagation_fake_mode() -> Iterator[None]:
+    """Make DTensor sharding propagation use its own FakeTensorMode instead of ours, so that
+    the tracker guard can tell its scratch tensors from the traced program's."""
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+def active_fake_slot() -> Any:
+    """The FakeTensorMode currently in the dispatcher's FAKE slot (None outside fake mode)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+@contextlib.contextmanager
+def cuda_block_rounding() -> Iterator[None]:
+    """Round every tracked storage up to the CUDA caching allocator's 512-byte blocks, whatever
+    device the traced tensors are on (the trackers only do it for device type cuda)."""
+    from torch.distributed._tools import mem_tracker
+
+    info_cls = mem_tracker._WeakRefInfo
+    original = info_cls._calculate_mem_consumed
+
+    def rounded(self) -> int:
+        return math.ceil(self.size * self.element_size / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+    info_cls._calculate_mem_consumed = rounded
+    try:
+        yield
+    finally:
+        info_cls._calculate_mem_consumed = original
+
+
+class _FusedRMSNormAllocations(torch.autograd.Function):
+    """Allocates what CUDA's ``_fused_rms_norm`` allocates and saves: the output, an fp32 rstd
+    per row; backward allocates the input and weight gradients. Values are not computed, so
+    this is only used on fake tensors."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, n_norm_dims: int) -> torch.Tensor:
+        rstd = x.new_empty(x.shape[: x.dim() - n_norm_dims] + (1,) * n_norm_dims, dtype=torch.float32)
+        ctx.save_for_backward(x, rstd, weight)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, _rstd, weight = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _cuda_like_rms_norm(x: torch.Tensor, normalized_shape, weight=None, eps=None) -> torch.Tensor:
+    out = _FusedRMSNormAllocations.apply(_local(x), _local(weight), len(normalized_shape))
+    if isinstance(x, DTensor):
+        return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+    return out
+
+
+# functional name -> allocation-only emulation of its CUDA kernel. Patched on the module
+# (not through a TorchFunctionMode, which the autograd engine does not carry into
+# activation-checkpoint recomputation). Extend as CPU and CUDA kernels diverge.
+_EMULATED_FUNCTIONALS = {"rms_norm": _cuda_like_rms_norm}
+
+
+@contextlib.contextmanager
+def cuda_kernel_emulation() -> Iterator[None]:
+    """Route the functionals whose CPU and CUDA kernels save different tensors for backward
+    to an emulation of the CUDA kernel's allocations."""
+    originals = {name: getattr(F, name) for name in _EMULATED_FUNCTIONALS}
+    for name, replacement in _EMULATED_FUNCTIONALS.items():
+        setattr(F, name, replacement)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(F, name, original)

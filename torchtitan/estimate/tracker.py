@@ -1,0 +1,206 @@
+"""Memory trackers for estimation: torch's MemTracker / FSDPMemTracker plus
+
+* a guard that ignores ops run under any fake mode other than the one active on entry
+  (DTensor sharding propagation's scratch tensors, see ``tracing.private_propagation_fake_mode``);
+* the step phase and innermost module at each new peak, per-phase and per-module peaks;
+* the bytes that 512-byte block rounding adds (when ``tracing.cuda_block_rounding`` is on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from torchtitan.estimate.tracing import active_fake_slot
+
+TOTAL = "Total"
+ROUNDING = "Rounding"
+# Module depth below the root kept in the per-module table (layers.3.feed_forward = 3).
+MODULE_DEPTH = 3
+
+
+@dataclass
+class PeakPlace:
+    iteration: int
+    phase: str
+    module: str | None
+
+
+@dataclass
+class ModuleStats:
+    activations_kept: int = 0
+    """Activation bytes the module's forward leaves alive (saved for its backward)."""
+    peak: int = 0
+    """Highest total while the module ran (forward or backward)."""
+
+
+@dataclass
+class TrackerResult:
+    """The per-device peak, its category breakdown and where in the step it happened."""
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    rounding_bytes: int
+    place: PeakPlace
+    phase_peaks: dict[tuple[int, str], int]
+    modules: dict[str, ModuleStats] = field(default_factory=dict)
+
+
+class _EstimationTrackerMixin:
+    """Shared additions; mixed in before MemTracker or FSDPMemTracker."""
+
+    def _init_estimation_state(self) -> None:
+        self.phase = "setup"
+        self.iteration = 0
+        self._fake_slot_on_entry: Any = None
+        self._place = PeakPlace(0, "setup", None)
+        self.phase_peaks: dict[tuple[int, str], int] = {}
+        self.module_stats: dict[str, ModuleStats] = {}
+        self._forward_start: dict[int, int] = {}
+        self._hook_handles: list[Any] = []
+
+    def set_phase(self, iteration: int, phase: str) -> None:
+        self.iteration, self.phase = iteration, phase
+
+    def start_iteration(self, iteration: int) -> None:
+        """Per-module statistics cover one iteration."""
+        self.module_stats.clear()
+        self.iteration = iteration
+
+    def start_microbatch(self) -> None:
+        """torch's trackers refuse a second forward of the root without a reset."""
+        self.reset_mod_stats()
+
+    # ------------------------------------------------------------ context
+    def __enter__(self):
+        if self._depth == 0:
+            self._fake_slot_on_entry = active_fake_slot()
+            self._hook_handles = [
+                register_module_forward_pre_hook(self._note_forward_start),
+                register_module_forward_hook(self._note_forward_end),
+            ]
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        if self._depth == 0:
+            for handle in self._hook_handles:
+                handle.remove()
+            self._hook_handles = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if active_fake_slot() is not self._fake_slot_on_entry and not any(
+            issubclass(t, DTensor) for t in types
+        ):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    # ------------------------------------------------------------ bookkeeping
+    def _current_total(self) -> int:
+        return sum(snap[TOTAL] for snap in self._curr_mem_snap.values())
+
+    def _current_activations(self) -> int:
+        return sum(snap.get(self._ref_class.ACT, 0) for snap in self._curr_mem_snap.values())
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        padding = winfo.mem_consumed - winfo.size * winfo.element_size
+        previous = getattr(winfo, "_padding", 0)
+        winfo._padding = padding
+        delta = {
+            _UpdateType.ADD: padding,
+            _UpdateType.DEL: -previous,
+            _UpdateType.SIZE: padding - previous,
+        }.get(u_type, 0)
+        snap = self._curr_mem_snap.get(winfo.device)
+        if snap is not None and delta:
+            snap[ROUNDING] = snap.get(ROUNDING, 0) + delta
+
+    def _update_peak_stats(self, peak_state) -> None:
+        before = dict(self._peak_mem)
+        super()._update_peak_stats(peak_state)
+        total = self._current_total()
+        key = (self.iteration, self.phase)
+        if total > self.phase_peaks.get(key, -1):
+            self.phase_peaks[key] = total
+        for fqn in self._mod_tracker.parents:
+            stats = self.module_stats.get(fqn)
+            if stats is not None and total > stats.peak:
+                stats.peak = total
+        if self._peak_mem != before:
+            self._place = PeakPlace(self.iteration, self.phase, self._innermost_module())
+
+    def _innermost_module(self) -> str | None:
+        names = [p for p in self._mod_tracker.parents if p != "Global"]
+        return _strip_root(max(names, key=lambda n: n.count("."))) if names else None
+
+    def _note_forward_start(self, module: nn.Module, args: Any) -> None:
+        fqn = self._tracked_fqn(module)
+        if fqn is not None:
+            self._forward_start[id(module)] = self._current_activations()
+            self.module_stats.setdefault(fqn, ModuleStats())
+
+    def _note_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        fqn = self._tracked_fqn(module)
+        start = self._forward_start.pop(id(module), None)
+        if fqn is not None and start is not None and not self._mod_tracker.is_bw:
+            stats = self.module_stats[fqn]
+            kept = self._current_activations() - start
+            stats.activations_kept = max(stats.activations_kept, kept)
+
+    def _tracked_fqn(self, module: nn.Module) -> str | None:
+        fqn = self._mod_tracker.get_known_fqn(module)
+        if fqn is None or fqn.count(".") > MODULE_DEPTH:
+            return None
+        return fqn
+
+    def result(self) -> TrackerResult:
+        device, snap = max(self._peak_mem_snap.items(), key=lambda kv: kv[1][TOTAL])
+        breakdown = {
+            (k.value if hasattr(k, "value") else str(k)): v
+            for k, v in snap.items()
+            if k not in (TOTAL, ROUNDING)
+        }
+        return TrackerResult(
+            peak_bytes=snap[TOTAL],
+            breakdown=breakdown,
+            rounding_bytes=snap.get(ROUNDING, 0),
+            place=self._place,
+            phase_peaks=dict(self.phase_peaks),
+            modules={_strip_root(k): v for k, v in self.module_stats.items() if "." in k},
+        )
+
+
+def _strip_root(fqn: str) -> str:
+    """ModTracker names modules ``<RootClass>.layers.0``; drop the root class name."""
+    return fqn.split(".", 1)[1] if "." in fqn else fqn
+
+
+class EstimationMemTracker(_EstimationTrackerMixin, MemTracker):
+    def __init__(self) -> None:
+        super().__init__()
+        self._init_estimation_state()
+
+
+class EstimationFSDPMemTracker(_EstimationTrackerMixin, FSDPMemTracker):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        super().__init__(module, optimizer)
+        self._init_estimation_state()
+
+
+def build_tracker(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> _EstimationTrackerMixin:
+    """FSDPMemTracker (sharded/unsharded params, all-gather and reduce-scatter buffers) for an
+    FSDP root, otherwise MemTracker."""
+    if isinstance(model, FSDPModule) and len(optimizers) == 1:
+        return EstimationFSDPMemTracker(model, optimizers[0])
+    tracker = EstimationMemTracker()
+    tracker.track_external(model, *optimizers)
+    return tracker

@@ -1,0 +1,125 @@
+"""``--memory_estimation.mode validate``: run the traced steps on real tensors, trace the
+estimate, print both peaks. Under torchrun every rank runs for real (gloo on CPU, NCCL on
+CUDA); otherwise one rank of ``world_size`` is emulated in this process on a fake process
+group (collectives are no-ops, every buffer has its per-rank size).
+
+The estimate is traced in a fresh process: DeviceMeshes of the fake and the real process
+group compare equal, so DTensor's global caches would hand one world's process groups to
+the other."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.config import ConfigError, ConfigManager, JobConfig, config_to_toml
+from torchtitan.distributed.parallel_dims import default_device_type
+from torchtitan.distributed.utils import init_distributed
+from torchtitan.estimate import report
+from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
+from torchtitan.estimate.measure import MeasuredOutcome, measure_training_memory
+from torchtitan.estimate.steps import ITERATIONS
+from torchtitan.estimate.trace import trace_training_memory
+from torchtitan.estimate.tracing import fake_process_group
+
+
+def _validation_device(target: str) -> torch.device:
+    device_type = default_device_type()
+    if device_type != target:
+        raise ConfigError(
+            f"memory_estimation.target_device={target!r} but real tensors here are on {device_type}; "
+            f"pass --memory_estimation.target_device {device_type}"
+        )
+    if device_type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(device_type)
+
+
+def measure_single_process(job_config: JobConfig, world_size: int) -> MeasuredOutcome:
+    """One rank of ``world_size`` on real tensors: collectives are no-ops (fake process
+    group) and every buffer has its per-rank size."""
+    device = _validation_device(job_config.memory_estimation.target_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with fake_process_group(world_size):
+        return measure_training_memory(job_config, device)
+
+
+def _measure_distributed(job_config: JobConfig) -> list[MeasuredOutcome]:
+    """Every rank of a torchrun launch measures itself; all outcomes are gathered."""
+    device = init_distributed(job_config)
+    try:
+        mine = measure_training_memory(job_config, device)
+        outcomes: list[MeasuredOutcome | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, mine)
+        return outcomes
+    finally:
+        dist.destroy_process_group()
+
+
+def _traced_peak(config_path: str, world_size: int, target: str) -> int:
+    job_config = ConfigManager().parse_args(["--job.config_file", config_path])
+    return trace_training_memory(job_config, world_size, target).result.peak_bytes
+
+
+def traced_peak_in_fresh_process(job_config: JobConfig, world_size: int, target: str) -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "job.toml")
+        with open(path, "w") as f:
+            f.write(config_to_toml(job_config))
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(_traced_peak, path, world_size, target).result()
+
+
+def run_validate(job_config: JobConfig) -> int:
+    me = job_config.memory_estimation
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if launched else resolve_world_size(job_config)
+    if launched and me.world_size not in (None, world_size):
+        raise ConfigError(
+            f"memory_estimation.world_size ({me.world_size}) differs from torchrun's WORLD_SIZE "
+            f"({world_size}); drop it or launch that many processes"
+        )
+    job_config = eager_config(job_config)
+    check_covered(job_config, world_size)
+    _validation_device(me.target_device)
+    if launched:
+        measured = _measure_distributed(job_config)
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        measured = [measure_single_process(job_config, world_size)]
+    estimate = traced_peak_in_fresh_process(job_config, world_size, me.target_device)
+    print("\n".join(validation_lines(estimate, measured, world_size, launched)))
+    return 0
+
+
+def validation_lines(estimate: int, measured: list[MeasuredOutcome], world_size: int, launched: bool) -> list[str]:
+    how = f"{len(measured)} real processes" if launched else f"rank 0 of {world_size} emulated in one process"
+    lines = [
+        f"validation: traced estimate vs measured peak over the same {ITERATIONS} steps ({how})",
+        f"  estimate (fake tensors, rank 0 of {world_size}): {estimate:,} B ({report.size(estimate)})",
+    ]
+    for rank, m in enumerate(measured):
+        parts = [f"{m.method} {m.peak_bytes:,} B (estimate {_error(estimate, m.peak_bytes)})"]
+        if m.tracker is not None:
+            parts.insert(0, f"tracker on real tensors {m.tracker.peak_bytes:,} B (estimate "
+                            f"{_error(estimate, m.tracker.peak_bytes)})")
+        if m.reserved_bytes is not None:
+            parts.append(f"reserved {m.reserved_bytes:,} B")
+        lines.append(f"  rank {rank}: " + "; ".join(parts))
+    if any(m.reserved_bytes is not None for m in measured):
+        lines.append(
+            f"  max_memory_allocated also counts cuBLAS workspaces ({report.CUBLAS_WORKSPACE_BYTES >> 20} MiB "
+            "on sm90) that tracing cannot see; the estimate's device additions list them"
+        )
+    return lines
+
+
+def _error(estimate: int, measured: int) -> str:
+    return f"{(estimate - measured) / measured:+.2%}"
