@@ -38,6 +38,7 @@ from torchtitan.distributed.utils import (
     set_determinism,
     set_pg_timeouts,
 )
+from torchtitan.models.moe import moe_load_metrics
 from torchtitan.protocols import ModelConvertersContainer, get_train_spec
 from torchtitan.tools.compile import compile_loss
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
@@ -281,6 +282,7 @@ class Trainer:
                 loss_max=dist_reduce(loss, "max", self.loss_mesh),
                 grad_norm=grad_norm.item(),
                 lr=lr,
+                extra=moe_load_metrics(self.model_parts),  # {} for dense models
             )
 
     def _step_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:

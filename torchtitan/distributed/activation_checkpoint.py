@@ -12,7 +12,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.tools.logging import logger
 
@@ -24,6 +24,14 @@ _ALWAYS_SAVE = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 _MATMUL = torch.ops.aten.mm.default
+
+# Profiler annotations produce nothing to save, and a nested FSDP unit inside a block (MoE
+# experts over efsdp) runs a different number of them in forward and in recompute, which
+# per-op checkpointing would otherwise reject as a mismatch.
+SAC_IGNORED_OPS.update({
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+})
 
 
 def _op_level_policy():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import defaultdict
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -108,14 +109,20 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients by their total norm over all ranks and return that (pre-clip) norm.
 
-    DTensor gradients (FSDP/TP shards) reduce to the full norm; with pipeline parallel the
-    per-stage norms are combined over the pp group.
+    DTensor gradients (FSDP/TP shards) reduce to the full norm, per device mesh (expert
+    parallel puts experts and dense parameters on different meshes), and the per-mesh norms
+    are combined; with pipeline parallel the per-stage norms are combined over the pp group.
     """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+    by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    norms = []
+    for params in by_mesh.values() or [[]]:
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if pp_mesh is not None:
         if math.isinf(norm_type):
             dist.all_reduce(total_norm, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
@@ -123,5 +130,6 @@ def clip_grad_norm_(
             total_norm **= norm_type
             dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
             total_norm **= 1.0 / norm_type
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=foreach)
+    for params in by_mesh.values():  # foreach kernels take one mesh at a time
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=foreach)
     return total_norm

@@ -63,6 +63,11 @@ class TransformerModelArgs(BaseModelArgs):
             self.max_seq_len = max(self.max_seq_len, job_config.validation.seq_len)
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
+        if parallel_dims.ep > 1 or parallel_dims.etp > 1:
+            raise ConfigError(
+                "parallelism.expert_parallel_degree / expert_tensor_parallel_degree: llama3 has "
+                "no experts; leave them at 1 (or train a MoE model such as deepseek_v3)"
+            )
         tp = parallel_dims.tp
         for name, heads in (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads)):
             if heads % tp != 0:

@@ -1,0 +1,105 @@
+"""Arguments of the DeepSeek-V3 model family (MLA attention, MoE feed-forward)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from torchtitan.config.manager import ConfigError
+from torchtitan.models.moe import GroupedExperts, MoEArgs
+from torchtitan.protocols.model import BaseModelArgs
+
+if TYPE_CHECKING:
+    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+@dataclass
+class DeepSeekV3ModelArgs(BaseModelArgs):
+    vocab_size: int = 102400
+    dim: int = 2048
+    inter_dim: int = 10944  # hidden size of the dense FFNs
+    moe_inter_dim: int = 1408  # hidden size of one expert
+    n_layers: int = 27
+    n_dense_layers: int = 1  # the first n_dense_layers blocks have a dense FFN, the rest MoE
+    n_heads: int = 16
+    norm_eps: float = 1e-6
+    moe: MoEArgs = field(default_factory=MoEArgs)
+    # Multi-head latent attention: 0 = queries from one full-rank projection.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # RoPE on the qk_rope_head_dim channels; rope_factor > 1 turns on YaRN (as in the
+    # published checkpoints and Hugging Face: regardless of the sequence length).
+    rope_theta: float = 10000.0
+    rope_factor: float = 1.0
+    rope_original_seq_len: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    max_seq_len: int = 4096
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5 * yarn_mscale(self.rope_factor, self.rope_mscale) ** 2
+
+    def update_from_config(
+        self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None
+    ) -> None:
+        if tokenizer is not None:
+            self.vocab_size = tokenizer.vocab_size
+        self.max_seq_len = job_config.training.seq_len
+        if job_config.validation.enable:
+            self.max_seq_len = max(self.max_seq_len, job_config.validation.seq_len)
+        # A fresh MoEArgs: the flavor's own instance is shared by every copy of the flavor.
+        self.moe = replace(self.moe, force_load_balance=job_config.debug.moe_force_load_balance)
+
+    def check_parallelism(self, parallel_dims: ParallelDims) -> None:
+        tp, ep, etp = parallel_dims.tp, parallel_dims.ep, parallel_dims.etp
+        _require(self.n_heads % tp == 0, f"parallelism.tensor_parallel_degree ({tp}) must divide "
+                 f"the model's n_heads ({self.n_heads})")
+        _require(self.inter_dim % tp == 0, f"parallelism.tensor_parallel_degree ({tp}) must "
+                 f"divide the model's inter_dim ({self.inter_dim})")
+        _require(self.moe.num_experts % ep == 0, f"parallelism.expert_parallel_degree ({ep}) "
+                 f"must divide the model's number of routed experts ({self.moe.num_experts})")
+        if etp > 1:
+            shared = self.moe_inter_dim * self.moe.num_shared_experts
+            _require(self.moe_inter_dim % etp == 0 and shared % etp == 0,
+                     f"parallelism.expert_tensor_parallel_degree ({etp}) must divide the "
+                     f"experts' hidden sizes (moe_inter_dim {self.moe_inter_dim}, shared {shared})")
+        if self.moe.num_expert_groups:
+            _require(self.moe.num_experts % self.moe.num_expert_groups == 0,
+                     f"model: num_expert_groups ({self.moe.num_expert_groups}) must divide "
+                     f"num_experts ({self.moe.num_experts})")
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """Parameter count and training FLOPs per token. Only ``top_k`` of the routed
+        experts run per token, so they count ``top_k / num_experts`` of their weights;
+        attention adds ``6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len``."""
+        nparams = sum(p.numel() for p in model.parameters())
+        embedding = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
+                        for p in m.parameters())
+        routed = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts)
+                     for p in m.parameters())
+        inactive = routed * (1 - self.moe.top_k / self.moe.num_experts)
+        attention = 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        return nparams, int(6 * (nparams - embedding - inactive) + attention)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

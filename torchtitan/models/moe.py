@@ -1,0 +1,320 @@
+"""Mixture-of-experts layer shared by MoE models.
+
+A token-choice top-k router (softmax or sigmoid scores, optional group-limited routing),
+routed experts held as stacked 3-D SwiGLU weights (``w1``/``w3``: ``[experts, hidden,
+dim]``, ``w2``: ``[experts, dim, hidden]``), optional shared experts, and auxiliary-loss-free
+load balancing (DeepSeek-V3): a per-expert bias added to the scores only when *choosing*
+experts, nudged before every optimizer step towards balance by
+:func:`build_moe_optimizers`.
+
+Every MoE parameter is used through its local tensor (:func:`local`), so expert parallel
+and tensor parallel (``torchtitan.distributed.expert_parallel``) only choose how the weights
+are sharded and how tokens reach the experts; this module never communicates.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
+from torchtitan.models.init import clean_fqn
+from torchtitan.tools.logging import logger
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    num_shared_experts: int = 1
+    top_k: int = 2
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    # Divide the top-k scores by their sum (DeepSeek-V3's norm_topk_prob).
+    route_norm: bool = False
+    route_scale: float = 1.0
+    # Group-limited routing: experts form num_expert_groups groups; each token only picks
+    # experts from its num_limited_groups best groups (a group scores its top-2 experts).
+    num_expert_groups: int | None = None
+    num_limited_groups: int | None = None
+    # Expert-bias step per optimizer step; None disables aux-loss-free load balancing.
+    load_balance_coeff: float | None = 1e-3
+    # Weight of DeepSeek-V3's sequence-wise balance loss; 0 disables it.
+    aux_loss_alpha: float = 0.0
+    # Route round-robin by sequence position (debug.moe_force_load_balance).
+    force_load_balance: bool = False
+    use_grouped_mm: bool = True
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local piece of a (possibly) sharded parameter. Its gradient keeps the
+    parameter's placements: the callers feed every tensor-parallel rank the same tokens."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _recomputing() -> bool:
+    """True inside autograd's backward pass, which is where activation checkpointing
+    re-runs forward (reentrant or not): such a forward must not count tokens again."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ---------------------------------------------------------------------------- router
+class TokenChoiceTopKRouter(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.args = args
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[tokens, dim]`` (whole sequences of ``seq_len``) -> (gating weights
+        ``[tokens, top_k]`` fp32, chosen experts ``[tokens, top_k]``, scores ``[tokens,
+        experts]`` fp32). The bias only steers the choice; weights are unbiased scores."""
+        args = self.args
+        logits = F.linear(x.float(), local(self.gate.weight).float())
+        scores = logits.sigmoid() if args.score_func == "sigmoid" else logits.softmax(dim=-1)
+        if args.force_load_balance:
+            chosen = self._round_robin(x.shape[0], seq_len, x.device)
+        else:
+            choice = scores if expert_bias is None else scores + expert_bias
+            if args.num_expert_groups:
+                choice = self._limit_groups(choice)
+            chosen = choice.topk(args.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if args.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * args.route_scale, chosen, scores
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        args = self.args
+        grouped = choice.view(choice.shape[0], args.num_expert_groups, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(args.num_limited_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+
+    def _round_robin(self, n_tokens: int, seq_len: int, device: torch.device) -> torch.Tensor:
+        """Token at sequence position p picks experts ``(p * top_k + j) % experts``: the
+        same choice under every data/tensor-parallel layout, and perfectly balanced."""
+        k, n = self.args.top_k, self.args.num_experts
+        position = torch.arange(n_tokens, device=device) % seq_len
+        return (position[:, None] * k + torch.arange(k, device=device)) % n
+
+
+# ---------------------------------------------------------------------------- experts
+def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def _experts_loop(x, counts, w1, w2, w3) -> torch.Tensor:
+    chunks = x.split(counts.tolist())
+    return torch.cat([_swiglu(c, w1[e], w2[e], w3[e]) for e, c in enumerate(chunks)])
+
+
+def _experts_grouped(x, counts, w1, w2, w3) -> torch.Tensor:
+    offsets = counts.cumsum(0).to(torch.int32)
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+
+
+@functools.cache
+def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    """Capability probe: run ``torch._grouped_mm`` on this device and dtype with these
+    expert shapes and uneven groups (one empty) and compare with plain matmuls. Decides the
+    expert kernel; no GPU model is hard-coded. Forward only, without autograd or autocast,
+    so that it is safe inside any forward (activation checkpointing included)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(7, dim, device=device, dtype=dtype, generator=gen)
+    ws = [torch.randn(3, *shape, device=device, dtype=dtype, generator=gen) / dim**0.5
+          for shape in ((hidden, dim), (dim, hidden), (hidden, dim))]
+    counts = torch.tensor([4, 0, 3], device=device)
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        try:
+            grouped = _experts_grouped(x, counts, *ws)
+        except (RuntimeError, NotImplementedError) as e:
+            logger.info(f"torch._grouped_mm unavailable on {device.type}/{dtype} ({e}); "
+                        "using per-expert matmuls")
+            return False
+        reference = _experts_loop(x, counts, *ws)
+    tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    if not torch.allclose(grouped.float(), reference.float(), rtol=tol, atol=tol):
+        logger.warning(f"torch._grouped_mm disagrees with matmuls on {device.type}/{dtype}; "
+                       "using per-expert matmuls")
+        return False
+    return True
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU FFNs applied to tokens already sorted by expert."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.use_grouped_mm = use_grouped_mm
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[n, dim]`` with the first ``num_tokens_per_expert[0]`` rows for (local)
+        expert 0, and so on."""
+        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        x = x.to(w1.dtype)
+        dim, hidden = w1.shape[2], w1.shape[1]
+        if self.use_grouped_mm and grouped_mm_works(x.device, x.dtype, dim, hidden):
+            return _experts_grouped(x, num_tokens_per_expert, w1, w2, w3)
+        return _experts_loop(x, num_tokens_per_expert, w1, w2, w3)
+
+
+class SharedExperts(nn.Module):
+    """The always-active experts as one SwiGLU FFN on local weights, so that tensor
+    parallel can shard them like the routed experts (their output is then partial)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _swiglu(x, local(self.w1), local(self.w2), local(self.w3))
+
+
+# ---------------------------------------------------------------------------- MoE layer
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, feeds ``scale`` as the aux loss's gradient, so the
+    loss trains the router without the trainer adding it to the reported loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
+        return grad, aux_grad, None
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.router = TokenChoiceTopKRouter(dim, args)
+        self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.shared_experts = (
+            SharedExperts(dim, hidden_dim * args.num_shared_experts)
+            if args.num_shared_experts > 0 else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        # Tokens routed to each expert since the last optimizer step (this rank's tokens).
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        # Global counts of the last step, for metrics (set by the optimizer pre-step hook).
+        self.last_tokens_per_expert: torch.Tensor | None = None
+        # 1 / gradient-accumulation steps, set by the parallelize function.
+        self.aux_loss_scale = 1.0
+
+    def reset_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        bias = self.expert_bias if self.args.load_balance_coeff is not None else None
+        weights, chosen, scores = self.router(tokens, bias, seq_len)
+
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.searchsorted(
+            flat[order], torch.arange(self.args.num_experts + 1, device=x.device)
+        ).diff()
+        if self.training and not _recomputing():
+            self.tokens_per_expert.add_(counts)
+
+        routed = self.experts(tokens[order // self.args.top_k], counts)
+        unsorted = torch.empty_like(routed)
+        unsorted[order] = routed
+        top_k_out = unsorted.view(-1, self.args.top_k, dim).float() * weights.unsqueeze(-1)
+        out = top_k_out.sum(dim=1).to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        if self.args.aux_loss_alpha > 0 and self.training:
+            aux = self._sequence_balance_loss(scores, chosen, bsz, seq_len)
+            out = _AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
+        return out.view(bsz, seq_len, dim)
+
+    def _sequence_balance_loss(
+        self, scores: torch.Tensor, chosen: torch.Tensor, bsz: int, seq_len: int
+    ) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss, ``alpha * sum_i f_i * P_i`` averaged
+        over sequences: f_i = experts / (top_k * seq_len) * tokens choosing i, P_i = mean
+        over the sequence of i's normalised score."""
+        n, k = self.args.num_experts, self.args.top_k
+        picks = torch.zeros(bsz * seq_len, n, device=scores.device).scatter_(1, chosen, 1.0)
+        f = picks.view(bsz, seq_len, n).sum(dim=1) * (n / (k * seq_len))
+        normalised = scores / scores.sum(dim=-1, keepdim=True)
+        p = normalised.view(bsz, seq_len, n).mean(dim=1)
+        return self.args.aux_loss_alpha * (f * p).sum(dim=-1).mean()
+
+
+# ---------------------------------------------------------------------------- balancing
+def moe_layers(model_parts: list[nn.Module]) -> dict[str, MoE]:
+    """Every MoE layer, keyed by its block's name (``"3"`` for ``layers.3.moe``)."""
+    found = {}
+    for part in model_parts:
+        for name, module in part.named_modules():
+            if isinstance(module, MoE):
+                found[clean_fqn(name).removeprefix("layers.").removesuffix(".moe")] = module
+    return found
+
+
+@torch.no_grad()
+def update_expert_biases(moes: list[MoE], dp_cp_group: dist.ProcessGroup | None) -> None:
+    """Sum this step's token counts over the data (and context) parallel ranks, keep them
+    for metrics, move each bias by ``coeff * sign(mean - count)`` and reset the counts."""
+    if not moes:
+        return
+    counts = torch.stack([m.tokens_per_expert for m in moes])
+    if dp_cp_group is not None:
+        dist.all_reduce(counts, group=dp_cp_group)
+    for moe, count in zip(moes, counts):
+        moe.last_tokens_per_expert = count.clone()
+        coeff = moe.args.load_balance_coeff
+        if coeff is not None:
+            moe.expert_bias.add_(coeff * torch.sign(count.mean() - count))
+        moe.tokens_per_expert.zero_()
+
+
+def build_moe_optimizers(model_parts: list[nn.Module], job_config, parallel_dims) -> OptimizersContainer:
+    """``build_optimizers`` plus a step pre-hook per model part that updates its MoE
+    layers' expert biases (with the counts of the gradients about to be applied)."""
+    optimizers = build_optimizers(model_parts, job_config, parallel_dims)
+    group = parallel_dims.world_mesh["dp_cp"].get_group() if parallel_dims.dp_cp_enabled else None
+    for part, optimizer in zip(model_parts, optimizers):
+        moes = list(moe_layers([part]).values())
+        if moes:
+            optimizer.register_step_pre_hook(
+                lambda *args, moes=moes, **kwargs: update_expert_biases(moes, group)
+            )
+    return optimizers
+
+
+def moe_load_metrics(model_parts: list[nn.Module]) -> dict[str, float]:
+    """Per MoE layer, max / mean tokens per expert of the last optimizer step (1.0 is
+    perfect balance), e.g. ``{"moe/layer3_imbalance": 1.42}``. One host sync and no
+    communication: the counts were already summed over the data-parallel ranks."""
+    counts = {name: moe.last_tokens_per_expert for name, moe in moe_layers(model_parts).items()
+              if moe.last_tokens_per_expert is not None}
+    if not counts:
+        return {}
+    stacked = torch.stack(list(counts.values()))
+    imbalance = stacked.max(dim=1).values / stacked.mean(dim=1).clamp(min=1e-9)
+    return {f"moe/layer{name}_imbalance": value for name, value in zip(counts, imbalance.tolist())}
