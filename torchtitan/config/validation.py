@@ -59,7 +59,6 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
 _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallelism.enable_compiled_autograd", bool, "compiled autograd"),
     ("fault_tolerance.enable", bool, "fault tolerance"),
-    ("validation.enable", bool, "validation"),
     ("optimizer.early_step_in_backward", bool, "optimizer step in backward"),
     ("memory_estimation.enable", bool, "memory estimation inside the trainer (use scripts/estimate/estimation.py)"),
 ]

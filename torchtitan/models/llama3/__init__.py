@@ -6,6 +6,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.distributed.pipeline import pipeline_llm
+from torchtitan.components.validate import build_validator
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
@@ -27,6 +28,7 @@ register_train_spec(
         build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
+        build_validator_fn=build_validator,
         state_dict_adapter=Llama3StateDictAdapter,
     )
 )

@@ -1,0 +1,70 @@
+"""Validation under FSDP, HSDP and TP gives the 1-process validation loss, every validation.freq
+steps, and does not disturb training.
+
+Every layout validates on the same 16 global sequences per pass (4 steps x 4 sequences in
+one process; the local batch shrinks with the data-parallel degree, as the parity harness
+does for training).
+"""
+
+import json
+import math
+
+import pytest
+
+from tests.parity import RTOL, assert_parity, train
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+VALIDATION_SEQUENCES = 4
+
+
+def _validation_overrides(dp: int) -> list[str]:
+    return [
+        "--validation.enable",
+        "--validation.freq", "5",
+        "--validation.seq_len", "64",
+        "--validation.local_batch_size", str(VALIDATION_SEQUENCES // dp),
+        "--validation.steps", "4",
+    ]
+
+
+def _run(nproc: int, dp: int, folder, overrides: list[str] = ()) -> tuple[list[dict], list[dict]]:
+    metrics = train(nproc, folder, _validation_overrides(dp) + list(overrides), dp=dp)
+    with open(folder / "validation.jsonl") as f:
+        return metrics, [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return _run(1, 1, tmp_path_factory.mktemp("validation_1"))
+
+
+CASES = {
+    "fsdp2": (2, 2, []),
+    "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "2"]),
+    "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"]),  # validation under loss parallel
+}
+
+
+def test_one_process_validates_every_freq_steps(one_process, reference_run) -> None:
+    metrics, validation = one_process
+    assert [r["step"] for r in validation] == [5, 10]
+    assert validation[1]["validation_loss"] < validation[0]["validation_loss"]
+    for record in validation:
+        assert record["validation_perplexity"] == pytest.approx(math.exp(record["validation_loss"]))
+    assert_parity(reference_run, metrics)  # validating changes nothing in training
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_validation_loss_matches_one_process(case, one_process, tmp_path) -> None:
+    nproc, dp, overrides = CASES[case]
+    metrics, validation = _run(nproc, dp, tmp_path, overrides)
+    reference_metrics, reference = one_process
+    assert_parity(reference_metrics, metrics)
+    assert [r["step"] for r in validation] == [r["step"] for r in reference]
+    for ref, got in zip(reference, validation):
+        assert math.isclose(got["validation_loss"], ref["validation_loss"], rel_tol=RTOL, abs_tol=0.0), (
+            f"step {ref['step']}: validation loss {got['validation_loss']!r} vs one process "
+            f"{ref['validation_loss']!r}"
+        )

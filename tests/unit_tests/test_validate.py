@@ -1,0 +1,135 @@
+"""The validator in one process: token-weighted mean over the whole split, every pass from
+the beginning, eval mode only while validating, validation.jsonl."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.components.tokenizer import ByteTokenizer
+from torchtitan.components.validate import build_validator
+from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.datasets import DatasetConfig, register_dataset
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.llama3.flavors import llama3_flavors
+from torchtitan.models.llama3.model import Transformer
+
+SEQ_LEN = 16
+
+
+def _documents() -> list[str]:
+    rng = random.Random(0)
+    return ["".join(rng.choice("abcd efg\n") for _ in range(rng.randint(30, 90))) for _ in range(12)]
+
+
+register_dataset("test_validation_docs", DatasetConfig("test_validation_docs", lambda path: _documents()))
+
+
+def _job_config(tmp_path, steps: int = -1):
+    return ConfigManager().parse_args([
+        "--validation.enable",
+        "--validation.dataset", "test_validation_docs",
+        "--validation.seq_len", str(SEQ_LEN),
+        "--validation.local_batch_size", "3",  # the split's last batch is smaller
+        "--validation.data_shards", "2",
+        "--validation.steps", str(steps),
+        "--validation.freq", "2",
+        "--job.dump_folder", str(tmp_path),
+    ])
+
+
+def _validator(tmp_path, steps: int = -1, metrics_processor=None):
+    return build_validator(
+        job_config=_job_config(tmp_path, steps),
+        parallel_dims=ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1),
+        tokenizer=ByteTokenizer(),
+        loss_fn=cross_entropy_loss,
+        train_context=contextlib.nullcontext,
+        metrics_processor=metrics_processor,
+    )
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], max_seq_len=SEQ_LEN)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(seed=3)
+    return model
+
+
+def _reference_loss(model: Transformer, validator) -> tuple[float, int]:
+    """Cross-entropy over every token of the split at once."""
+    batches = list(validator.dataloader)
+    inputs = torch.cat([b[0]["input"] for b in batches])
+    labels = torch.cat([b[1] for b in batches])
+    assert len(batches[-1][1]) < len(batches[0][1]), "the split should end with a smaller batch"
+    with torch.no_grad():
+        return F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item(), labels.numel()
+
+
+def test_pass_is_the_token_weighted_mean_over_the_whole_split(model, tmp_path) -> None:
+    validator = _validator(tmp_path)
+    expected, _ = _reference_loss(model, validator)
+    record = validator.validate([model], step=2)
+    assert record["validation_loss"] == pytest.approx(expected, rel=1e-6)
+    assert record["validation_perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
+
+
+def test_every_pass_starts_from_the_beginning(model, tmp_path) -> None:
+    full = _validator(tmp_path)
+    first, second = full.validate([model], 2), full.validate([model], 4)
+    assert second["validation_loss"] == first["validation_loss"]  # not empty, same data
+
+    partial = _validator(tmp_path, steps=1)
+    one_batch = partial.validate([model], 2)
+    assert one_batch["validation_loss"] != first["validation_loss"]
+    partial.steps = -1  # a pass cut short leaves nothing behind for the next one
+    assert partial.validate([model], 4)["validation_loss"] == first["validation_loss"]
+
+
+def test_model_is_back_in_train_mode(model, tmp_path) -> None:
+    seen_modes = []
+    hook = model.register_forward_pre_hook(lambda module, args: seen_modes.append(module.training))
+    try:
+        model.train()
+        _validator(tmp_path, steps=1).validate([model], 2)
+    finally:
+        hook.remove()
+    assert seen_modes == [False] and model.training
+
+
+def test_writes_validation_jsonl_and_tensorboard(model, tmp_path) -> None:
+    scalars = []
+    processor = SimpleNamespace(
+        jsonl_path=tmp_path / "metrics.jsonl",
+        tb=SimpleNamespace(add_scalar=lambda tag, value, step: scalars.append((tag, step))),
+    )
+    (tmp_path / "validation.jsonl").write_text('{"step": 2, "validation_loss": 9.0}\n')  # a stale run
+    validator = _validator(tmp_path, steps=1, metrics_processor=processor)
+    assert [validator.should_validate(s) for s in (1, 2, 3, 4)] == [False, True, False, True]
+    records = [validator.validate([model], 2), validator.validate([model], 4)]
+    lines = (tmp_path / "validation.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == records
+    assert set(records[0]) == {"step", "validation_loss", "validation_perplexity"}
+    assert scalars == [("validation/loss", 2), ("validation/perplexity", 2),
+                       ("validation/loss", 4), ("validation/perplexity", 4)]
+
+
+def test_pipeline_parallel_is_refused_naming_the_field(tmp_path) -> None:
+    parallel_dims = SimpleNamespace(pp_enabled=True, cp_enabled=False)
+    with pytest.raises(ConfigError, match="validation.enable: .*pipeline_parallel_degree"):
+        build_validator(job_config=_job_config(tmp_path), parallel_dims=parallel_dims,
+                        tokenizer=ByteTokenizer(), loss_fn=cross_entropy_loss,
+                        train_context=contextlib.nullcontext)
