@@ -36,6 +36,7 @@ LAYOUTS = {
                  "--parallelism.data_parallel_shard_degree", "1"]),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
     "pp2_fsdp2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]),
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
 }
 RESHARD_RTOL = 1e-4
 
@@ -189,7 +190,7 @@ def test_seed_checkpoint_gives_every_layout_the_same_start(straight, seed_folder
     one_step = ["--checkpoint.enable", "--training.steps", "1"]
     seed = str(seed_folder / "checkpoint" / "step-0")
     losses = {}
-    for layout in ("fsdp4", "fsdp2"):
+    for layout in ("fsdp4", "fsdp2", "tp2"):
         records, out = run(layout, tmp_path / layout, one_step + ["--checkpoint.initial_load_path", seed])
         assert "step-0 (step 0; model)" in out
         losses[layout] = records[0]["loss"]
