@@ -368,6 +368,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         trainer = Trainer(job_config)
         trainer.train()
+        trainer.close()
+        # Leave together: a rank that tears down its gloo connections while a peer is still
+        # finishing can make that peer abort after training completed.
+        dist.barrier()
     except NonFiniteLossError as e:
         logger.error(str(e))
         sys.exit(1)
