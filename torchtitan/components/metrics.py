@@ -38,10 +38,6 @@ class StepTimer:
     steps: int = 0
     start: float = field(default_factory=time.perf_counter)
 
-    def reset(self) -> None:
-        self.tokens, self.data_seconds, self.steps = 0, 0.0, 0
-        self.start = time.perf_counter()
-
 
 class MetricsProcessor:
     def __init__(
@@ -93,13 +89,16 @@ class MetricsProcessor:
 
     def log(self, step: int, loss: float, loss_max: float, grad_norm: float, lr: float,
             extra: dict[str, float] | None = None) -> dict[str, Any]:
-        elapsed = time.perf_counter() - self.timer.start
-        tps = self.timer.tokens / elapsed / self.parallel_dims.non_data_parallel_size
+        # The next interval starts now, so it includes this call's own cost: the step times
+        # of consecutive records add up to the wall-clock time of the loop.
+        timer, self.timer = self.timer, StepTimer()
+        elapsed = self.timer.start - timer.start
+        tps = timer.tokens / elapsed / self.parallel_dims.non_data_parallel_size
         tflops = self.flops_per_token * tps / 1e12
         mfu = 100 * self.flops_per_token * tps / self.peak_flops
-        self.total_tokens += self.timer.tokens * self.parallel_dims.dp_degree
+        self.total_tokens += timer.tokens * self.parallel_dims.dp_degree
         memory = peak_memory_gib(self.device)
-        step_time = elapsed / max(self.timer.steps, 1)
+        step_time = elapsed / max(timer.steps, 1)
         eta = step_time * (self.total_steps - step)
         record = {
             "step": step,
@@ -113,7 +112,7 @@ class MetricsProcessor:
             "mfu": mfu,
             "memory_gib": memory,
             "step_time": step_time,
-            "data_time": self.timer.data_seconds / max(self.timer.steps, 1),
+            "data_time": timer.data_seconds / max(timer.steps, 1),
             **(extra or {}),
         }
         c = self.colors
@@ -134,7 +133,6 @@ class MetricsProcessor:
             for key, value in record.items():
                 if key != "step":
                     self.tb.add_scalar(key, value, step)
-        self.timer.reset()
         return record
 
     def close(self) -> None:

@@ -1,0 +1,18 @@
+"""Text generation from a trained model: sampling with a KV cache and checkpoint loading.
+
+The command-line entry point is ``scripts/generate/test_generate.py``.
+"""
+
+from torchtitan.generation.checkpoint import CheckpointError, load_model_weights, resolve_checkpoint_folder
+from torchtitan.generation.generate import generate, sample_next_token
+from torchtitan.generation.kv_cache import KVCacheAttention, kv_cache
+
+__all__ = [
+    "CheckpointError",
+    "KVCacheAttention",
+    "generate",
+    "kv_cache",
+    "load_model_weights",
+    "resolve_checkpoint_folder",
+    "sample_next_token",
+]

@@ -1,0 +1,77 @@
+"""A KV cache that plugs into the attention seam (``torchtitan/models/attention.py``).
+
+``kv_cache(model, max_len)`` swaps every ``ScaledDotProductAttention`` of the model for a
+``KVCacheAttention`` and restores them on exit. The model's own forward runs unchanged
+(so tensor-parallel hooks and RoPE apply as in training); the caller passes each call's
+absolute ``positions`` so that RoPE rotates the new tokens at their place in the sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.attention import ScaledDotProductAttention
+
+
+class KVCacheAttention(nn.Module):
+    """Causal attention over every key/value seen since the cache was installed.
+
+    Each call appends its ``k``/``v`` (``[batch, heads, seq, head_dim]``, heads already
+    expanded from the KV heads by the model) and attends its queries to all cached
+    positions up to their own. Buffers are allocated on the first call, when the local
+    head count (smaller under tensor parallel), dtype and device are known.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.length = 0
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; position {end - 1} does not fit")
+        if self.keys is None:
+            batch, heads, _, head_dim = k.shape
+            self.keys = k.new_empty(batch, heads, self.max_len, head_dim)
+            self.values = v.new_empty(batch, heads, self.max_len, v.shape[-1])
+        self.keys[:, :, start:end] = k
+        self.values[:, :, start:end] = v
+        self.length = end
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        if q.shape[2] == 1:  # one new token sees every cached position
+            return F.scaled_dot_product_attention(q, keys, values)
+        mask = torch.ones(q.shape[2], end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+@contextmanager
+def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[KVCacheAttention]]:
+    """Install a fresh ``KVCacheAttention`` of ``max_len`` positions in place of every
+    ``ScaledDotProductAttention`` of ``model`` for the duration of the block."""
+    sites = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, ScaledDotProductAttention)
+    ]
+    if not sites:
+        raise ValueError(
+            f"{type(model).__name__} has no ScaledDotProductAttention module: the KV cache plugs "
+            "into the attention seam of torchtitan/models/attention.py"
+        )
+    caches = [KVCacheAttention(max_len) for _ in sites]
+    for (parent, name, _), cache in zip(sites, caches):
+        setattr(parent, name, cache)
+    try:
+        yield caches
+    finally:
+        for parent, name, original in sites:
+            setattr(parent, name, original)
