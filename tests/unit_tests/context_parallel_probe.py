@@ -178,6 +178,7 @@ def main() -> None:
     path = os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.json")
     with open(path, "w") as f:
         json.dump({"results": results, "timings": timings}, f)
+    dist.barrier()  # leave together (see torchtitan/train.py)
     dist.destroy_process_group()
 
 

@@ -70,6 +70,7 @@ def main() -> None:
     result = check()
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.txt"), "w") as f:
         f.write(result)
+    dist.barrier()  # leave together (see torchtitan/train.py)
     dist.destroy_process_group()
 
 

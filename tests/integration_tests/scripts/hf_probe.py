@@ -41,6 +41,7 @@ def main() -> None:
         torch.save(logits, os.path.join(out_dir, "logits.pt"))
     if os.environ.get("SAVE_DIR"):
         save_hf_weights([model], os.environ["SAVE_DIR"], adapter, torch.float32, parallel_dims)
+    dist.barrier()  # leave together (see torchtitan/train.py)
     dist.destroy_process_group()
 
 

@@ -82,6 +82,7 @@ def main() -> None:
     results = [compare(layout.split(), tokens) for layout in os.environ["LAYOUTS"].split(";")]
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.txt"), "w") as f:
         f.write("\n".join(results))
+    dist.barrier()  # leave together (see torchtitan/train.py)
     dist.destroy_process_group()
 
 
