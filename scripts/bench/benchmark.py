@@ -1,7 +1,8 @@
 """Throughput, MFU, step-time breakdown, peak memory and framework overhead of the trainer.
 
     python scripts/bench/benchmark.py --config train_configs/debug_model.toml --nproc 1 \\
-        --steps 40 --warmup 10 --repeats 3 --output benchmarks/debug_model_cpu.md [overrides]
+        --steps 30 --warmup 8 --repeats 5 --max-load 1.5 \\
+        --output benchmarks/debug_model_cpu_1proc.md [trainer overrides]
 
 Each repeat runs, one after the other:
 
@@ -14,8 +15,10 @@ Each repeat runs, one after the other:
 Steady state is steps ``warmup+1 .. steps-4`` (the last four run under the profiler). The
 overhead of a repeat is the trainer's median step time over the bare loop's (the two run
 back to back, so that the state of the machine hits both alike); the headline is the
-median over repeats. The breakdown comes from the profiled step's host-side trace: data (the data
-loader), forward+backward (from the batch to the end of the last autograd function),
+median over the repeats that other load on the machine did not disturb (see
+``STEADY_SPREAD``; ``--max-load`` waits for a quiet machine before each run). The breakdown
+comes from the profiled step's host-side trace: data (the data loader),
+forward+backward (from the batch to the end of the last autograd function),
 optimizer (``Optimizer.step``), other (the rest: clipping, metrics, syncs), and
 communication (union of collective events on any thread or stream; it overlaps the rest).
 Options this script does not know are trainer overrides, passed to both runs.
@@ -32,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,6 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BARE_LOOP = REPO_ROOT / "scripts" / "bench" / "bare_loop.py"
 PROFILED_STEPS = 4  # the profiler's 3 warm-up steps + the recorded one
 OVERHEAD_LIMIT = 1.05
+STEADY_SPREAD = 1.05  # a run whose median step exceeds its fastest by more was disturbed
 _COMM_MARKERS = ("gloo:", "nccl", "c10d::")
 
 
@@ -62,6 +67,10 @@ class RunStats:
     @property
     def min_step(self) -> float:
         return min(self.step_times)
+
+    @property
+    def steady(self) -> bool:
+        return self.median_step <= STEADY_SPREAD * self.min_step
 
 
 # ---------------------------------------------------------------------------- trace
@@ -163,6 +172,13 @@ def run_bare_loop(args: argparse.Namespace, overrides: list[str], folder: Path) 
     )
 
 
+def wait_for_quiet(max_load: float | None, timeout: float = 1800) -> None:
+    """Wait (up to ``timeout`` s) until the 1-minute load average is below ``max_load``."""
+    deadline = time.monotonic() + timeout
+    while max_load is not None and os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        time.sleep(15)
+
+
 # ---------------------------------------------------------------------------- report
 def _git(*cmd: str) -> str:
     return subprocess.run(["git", "-C", str(REPO_ROOT), *cmd], capture_output=True, text=True).stdout.strip()
@@ -202,9 +218,11 @@ def _per_rank_workload(nproc: int) -> str:
 def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats, RunStats]]) -> str:
     import torch
 
-    ratios = [trainer.median_step / bare.median_step for trainer, bare in runs]
+    steady = [(t, b) for t, b in runs if t.steady and b.steady]
+    counted = steady or runs
+    ratios = [trainer.median_step / bare.median_step for trainer, bare in counted]
     ratio = statistics.median(ratios)
-    min_ratios = [trainer.min_step / bare.min_step for trainer, bare in runs]
+    min_ratios = [trainer.min_step / bare.min_step for trainer, bare in counted]
     dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--untracked-files=no") else ""
     lines = [
         f"# Benchmark: `{args.config}`, {args.nproc} process(es)",
@@ -223,14 +241,19 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for i, (trainer, bare) in enumerate(runs, 1):
-        lines += [_row(trainer, str(i)), _row(bare, str(i))]
-    verdict = "within" if ratio <= OVERHEAD_LIMIT else "ABOVE"
+        mark = "" if trainer.steady and bare.steady else " (disturbed)"
+        lines += [_row(trainer, f"{i}{mark}"), _row(bare, f"{i}{mark}")]
+    verdict = "" if args.nproc > 1 else (
+        f"; {'within' if ratio <= OVERHEAD_LIMIT else 'ABOVE'} the {OVERHEAD_LIMIT:.2f} limit for one process")
     lines += [
         "",
         f"**Framework overhead: trainer / bare-loop median step time = {ratio:.3f}** (median over "
-        f"repeats; {verdict} the {OVERHEAD_LIMIT:.2f} limit). Per repeat: "
+        f"{'the ' + str(len(steady)) + ' undisturbed' if steady else 'all (none undisturbed!)'} repeats"
+        f"{verdict}). A repeat is disturbed (by other load on the "
+        f"machine) when a run's median step exceeds its fastest by more than "
+        f"{100 * (STEADY_SPREAD - 1):.0f}%. Per counted repeat: "
         + ", ".join(f"{r:.3f}" for r in ratios) + f"; with the fastest step of each run instead of the "
-        f"median (less sensitive to other load on the machine): {statistics.median(min_ratios):.3f} ("
+        f"median: {statistics.median(min_ratios):.3f} ("
         + ", ".join(f"{r:.3f}" for r in min_ratios) + ").",
         "",
         "tokens/s, TFLOP/s and MFU are means over the steady-state steps (the trainer's metrics.jsonl "
@@ -250,6 +273,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="threads per process (default: cores / nproc)")
+    parser.add_argument("--max-load", type=float, default=None,
+                        help="before each run, wait until the 1-minute load average is below this")
     parser.add_argument("--output", type=Path, default=None, help="write the markdown report here")
     args, overrides = parser.parse_known_args(argv)
     if args.steps - PROFILED_STEPS <= args.warmup:
@@ -265,8 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="benchmark_") as tmp:
         for repeat in range(args.repeats):
             folder = Path(tmp) / f"repeat_{repeat}"
+            wait_for_quiet(args.max_load)
             trainer = run_trainer(args, overrides, folder / "trainer")
             trainer.load = os.getloadavg()[0]
+            wait_for_quiet(args.max_load)
             bare = run_bare_loop(args, overrides, folder)
             bare.load = os.getloadavg()[0]
             print(f"repeat {repeat + 1}: trainer {trainer.median_step * 1e3:.1f} ms, "
