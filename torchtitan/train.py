@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import rescale_accumulated_loss
 from torchtitan.components.metrics import build_metrics_processor
+from torchtitan.components.validate import PipelineEval
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.config.preflight import preflight
@@ -35,6 +36,7 @@ from torchtitan.distributed.utils import (
     clip_grad_norm_,
     dist_reduce,
     init_distributed,
+    leave_together,
     set_determinism,
     set_pg_timeouts,
 )
@@ -42,7 +44,7 @@ from torchtitan.models.moe import moe_load_metrics
 from torchtitan.protocols import ModelConvertersContainer, get_train_spec
 from torchtitan.tools.compile import compile_loss
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
-from torchtitan.tools.profiling import maybe_enable_profiling, maybe_memory_snapshotter
+from torchtitan.tools.profiling import exit_after_profiled_run, maybe_enable_profiling, maybe_memory_snapshotter
 from torchtitan.tools.utils import GarbageCollection
 
 
@@ -148,6 +150,7 @@ class Trainer:
                 loss_fn=spec.build_loss_fn(job_config),
                 train_context=self.train_context,
                 metrics_processor=self.metrics,
+                pipeline=self._pipeline_eval(),
             )
 
     # ------------------------------------------------------------------ set-up helpers
@@ -166,6 +169,12 @@ class Trainer:
         if steps > 1:
             logger.info(f"gradient accumulation: {steps} micro-batches per step (global batch {global_batch})")
         return steps
+
+    def _pipeline_eval(self) -> PipelineEval | None:
+        if self.pp_schedule is None:
+            return None
+        return PipelineEval(self.pp_schedule, self.pp_has_first_stage, self.pp_has_last_stage,
+                            loss_scale=self.grad_accum_steps)
 
     def _amp_context(self):
         """FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere use autocast."""
@@ -369,9 +378,9 @@ def main(argv: list[str] | None = None) -> None:
         trainer = Trainer(job_config)
         trainer.train()
         trainer.close()
-        # Leave together: a rank that tears down its gloo connections while a peer is still
-        # finishing can make that peer abort after training completed.
-        dist.barrier()
+        leave_together()
+        if job_config.profiling.enable_profiling:
+            exit_after_profiled_run(0)
     except NonFiniteLossError as e:
         logger.error(str(e))
         sys.exit(1)

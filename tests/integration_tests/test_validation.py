@@ -1,9 +1,9 @@
-"""Validation under FSDP, HSDP and TP gives the 1-process validation loss, every validation.freq
-steps, and does not disturb training.
+"""Validation under FSDP, FSDP x TP, CP and PP gives the 1-process validation loss, every
+validation.freq steps, and does not disturb training.
 
 Every layout validates on the same 16 global sequences per pass (4 steps x 4 sequences in
 one process; the local batch shrinks with the data-parallel degree, as the parity harness
-does for training).
+does for training). Under PP the validation batch is the training batch (2 steps x 8).
 """
 
 import json
@@ -15,21 +15,23 @@ from tests.parity import RTOL, assert_parity, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-VALIDATION_SEQUENCES = 4
+VALIDATION_SEQUENCES = 4  # per batch in one process
+VALIDATION_STEPS = 4
 
 
-def _validation_overrides(dp: int) -> list[str]:
+def _validation_overrides(dp: int, batches: int) -> list[str]:
     return [
         "--validation.enable",
         "--validation.freq", "5",
         "--validation.seq_len", "64",
-        "--validation.local_batch_size", str(VALIDATION_SEQUENCES // dp),
-        "--validation.steps", "4",
+        "--validation.local_batch_size", str(VALIDATION_SEQUENCES * VALIDATION_STEPS // (batches * dp)),
+        "--validation.steps", str(batches),
     ]
 
 
-def _run(nproc: int, dp: int, folder, overrides: list[str] = ()) -> tuple[list[dict], list[dict]]:
-    metrics = train(nproc, folder, _validation_overrides(dp) + list(overrides), dp=dp)
+def _run(nproc: int, dp: int, folder, overrides: list[str] = (),
+         batches: int = VALIDATION_STEPS) -> tuple[list[dict], list[dict]]:
+    metrics = train(nproc, folder, _validation_overrides(dp, batches) + list(overrides), dp=dp)
     with open(folder / "validation.jsonl") as f:
         return metrics, [json.loads(line) for line in f]
 
@@ -39,11 +41,13 @@ def one_process(tmp_path_factory):
     return _run(1, 1, tmp_path_factory.mktemp("validation_1"))
 
 
+# case: (processes, dp degree, overrides, validation batches per pass)
 CASES = {
-    "fsdp2": (2, 2, []),
-    "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2",
-                       "--parallelism.data_parallel_shard_degree", "2"]),
-    "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"]),  # validation under loss parallel
+    "fsdp2": (2, 2, [], VALIDATION_STEPS),
+    "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"], VALIDATION_STEPS),  # loss parallel
+    "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2"], VALIDATION_STEPS),
+    "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2",
+                   "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 2),
 }
 
 
@@ -58,8 +62,8 @@ def test_one_process_validates_every_freq_steps(one_process, reference_run) -> N
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_validation_loss_matches_one_process(case, one_process, tmp_path) -> None:
-    nproc, dp, overrides = CASES[case]
-    metrics, validation = _run(nproc, dp, tmp_path, overrides)
+    nproc, dp, overrides, batches = CASES[case]
+    metrics, validation = _run(nproc, dp, tmp_path, overrides, batches)
     reference_metrics, reference = one_process
     assert_parity(reference_metrics, metrics)
     assert [r["step"] for r in validation] == [r["step"] for r in reference]

@@ -24,6 +24,7 @@ from torchtitan.distributed.context_parallel import (
     cp_unshard,
     shard_batch_for_cp,
 )
+from torchtitan.distributed.utils import leave_together
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import apply_tp
@@ -178,8 +179,7 @@ def main() -> None:
     path = os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.json")
     with open(path, "w") as f:
         json.dump({"results": results, "timings": timings}, f)
-    dist.barrier()  # leave together (see torchtitan/train.py)
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,16 @@ def test_valid_layout_returns_parallel_dims():
          "--parallelism.data_parallel_shard_degree", "1"], "does not compose with tensor_parallel_degree"),
     (2, ["--model.flavor", "huge"], "model.flavor: unknown flavor 'huge'"),
     (2, ["--training.enable_cpu_offload"], "already trains on the CPU"),
+    (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "64",
+         "--validation.enable", "--validation.seq_len", "66"],
+     "validation.seq_len 66 must be divisible by 4 (= 2 * cp 2 * tp 1)"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "64",
+         "--validation.enable", "--validation.seq_len", "65"],
+     "validation.seq_len (65) must be divisible by tp * 2 * cp = 4"),
+    (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+         "--training.seq_len", "64", "--validation.enable", "--validation.seq_len", "64"],
+     "set validation.seq_len = training.seq_len (64) and validation.local_batch_size = "
+     "training.local_batch_size (4); got 64 and 8"),
 ])
 def test_bad_layouts_give_one_line(world, args, message):
     with pytest.raises(ConfigError) as e:

@@ -125,11 +125,3 @@ def test_writes_validation_jsonl_and_tensorboard(model, tmp_path) -> None:
     assert set(records[0]) == {"step", "validation_loss", "validation_perplexity"}
     assert scalars == [("validation/loss", 2), ("validation/perplexity", 2),
                        ("validation/loss", 4), ("validation/perplexity", 4)]
-
-
-def test_pipeline_parallel_is_refused_naming_the_field(tmp_path) -> None:
-    parallel_dims = SimpleNamespace(pp_enabled=True, cp_enabled=False)
-    with pytest.raises(ConfigError, match="validation.enable: .*pipeline_parallel_degree"):
-        build_validator(job_config=_job_config(tmp_path), parallel_dims=parallel_dims,
-                        tokenizer=ByteTokenizer(), loss_fn=cross_entropy_loss,
-                        train_context=contextlib.nullcontext)

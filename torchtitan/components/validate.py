@@ -3,15 +3,18 @@ steps, logged to the console, TensorBoard and ``{dump_folder}/validation.jsonl``
 
 Every pass starts from the beginning of the split and reads the same global sequences under
 any data-parallel layout (see ``torchtitan/datasets/packing.py``), so a layout changes the
-validation loss only by rounding.
+validation loss only by rounding. Under context parallel each rank scores its share of every
+sequence; under pipeline parallel the training schedule runs forward only and the last stage
+scores the batch.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +27,30 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import LossFn
 from torchtitan.components.metrics import MetricsProcessor, _open_jsonl
-from torchtitan.config import ConfigError
+from torchtitan.distributed.context_parallel import shard_batch_for_cp
 from torchtitan.tools.logging import logger
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
-class Validator:
-    """Runs ``model_parts[0]`` over the validation loader; see the module docstring.
+@dataclass
+class PipelineEval:
+    """The trainer's pipeline schedule, run forward only (``schedule.eval``).
 
-    ``loss_mesh`` (the ``dp_cp`` view, None in one process) sums loss x tokens and tokens
-    over the ranks that hold different data.
+    ``loss_scale`` undoes the schedule loss's division by the gradient-accumulation steps.
+    """
+
+    schedule: Any
+    has_first_stage: bool
+    has_last_stage: bool
+    loss_scale: float = 1.0
+
+
+class Validator:
+    """Runs the model parts over the validation loader; see the module docstring.
+
+    ``reduce_meshes`` (in order) sum loss x tokens and tokens over the ranks that hold
+    different data (``dp_cp``) and, under PP, bring the last stage's sums to every stage.
     """
 
     def __init__(
@@ -45,7 +61,10 @@ class Validator:
         train_context: Callable[[], AbstractContextManager],
         freq: int,
         steps: int,
-        loss_mesh: Any | None = None,
+        reduce_meshes: Sequence[Any] = (),
+        cp_mesh: Any | None = None,
+        cp_load_balancer: str = "headtail",
+        pipeline: PipelineEval | None = None,
         metrics_processor: MetricsProcessor | None = None,
     ) -> None:
         self.dataloader = dataloader
@@ -53,7 +72,10 @@ class Validator:
         self.train_context = train_context
         self.freq = freq
         self.steps = steps
-        self.loss_mesh = loss_mesh
+        self.reduce_meshes = list(reduce_meshes)
+        self.cp_mesh = cp_mesh
+        self.cp_load_balancer = cp_load_balancer
+        self.pipeline = pipeline
         self.metrics_processor = metrics_processor
         self._jsonl_opened = False
 
@@ -62,38 +84,67 @@ class Validator:
 
     def validate(self, model_parts: list[nn.Module], step: int) -> dict[str, float]:
         """One pass over the split; returns the record logged for ``step``."""
-        model = model_parts[0]
-        model.eval()
+        for part in model_parts:
+            part.eval()
         try:
-            loss_sum, tokens = self._loss_sum_and_tokens(model)
+            loss_sum, tokens = self._loss_sum_and_tokens(model_parts)
         finally:
-            _reshard(model)
-            model.train()
+            for part in model_parts:
+                _reshard(part)
+                part.train()
         loss = (loss_sum / tokens).item()
         record = {"step": step, "validation_loss": loss, "validation_perplexity": _perplexity(loss)}
         self._log(record, int(tokens.item()))
         return record
 
     @torch.no_grad()
-    def _loss_sum_and_tokens(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum over batches of mean loss x tokens, tokens), reduced over ``loss_mesh``."""
-        device = next(model.parameters()).device
+    def _loss_sum_and_tokens(self, model_parts: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum over batches of mean loss x tokens, tokens), reduced over ``reduce_meshes``."""
+        device = _buffer_device(model_parts[0])
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         for index, (input_dict, labels) in enumerate(self.dataloader):
             if index == self.steps:
                 break
             inputs, labels = input_dict["input"].to(device), labels.to(device)
             with self.train_context():
-                loss = self.loss_fn(model(inputs), labels)
+                if self.pipeline is not None:
+                    loss = self._pipeline_loss(inputs, labels)
+                else:
+                    loss, labels = self._model_loss(model_parts[0], inputs, labels)
+            if loss is None:  # a pipeline stage without the loss
+                continue
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
             totals[0] += loss.double() * labels.numel()
             totals[1] += labels.numel()
-        if self.loss_mesh is not None:
-            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.loss_mesh.get_group())
+        for mesh in self.reduce_meshes:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=mesh.get_group())
         if totals[1] == 0:
             raise ValueError("validation.dataset: the validation split produced no batches")
         return totals[0], totals[1]
+
+    def _model_loss(self, model: nn.Module, inputs: torch.Tensor,
+                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss over this rank's tokens (its share of each sequence under CP) and the
+        labels it scored."""
+        positions = None
+        if self.cp_mesh is not None:
+            inputs, labels, positions = shard_batch_for_cp(inputs, labels, self.cp_mesh, self.cp_load_balancer)
+        return self.loss_fn(model(inputs, positions=positions), labels), labels
+
+    def _pipeline_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """The batch's mean loss on the last stage (equal-sized micro-batches), else None."""
+        pipeline = self.pipeline
+        losses: list[torch.Tensor] = []
+        targets = {"target": labels, "losses": losses} if pipeline.has_last_stage else {}
+        if pipeline.has_first_stage:
+            pipeline.schedule.eval(inputs, **targets)
+        else:
+            pipeline.schedule.eval(**targets)
+        if not pipeline.has_last_stage:
+            return None
+        losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
+        return torch.stack(losses).mean() * pipeline.loss_scale
 
     def _log(self, record: dict[str, float], tokens: int) -> None:
         step, loss, perplexity = record["step"], record["validation_loss"], record["validation_perplexity"]
@@ -122,6 +173,13 @@ def _perplexity(loss: float) -> float:
         return math.inf
 
 
+def _buffer_device(model: nn.Module) -> torch.device:
+    """The compute device (parameters may be offloaded to the CPU; buffers never are)."""
+    for tensor in model.buffers():
+        return tensor.device
+    return next(model.parameters()).device
+
+
 def _reshard(model: nn.Module) -> None:
     """Free the parameters FSDP left unsharded (the root's, and every block's when
     reshard_after_forward is off): a forward without backward never reshards them."""
@@ -138,19 +196,17 @@ def build_validator(
     loss_fn: LossFn,
     train_context: Callable[[], AbstractContextManager],
     metrics_processor: MetricsProcessor | None = None,
+    pipeline: PipelineEval | None = None,
 ) -> Validator:
-    """The train spec's ``build_validator_fn``: reads the ``dp`` (through the data loader)
-    and ``dp_cp`` views of ``parallel_dims.world_mesh`` itself."""
+    """The train spec's ``build_validator_fn``: reads the ``dp`` (through the data loader),
+    ``cp``, ``dp_cp`` and ``pp`` views of ``parallel_dims.world_mesh`` itself. Under PP it
+    needs the trainer's schedule (``pipeline``)."""
+    if parallel_dims.pp_enabled and pipeline is None:
+        raise ValueError("build_validator: pipeline parallel needs the trainer's schedule (pipeline=...)")
+    mesh = parallel_dims.world_mesh if parallel_dims.world_size > 1 else None
+    reduce_meshes = [mesh["dp_cp"]] if parallel_dims.dp_cp_enabled else []
     if parallel_dims.pp_enabled:
-        raise ConfigError(
-            "validation.enable: validation under pipeline parallel is not supported yet; "
-            "disable validation or set parallelism.pipeline_parallel_degree = 1"
-        )
-    if parallel_dims.cp_enabled:
-        raise ConfigError(
-            "validation.enable: validation under context parallel is not supported yet; "
-            "disable validation or set parallelism.context_parallel_degree = 1"
-        )
+        reduce_meshes.append(mesh["pp"])
     config = job_config.validation
     return Validator(
         dataloader=build_dataloader(job_config, parallel_dims, tokenizer, split="validation"),
@@ -158,7 +214,10 @@ def build_validator(
         train_context=train_context,
         freq=config.freq,
         steps=config.steps,
-        loss_mesh=parallel_dims.world_mesh["dp_cp"] if parallel_dims.dp_cp_enabled else None,
+        reduce_meshes=reduce_meshes,
+        cp_mesh=mesh["cp"] if parallel_dims.cp_enabled else None,
+        cp_load_balancer=job_config.parallelism.context_parallel_load_balancer,
+        pipeline=pipeline if parallel_dims.pp_enabled else None,
         metrics_processor=metrics_processor,
     )
 

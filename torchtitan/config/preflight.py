@@ -42,6 +42,8 @@ def preflight(job_config, world_size: int, device_type: str):
 
         plan = plan_stages(job_config, model_args.n_layers, parallel_dims.pp)
         microbatches(job_config, plan.num_stages)
+    if job_config.validation.enable:
+        _check_validation(job_config, parallel_dims)
     if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             "checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1, all parallel "
@@ -74,12 +76,31 @@ def _check_context_parallel(job_config, parallel_dims, model_args) -> None:
             "parallelism.context_parallel_degree > 1 with pipeline_parallel_degree > 1 is not "
             "supported yet (stages would need the sharded positions); use one of them"
         )
-    seq_lens = [job_config.training.seq_len]
+    seq_lens = {"training.seq_len": job_config.training.seq_len}
     if job_config.validation.enable:
-        seq_lens.append(job_config.validation.seq_len)
-    for seq_len in seq_lens:
+        seq_lens["validation.seq_len"] = job_config.validation.seq_len
+    for field, seq_len in seq_lens.items():
         try:
             check_cp_config(seq_len, parallel_dims.cp, parallel_dims.tp, model_args.n_heads,
-                            p.context_parallel_rotate_method, p.context_parallel_load_balancer)
+                            p.context_parallel_rotate_method, p.context_parallel_load_balancer, field)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _check_validation(job_config, parallel_dims) -> None:
+    validation, training = job_config.validation, job_config.training
+    if validation.seq_len % parallel_dims.seq_len_divisor != 0:
+        raise ConfigError(
+            f"validation.seq_len ({validation.seq_len}) must be divisible by tp * 2 * cp = "
+            f"{parallel_dims.seq_len_divisor}, as training.seq_len is"
+        )
+    if parallel_dims.pp_enabled and (validation.seq_len, validation.local_batch_size) != (
+        training.seq_len, training.local_batch_size
+    ):
+        # The pipeline stages exchange buffers shaped by the first training step.
+        raise ConfigError(
+            "validation under pipeline parallel reuses the training schedule: set "
+            f"validation.seq_len = training.seq_len ({training.seq_len}) and "
+            f"validation.local_batch_size = training.local_batch_size ({training.local_batch_size}); "
+            f"got {validation.seq_len} and {validation.local_batch_size}"
+        )

@@ -81,6 +81,7 @@ def check_cp_config(
     n_heads: int,
     rotate_method: str,
     load_balancer: str = "headtail",
+    seq_len_field: str = "training.seq_len",
 ) -> None:
     """Raise ValueError (one line) when this CP layout cannot run.
 
@@ -95,7 +96,7 @@ def check_cp_config(
     divisor = _num_chunks(cp, load_balancer) * tp
     if seq_len % divisor != 0:
         raise ValueError(
-            f"training.seq_len {seq_len} must be divisible by {divisor} (= "
+            f"{seq_len_field} {seq_len} must be divisible by {divisor} (= "
             f"{'2 * ' if load_balancer == 'headtail' else ''}cp {cp} * tp {tp}) for context "
             f"parallel with load_balancer {load_balancer!r}"
         )

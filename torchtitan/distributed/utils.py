@@ -36,6 +36,15 @@ def init_distributed(job_config) -> torch.device:
     return device
 
 
+def leave_together() -> None:
+    """Barrier, then destroy every process group: no rank tears down its connections while
+    a peer is still finishing its last collective. Only on the success path: a barrier with
+    a failed peer waits for the timeout."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _set_nccl_env(job_config) -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     size = job_config.comm.trace_buf_size

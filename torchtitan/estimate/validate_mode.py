@@ -19,13 +19,14 @@ import torch.distributed as dist
 
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, config_to_toml
 from torchtitan.distributed.parallel_dims import default_device_type
-from torchtitan.distributed.utils import init_distributed
+from torchtitan.distributed.utils import init_distributed, leave_together
 from torchtitan.estimate import report
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
 from torchtitan.estimate.measure import MeasuredOutcome, measure_training_memory
 from torchtitan.estimate.steps import ITERATIONS
 from torchtitan.estimate.trace import trace_training_memory
 from torchtitan.estimate.tracing import fake_process_group
+from torchtitan.tools.profiling import exit_after_profiled_run
 
 
 def _validation_device(target: str) -> torch.device:
@@ -53,13 +54,11 @@ def measure_single_process(job_config: JobConfig, world_size: int) -> MeasuredOu
 def _measure_distributed(job_config: JobConfig) -> list[MeasuredOutcome]:
     """Every rank of a torchrun launch measures itself; all outcomes are gathered."""
     device = init_distributed(job_config)
-    try:
-        mine = measure_training_memory(job_config, device)
-        outcomes: list[MeasuredOutcome | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, mine)
-        return outcomes
-    finally:
-        dist.destroy_process_group()
+    mine = measure_training_memory(job_config, device)
+    outcomes: list[MeasuredOutcome | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, mine)
+    leave_together()
+    return outcomes
 
 
 def _traced_peak(config_path: str, world_size: int, target: str) -> int:
@@ -88,14 +87,17 @@ def run_validate(job_config: JobConfig) -> int:
     job_config = eager_config(job_config)
     check_covered(job_config, world_size)
     _validation_device(me.target_device)
-    if launched:
-        measured = _measure_distributed(job_config)
-        if int(os.environ["RANK"]) != 0:
-            return 0
-    else:
+    if not launched:
         measured = [measure_single_process(job_config, world_size)]
-    estimate = traced_peak_in_fresh_process(job_config, world_size, me.target_device)
-    print("\n".join(validation_lines(estimate, measured, world_size, launched)))
+        estimate = traced_peak_in_fresh_process(job_config, world_size, me.target_device)
+        print("\n".join(validation_lines(estimate, measured, world_size, launched)))
+        return 0
+    measured = _measure_distributed(job_config)
+    if int(os.environ["RANK"]) == 0:
+        estimate = traced_peak_in_fresh_process(job_config, world_size, me.target_device)
+        print("\n".join(validation_lines(estimate, measured, world_size, launched)))
+    if me.target_device == "cpu":  # measured with the torch profiler
+        exit_after_profiled_run(0)
     return 0
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.distributed.expert_parallel import combine, dispatch
+from torchtitan.distributed.utils import leave_together
 
 EXPERTS, DIM = 8, 3
 
@@ -70,8 +71,7 @@ def main() -> None:
     result = check()
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.txt"), "w") as f:
         f.write(result)
-    dist.barrier()  # leave together (see torchtitan/train.py)
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":

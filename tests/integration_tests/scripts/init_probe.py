@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
+from torchtitan.distributed.utils import leave_together
 from torchtitan.models.init import clean_fqn
 from torchtitan.protocols import get_train_spec
 
@@ -51,8 +52,7 @@ def main() -> None:
         result = "a pipeline stage holds the whole model"
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.txt"), "w") as f:
         f.write(result)
-    dist.barrier()  # leave together (see torchtitan/train.py)
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":

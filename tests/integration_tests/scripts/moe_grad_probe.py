@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
 from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.distributed.utils import leave_together
 from torchtitan.models.init import clean_fqn
 from torchtitan.protocols import get_train_spec
 
@@ -82,8 +83,7 @@ def main() -> None:
     results = [compare(layout.split(), tokens) for layout in os.environ["LAYOUTS"].split(";")]
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.txt"), "w") as f:
         f.write("\n".join(results))
-    dist.barrier()  # leave together (see torchtitan/train.py)
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":
