@@ -33,6 +33,9 @@ def _config(*overrides: str):
         (2, ["--activation_checkpoint.mode", "full"]),
         (2, ["--training.global_batch_size", "16"]),  # two micro-batches per step
         (4, ["--parallelism.tensor_parallel_degree", "2"]),  # FSDP 2 x TP 2, loss parallel
+        (4, ["--parallelism.context_parallel_degree", "2"]),  # FSDP 2 x CP 2 (allgather)
+        (4, ["--parallelism.context_parallel_degree", "2",
+             "--parallelism.context_parallel_rotate_method", "alltoall"]),  # ring
     ],
 )
 def test_trace_equals_real_cpu_allocations(world_size, overrides):
@@ -45,15 +48,25 @@ def test_trace_equals_real_cpu_allocations(world_size, overrides):
     assert measured.tracker.peak_bytes == estimate
 
 
+def _cp(method: str) -> list[str]:
+    return ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", method]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
-def test_analytic_matches_trace(target):
-    config = ConfigManager().parse_args(TINY[:-4] + ["--training.seq_len", "256", "--training.local_batch_size", "8"])
-    outcome = trace_training_memory(config, 2, target)
+@pytest.mark.parametrize(
+    ("world_size", "overrides", "rtol"),
+    [(2, [], 0.01), (4, _cp("allgather"), 0.01), (4, _cp("ulysses"), 0.01), (4, _cp("alltoall"), 0.02)],
+    ids=["fsdp2", "fsdp2_cp2_allgather", "fsdp2_cp2_ulysses", "fsdp2_cp2_alltoall"],
+)
+def test_analytic_matches_trace(target, world_size, overrides, rtol):
+    config = ConfigManager().parse_args(
+        TINY[:-4] + ["--training.seq_len", "256", "--training.local_batch_size", "8"] + overrides)
+    outcome = trace_training_memory(config, world_size, target)
     setup = outcome.setup
     geometry, layout, run = analytic.from_job_config(config, setup.model_args, setup.parallel_dims, 1, target)
     closed_form = analytic.estimate(geometry, layout, run).peak_bytes
-    assert abs(closed_form / outcome.result.peak_bytes - 1) < 0.01
+    assert abs(closed_form / outcome.result.peak_bytes - 1) < rtol
 
 
 @pytest.mark.timeout(120)

@@ -79,6 +79,8 @@ class Run:
     loss_parallel: bool = True
     target: str = "cuda"
     pp_microbatch: int = 1
+    cp_rotate: str = "allgather"  # parallelism.context_parallel_rotate_method
+    cp_headtail: bool = True  # parallelism.context_parallel_load_balancer == "headtail"
 
 
 @dataclass
@@ -123,18 +125,62 @@ def _norm_kept_bytes(a: int, d: int, target: str) -> float:
     return 4 * d + 4 * d + 4
 
 
+def _attention_kept_per_token(g: Geometry, lay: Layout, run: Run, a: int) -> float:
+    """What attention keeps for backward per local token (q_local = this rank's heads x
+    head_dim): q, k, v and the output, plus under context parallel (torchtitan's CP
+    attention) the gathered keys/values and chunk outputs (allgather) or the fp32 output
+    of the ring (alltoall) or of the head all-to-all (ulysses)."""
+    q_local = g.n_heads * g.head_dim / lay.tp
+    if lay.cp == 1:
+        return a * 4 * q_local
+    if run.cp_rotate == "allgather":
+        return a * (3 + 2 * lay.cp) * q_local
+    if run.cp_rotate == "alltoall":
+        return (3 * a + 4) * q_local
+    return 5 * a * q_local
+
+
+def _cp_chunks(lay: Layout, run: Run) -> tuple[int, list[int]]:
+    """(chunk length, the global indices of rank 0's chunks) of one sequence under CP."""
+    if run.cp_headtail:
+        return run.seq_len // (2 * lay.cp), [0, 2 * lay.cp - 1]
+    return run.seq_len // lay.cp, [0]
+
+
+def _attention_mask_bytes(lay: Layout, run: Run, a: int) -> float:
+    """allgather CP: one causal mask [chunk, keys up to the chunk's end] per local chunk,
+    shared by the batch and heads (bool on CPU; CUDA's memory-efficient kernel keeps it as
+    an additive mask in the compute dtype)."""
+    if lay.cp == 1 or run.cp_rotate != "allgather":
+        return 0.0
+    size, chunks = _cp_chunks(lay, run)
+    per_element = a if run.target == "cuda" else 1
+    return per_element * sum(size * (c + 1) * size for c in chunks)
+
+
+def _ring_backward_bytes(g: Geometry, lay: Layout, run: Run, batch: int, tokens: float) -> float:
+    """alltoall (ring) CP backward temporaries: two fp32 [batch, heads, chunk, chunk] blocks
+    (probabilities and their gradient) and fp32 working copies of q, dq, the held key/value
+    block and its accumulated and in-flight gradients, about 6 x q_local per token (within
+    2 % of traces of the debug models)."""
+    if lay.cp == 1 or run.cp_rotate != "alltoall":
+        return 0.0
+    size, _ = _cp_chunks(lay, run)
+    q_local = g.n_heads * g.head_dim / lay.tp
+    return 2 * 4 * batch * g.n_heads / lay.tp * size * size + 6 * 4 * q_local * tokens
+
+
 def _layer_activation_bytes(g: Geometry, lay: Layout, run: Run, a: int, tokens: float) -> float:
     t = lay.tp
     sp = t  # sequence parallel shards the residual stream when TP is on
-    q_local = g.n_heads * g.head_dim / t
     per_token = (
         2 * _norm_kept_bytes(a, g.dim, run.target) / sp  # attention_norm, ffn_norm
         + 2 * a * g.dim  # norm outputs (all-gathered under SP) saved by wq/wk/wv and w1/w3
-        + a * 4 * q_local  # q, repeated k and v, attention output
+        + _attention_kept_per_token(g, lay, run, a)
         + 4 * g.n_heads / t  # logsumexp
         + 4 * a * g.ffn_dim / t  # w1, w3, silu, silu*w3
     )
-    return tokens * per_token
+    return tokens * per_token + _attention_mask_bytes(lay, run, a)
 
 
 def estimate(g: Geometry, lay: Layout, run: Run) -> AnalyticEstimate | None:
@@ -162,6 +208,7 @@ class _Stage:
     a_in: float  # one block's input (all that full AC keeps)
     a_layer: float  # everything one block keeps without AC
     kept: float  # what one block keeps under the configured AC
+    ring_backward: float  # CP ring attention's backward temporaries
 
 
 def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> _Stage:
@@ -187,7 +234,8 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         every = int(lay.ac.split(":")[1])
         kept = (a_layer * (every - 1) + a_in) / every
     return _Stage(4 * params_sharded, 8 * params_sharded, u_layer, u_root, root_local,
-                  layer_local, layer_sharded, layers, tokens, a_in, a_layer, kept)
+                  layer_local, layer_sharded, layers, tokens, a_in, a_layer, kept,
+                  _ring_backward_bytes(g, lay, run, batch, tokens))
 
 
 def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> AnalyticEstimate:
@@ -229,7 +277,8 @@ def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -
     gradients and fp32 reduce-scatter input. Linear in the block index, so the maximum is
     at the first or the last block."""
     recompute = st.a_layer if st.kept != st.a_layer else 0
-    temps = st.tokens * a * (2 * g.ffn_dim / lay.tp + 2 * g.dim) + (a + 4) * st.layer_local
+    mlp_temps = st.tokens * a * (2 * g.ffn_dim / lay.tp + 2 * g.dim)
+    temps = max(mlp_temps, st.ring_backward) + (a + 4) * st.layer_local
     current = base + 2 * st.u_layer + st.kept + recompute + temps
     top_block = current + (st.layers - 1) * st.kept
     bottom_block = current + (st.layers - 1) * 4 * st.layer_sharded
@@ -259,5 +308,7 @@ def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, targ
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
         target=target,
         pp_microbatch=job_config.parallelism.pipeline_parallel_microbatch_size,
+        cp_rotate=job_config.parallelism.context_parallel_rotate_method,
+        cp_headtail=job_config.parallelism.context_parallel_load_balancer == "headtail",
     )
     return Geometry.from_model_args(model_args), layout, run

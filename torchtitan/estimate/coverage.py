@@ -9,7 +9,8 @@ from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimate.build import build_parallel_dims
 
-COVERED = "FSDP, HSDP, DDP, tensor parallel (with sequence and loss parallel), activation checkpointing"
+COVERED = ("FSDP, HSDP, DDP, tensor parallel (with sequence and loss parallel), context parallel, "
+           "activation checkpointing")
 
 
 def resolve_world_size(job_config: JobConfig) -> int:
@@ -28,8 +29,6 @@ def coverage_gap(job_config: JobConfig, parallel_dims: ParallelDims) -> str | No
     """Why the estimator cannot trace this config, or None."""
     if parallel_dims.pp_enabled:
         return f"parallelism.pipeline_parallel_degree={parallel_dims.pp}: pipeline parallel"
-    if parallel_dims.cp_enabled:
-        return f"parallelism.context_parallel_degree={parallel_dims.cp}: context parallel"
     if parallel_dims.ep_enabled:
         return f"parallelism.expert_parallel_degree={parallel_dims.ep}: expert parallel"
     if job_config.parallelism.enable_async_tensor_parallel:

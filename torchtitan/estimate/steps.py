@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from torchtitan.distributed.context_parallel import shard_batch_for_cp
 from torchtitan.distributed.utils import clip_grad_norm_
 from torchtitan.estimate.build import TrainingSetup
 
@@ -40,10 +41,16 @@ def random_batch(setup: TrainingSetup) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _forward_backward(setup: TrainingSetup, observer: PhaseObserver, iteration: int) -> torch.Tensor:
     inputs, labels = random_batch(setup)
+    positions = None
+    if setup.parallel_dims.cp_enabled:  # this rank's share of every sequence, as the trainer
+        inputs, labels, positions = shard_batch_for_cp(
+            inputs, labels, setup.parallel_dims.world_mesh["cp"],
+            setup.job_config.parallelism.context_parallel_load_balancer,
+        )
     observer.start_microbatch()
     observer.set_phase(iteration, "forward")
     with setup.train_context():
-        pred = setup.model(inputs)
+        pred = setup.model(inputs, positions=positions)
         observer.set_phase(iteration, "loss")
         loss = setup.loss_fn(pred, labels)
         del pred
