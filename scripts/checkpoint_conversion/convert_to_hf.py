@@ -16,7 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import SafeFileSystemReader, WeightsOnlyLoadPlanner
-from torchtitan.components.hf_checkpoint import save_hf_weights
+from torchtitan.components.hf_checkpoint import HFCheckpointError, save_hf_weights
+from torchtitan.config import ConfigError
 from torchtitan.config.entry import config_errors_exit
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,7 +35,11 @@ def convert_to_hf(checkpoint: str, out: str, dtype: str, config_args: list[str])
     dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint),
              planner=WeightsOnlyLoadPlanner(allow_partial_load=True), no_dist=True)
     model.load_state_dict(state)
-    save_hf_weights([model], out, spec.state_dict_adapter(args), DTYPES[dtype], None)
+    try:
+        save_hf_weights([model], out, spec.state_dict_adapter(args), DTYPES[dtype], None,
+                        field="model.flavor")
+    except HFCheckpointError as e:
+        raise ConfigError(str(e)) from None
     print(f"wrote {out}")
 
 

@@ -298,3 +298,20 @@ def test_loading_runs_no_code_from_the_files(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="unreadable DCP metadata.*not allowed"):
         Run(tmp_path).checkpointer.load(step=2)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_hf_export_of_a_model_without_hf_equivalent_fails_at_start(tmp_path):
+    from torchtitan.protocols import get_train_spec
+
+    spec = get_train_spec("deepseek_v3")
+    job_config = ConfigManager().parse_args([
+        "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+    ])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    with pytest.raises(ConfigError, match="checkpoint.last_save_in_hf: this model routes with "
+                                          "softmax scores"):
+        CheckpointManager(
+            dataloader=None, model_parts=[Net()], optimizers=None, lr_schedulers=None,
+            states={}, job_config=job_config, parallel_dims=dims, train_spec=spec,
+            model_args=spec.flavor_args("16B"),  # softmax routing: no Hugging Face DeepseekV3
+        )

@@ -16,8 +16,10 @@ from safetensors.torch import load_file  # noqa: E402
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs  # noqa: E402
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
+from torchtitan.models.deepseek_v3.flavors import deepseek_v3_flavors  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     DeepSeekV3StateDictAdapter,
+    from_hf_config,
     to_hf_config,
 )
 from torchtitan.models.moe import MoEArgs  # noqa: E402
@@ -97,3 +99,35 @@ def test_adapter_rejects_unknown_keys_and_missing_experts():
         adapter.from_hf({"model.layers.0.mlp.weight_scale_inv": torch.zeros(1)})
     with pytest.raises(ValueError, match="expected experts 0..7"):
         adapter.from_hf({"model.layers.1.mlp.experts.0.gate_proj.weight": torch.zeros(2, 2)})
+
+
+@pytest.mark.parametrize("args", [PLAIN, FULL, deepseek_v3_flavors["671B"]],
+                         ids=["plain", "lowrank_q_yarn_groups", "671B"])
+def test_config_round_trips_through_transformers(args):
+    config = transformers.DeepseekV3Config(
+        **{k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "model_type")}
+    ).to_dict()
+    config["architectures"] = ["DeepseekV3ForCausalLM"]
+    back = from_hf_config(config)
+    back.max_seq_len = args.max_seq_len
+    assert back == args
+    DeepSeekV3StateDictAdapter(args).check_hf_config(config)
+
+
+def test_published_config_form_is_understood():
+    """The 671B checkpoint's config.json spells RoPE the transformers 4.x way."""
+    args = deepseek_v3_flavors["671B"]
+    config = {k: v for k, v in to_hf_config(args).items() if k != "rope_parameters"}
+    config.update(rope_theta=10000, scoring_func="sigmoid", topk_method="noaux_tc", rope_scaling={
+        "type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096})
+    DeepSeekV3StateDictAdapter(args).check_hf_config(config)
+    config["num_hidden_layers"] = 60
+    with pytest.raises(ValueError, match="^config.json has n_layers = 60 but model.flavor gives 61; "):
+        DeepSeekV3StateDictAdapter(args).check_hf_config(config)
+
+
+def test_softmax_routing_has_no_hugging_face_config():
+    adapter = DeepSeekV3StateDictAdapter(deepseek_v3_flavors["16B"])
+    with pytest.raises(ValueError, match="routes with softmax scores .* only routes with sigmoid"):
+        adapter.hf_config()

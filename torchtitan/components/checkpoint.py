@@ -269,6 +269,7 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.excluded = self._check_exclusions(self.config.exclude_from_loading)
+        self._check_hf_export()
         self._async = self.config.async_mode != "disabled"
         self._pending: _PendingSave | None = None
         self._stager = None
@@ -291,6 +292,18 @@ class CheckpointManager:
                 f"choose from {', '.join(valid)}"
             )
         return set(names)
+
+    def _check_hf_export(self) -> None:
+        """With last_save_in_hf, fail at start-up, not after training, when the model has no
+        Hugging Face equivalent (e.g. a softmax-routed DeepSeek-V3 flavor)."""
+        if not (self.enable and self.config.last_save_in_hf) or self.model_args is None:
+            return
+        field = "checkpoint.last_save_in_hf"
+        adapter = self._adapter(field)
+        try:
+            adapter.hf_config()
+        except (ValueError, NotImplementedError) as e:
+            raise ConfigError(f"{field}: {e}") from None
 
     @staticmethod
     def _pinned_memory_stager() -> DefaultStager | None:
@@ -495,8 +508,11 @@ class CheckpointManager:
     def _save_hf(self, step: int) -> None:
         folder = self.root / f"step-{step}-hf"
         dtype = TORCH_DTYPES[self.config.export_dtype]
-        save_hf_weights(self.model_parts, folder, self._adapter("checkpoint.last_save_in_hf"),
-                        dtype, self.parallel_dims)
+        try:
+            save_hf_weights(self.model_parts, folder,
+                            self._adapter("checkpoint.last_save_in_hf"), dtype, self.parallel_dims)
+        except HFCheckpointError as e:
+            raise ConfigError(str(e)) from None
 
     def create_seed_checkpoint(self) -> None:
         """Write the freshly initialised weights as step-0 (one process); any layout that

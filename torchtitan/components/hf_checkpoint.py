@@ -1,15 +1,21 @@
 """Hugging Face safetensors in and out through a model's StateDictAdapter.
 
-Loading reads one tensor at a time with the ``safetensors`` library and keeps only this
-rank's piece (``distribute_tensor(..., src_data_rank=None)`` slices locally), so no rank
-materialises the full model. Saving gathers one parameter at a time; the first rank of each
-pipeline stage writes that stage's file, rank 0 writes the index and ``config.json``.
+Every parameter and persistent buffer of the model (its state-dict entries) is converted on
+its own: ``adapter.to_hf`` on a meta tensor names the Hugging Face keys it comes from (one,
+or several: DeepSeek-V3's fused ``[E, ...]`` experts are stored one tensor per expert), and
+``adapter.from_hf`` on exactly those tensors gives it back. Loading reads one such group at
+a time with the ``safetensors`` library and keeps only this rank's piece
+(``distribute_tensor(..., src_data_rank=None)`` slices locally), so no rank materialises the
+full model. Saving gathers one parameter at a time; the first rank of each pipeline stage
+writes that stage's file, rank 0 writes the index and ``config.json``. Parameters are
+exported in ``export_dtype``; buffers (DeepSeek-V3's expert bias) keep their own dtype.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +37,36 @@ class HFCheckpointError(ValueError):
     pass
 
 
-def _named_params(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    return {clean_fqn(n): p for part in model_parts for n, p in part.named_parameters()}
+def _model_tensors(model_parts: list[nn.Module]) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The state-dict entries of ``model_parts`` (parameters, possibly DTensors, and
+    persistent buffers) by unwrapped FQN, and the FQNs of the buffers."""
+    tensors: dict[str, torch.Tensor] = {}
+    buffers: set[str] = set()
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            tensors[clean_fqn(name)] = param
+        for prefix, module in part.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is None or name in module._non_persistent_buffers_set:
+                    continue
+                fqn = clean_fqn(f"{prefix}.{name}" if prefix else name)
+                tensors[fqn] = buffer
+                buffers.add(fqn)
+    return tensors, buffers
 
 
-def _safetensors_index(folder: Path, field: str) -> dict[str, Path]:
-    """Hugging Face key -> file holding it."""
+def _scan(folder: Path, field: str) -> tuple[dict[str, Path], dict[str, list[int]]]:
+    """Hugging Face key -> file holding it, and key -> shape."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise HFCheckpointError(f"{field}: no *.safetensors files in {folder}")
-    index = {}
+    index, shapes = {}, {}
     for path in files:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
                 index[key] = path
-    return index
+                shapes[key] = f.get_slice(key).get_shape()
+    return index, shapes
 
 
 def _check_config(folder: Path, adapter: StateDictAdapter, field: str) -> None:
@@ -59,19 +80,40 @@ def _check_config(folder: Path, adapter: StateDictAdapter, field: str) -> None:
         raise HFCheckpointError(f"{field}: {e}") from None
 
 
-def _hf_key_of(adapter: StateDictAdapter, fqn: str, shape: torch.Size) -> str:
-    (hf_key,) = adapter.to_hf({fqn: torch.empty(shape, device="meta")}).keys()
-    return hf_key
+def _check_keys(shapes: dict[str, list[int]], adapter: StateDictAdapter, folder: Path,
+                field: str) -> None:
+    """The adapter must understand the whole checkpoint at once (unknown keys, incomplete
+    expert sets). Only conversion is checked, not that this rank holds the result: under
+    pipeline parallel the other stages' keys belong to other ranks."""
+    meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
+    try:
+        adapter.from_hf(meta)
+    except (ValueError, RuntimeError) as e:
+        raise HFCheckpointError(f"{field}: {folder} does not convert to this model: {e}") from None
 
 
-def _check_no_unexpected(index: dict[str, Path], adapter: StateDictAdapter, field: str) -> None:
-    for hf_key, path in index.items():
-        with safe_open(path, framework="pt") as f:
-            shape = f.get_slice(hf_key).get_shape()
-        try:
-            adapter.from_hf({hf_key: torch.empty(shape, device="meta")})
-        except ValueError as e:
-            raise HFCheckpointError(f"{field}: unexpected key in {path.name}: {e}") from None
+def _hf_keys_of(adapter: StateDictAdapter, fqn: str, tensor: torch.Tensor, field: str) -> list[str]:
+    try:
+        return list(adapter.to_hf({fqn: torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                    device="meta")}))
+    except ValueError as e:
+        raise HFCheckpointError(f"{field}: {e}") from None
+
+
+def _read(index: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key in keys:
+        by_file[index[key]].append(key)
+    out = {}
+    for path, file_keys in by_file.items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in file_keys:
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def _describe(keys: list[str]) -> str:
+    return repr(keys[0]) if len(keys) == 1 else f"{keys[0]!r} (+{len(keys) - 1} more keys)"
 
 
 @torch.no_grad()
@@ -79,27 +121,34 @@ def load_hf_weights(
     model_parts: list[nn.Module], folder: str | os.PathLike, adapter: StateDictAdapter,
     field: str = "checkpoint.initial_load_path",
 ) -> None:
-    """Fill every parameter of ``model_parts`` (any parallel layout) from a folder of
-    Hugging Face safetensors (+ config.json)."""
+    """Fill every parameter and persistent buffer of ``model_parts`` (any parallel layout)
+    from a folder of Hugging Face safetensors (+ config.json)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise HFCheckpointError(f"{field}: {folder} is not a folder of Hugging Face safetensors")
     _check_config(folder, adapter, field)
-    index = _safetensors_index(folder, field)
-    _check_no_unexpected(index, adapter, field)
-    for fqn, param in _named_params(model_parts).items():
-        full_shape = param.shape  # a DTensor's shape is the global one
-        hf_key = _hf_key_of(adapter, fqn, full_shape)
-        if hf_key not in index:
-            raise HFCheckpointError(f"{field}: missing key {hf_key!r} (for {fqn}) in {folder}")
-        with safe_open(index[hf_key], framework="pt", device="cpu") as f:
-            value = adapter.from_hf({hf_key: f.get_tensor(hf_key)})[fqn]
+    index, shapes = _scan(folder, field)
+    _check_keys(shapes, adapter, folder, field)
+    tensors, _ = _model_tensors(model_parts)
+    for fqn, tensor in tensors.items():
+        full_shape = tensor.shape  # a DTensor's shape is the global one
+        hf_keys = _hf_keys_of(adapter, fqn, tensor, field)
+        missing = [k for k in hf_keys if k not in index]
+        if missing:
+            raise HFCheckpointError(f"{field}: missing key {_describe(missing)} (for {fqn}) "
+                                    f"in {folder}")
+        try:
+            value = adapter.from_hf(_read(index, hf_keys)).get(fqn)
+        except (ValueError, RuntimeError) as e:
+            raise HFCheckpointError(f"{field}: {_describe(hf_keys)} (for {fqn}): {e}") from None
+        if value is None:
+            raise HFCheckpointError(f"{field}: {_describe(hf_keys)} do not give {fqn}")
         if value.shape != full_shape:
             raise HFCheckpointError(
-                f"{field}: {hf_key!r} has shape {tuple(value.shape)}, the model expects "
-                f"{tuple(full_shape)} (vocabulary or flavor mismatch?)"
+                f"{field}: {_describe(hf_keys)} has shape {tuple(value.shape)} for {fqn}, the "
+                f"model expects {tuple(full_shape)} (vocabulary or flavor mismatch?)"
             )
-        _copy_full_into(param, value)
+        _copy_full_into(tensor, value)
     logger.info(f"loaded Hugging Face weights from {folder}")
 
 
@@ -113,13 +162,28 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous tensor that owns its whole storage (safetensors refuses
+    tensors sharing memory, e.g. the per-expert views of one fused parameter)."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        t = t.clone()
+    return t
+
+
 @torch.no_grad()
 def save_hf_weights(
     model_parts: list[nn.Module], folder: str | os.PathLike, adapter: StateDictAdapter,
-    export_dtype: torch.dtype, parallel_dims: Any,
+    export_dtype: torch.dtype, parallel_dims: Any, field: str = "checkpoint.last_save_in_hf",
 ) -> None:
-    """Write consolidated Hugging Face safetensors + config.json into ``folder``."""
+    """Write consolidated Hugging Face safetensors + config.json into ``folder``; a model
+    with no Hugging Face equivalent raises HFCheckpointError on every rank before any
+    collective."""
     folder = Path(folder)
+    try:
+        config = adapter.hf_config()  # on every rank, before any collective
+    except (ValueError, NotImplementedError) as e:
+        raise HFCheckpointError(f"{field}: {e}") from None
     pp_rank, pp_size = 0, 1
     if parallel_dims is not None and parallel_dims.pp_enabled:
         pp_mesh = parallel_dims.world_mesh["pp"]
@@ -128,17 +192,19 @@ def save_hf_weights(
     world = dist.get_world_size() if dist.is_initialized() else 1
     writer = rank % (world // pp_size) == 0  # first rank of this pipeline stage
     tensors = {}
-    for fqn, param in _named_params(model_parts).items():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+    model_tensors, buffers = _model_tensors(model_parts)
+    for fqn, tensor in model_tensors.items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if writer:
-            tensors.update(adapter.to_hf({fqn: full.detach().to("cpu", export_dtype)}))
+            dtype = tensor.dtype if fqn in buffers or not tensor.is_floating_point() else export_dtype
+            tensors.update(adapter.to_hf({fqn: full.detach().to("cpu", dtype)}))
     filename = "model.safetensors" if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
     if writer:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / filename),
+        save_file({k: _own_storage(v) for k, v in tensors.items()}, str(folder / filename),
                   metadata={"format": "pt"})
     keys = {k: filename for k in tensors}
     if pp_size > 1:
@@ -146,16 +212,15 @@ def save_hf_weights(
         dist.all_gather_object(gathered, keys)
         keys = {k: v for part in gathered for k, v in part.items()}
     if rank == 0:
-        _write_index_and_config(folder, keys, adapter, export_dtype, pp_size > 1)
+        _write_index_and_config(folder, keys, config, export_dtype, pp_size > 1)
     if dist.is_initialized():
         dist.barrier()
     logger.info(f"saved Hugging Face weights ({export_dtype}) to {folder}")
 
 
-def _write_index_and_config(folder: Path, keys: dict[str, str], adapter: StateDictAdapter,
+def _write_index_and_config(folder: Path, keys: dict[str, str], config: dict[str, Any],
                             export_dtype: torch.dtype, sharded: bool) -> None:
-    config = adapter.hf_config()
-    config["torch_dtype"] = str(export_dtype).removeprefix("torch.")
+    config = dict(config, torch_dtype=str(export_dtype).removeprefix("torch."))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if sharded:
         index = {"metadata": {}, "weight_map": dict(sorted(keys.items()))}

@@ -451,10 +451,11 @@ class Validation:
     """Local path for file datasets."""
 
     local_batch_size: int = 8
-    """Sequences per rank per validation batch."""
+    """Sequences per rank per validation batch (under pipeline parallel: equal to
+    training.local_batch_size, the schedule's batch)."""
 
     seq_len: int = 2048
-    """Tokens per validation sequence."""
+    """Tokens per validation sequence (under pipeline parallel: equal to training.seq_len)."""
 
     freq: int = 500
     """Validate every this many steps."""

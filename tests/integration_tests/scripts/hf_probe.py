@@ -1,7 +1,7 @@
-"""Run under torchrun: build our Llama 3 from a Hugging Face folder's config.json, parallelize
-it with the layout given on the command line, load the safetensors through the state-dict
-adapter, write the logits of fixed tokens (rank 0) and, with SAVE_DIR set, export the weights
-back to Hugging Face format."""
+"""Run under torchrun: build our MODEL (llama3 by default, or deepseek_v3) from a Hugging Face
+folder's config.json, parallelize it with the layout given on the command line, load the
+safetensors through the state-dict adapter, write the logits of fixed tokens (rank 0) and,
+with SAVE_DIR set, export the weights back to Hugging Face format."""
 
 import json
 import os
@@ -14,23 +14,33 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.hf_checkpoint import load_hf_weights, save_hf_weights
 from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
-from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter, from_hf_config
+from torchtitan.distributed.utils import leave_together
+from torchtitan.models.deepseek_v3.state_dict_adapter import from_hf_config as deepseek_v3_args
+from torchtitan.models.llama3.state_dict_adapter import from_hf_config as llama3_args
 from torchtitan.protocols import get_train_spec
+
+ARGS_FROM_HF_CONFIG = {"llama3": llama3_args, "deepseek_v3": deepseek_v3_args}
 
 
 def main() -> None:
     hf_dir, out_dir = os.environ["HF_DIR"], os.environ["OUT_DIR"]
-    config = ConfigManager().parse_args(sys.argv[1:] + ["--training.mixed_precision_param", "float32"])
+    name = os.environ.get("MODEL", "llama3")
+    config = ConfigManager().parse_args(
+        sys.argv[1:] + ["--model.name", name, "--training.mixed_precision_param", "float32"]
+    )
     dist.init_process_group("gloo")
     parallel_dims = parallel_dims_from_config(config, dist.get_world_size())
-    spec = get_train_spec("llama3")
-    args = from_hf_config(json.load(open(os.path.join(hf_dir, "config.json"))))
+    spec = get_train_spec(name)
+    hf_config = json.load(open(os.path.join(hf_dir, "config.json")))
+    args = ARGS_FROM_HF_CONFIG[name](hf_config)
+    args.max_seq_len = hf_config["max_position_embeddings"]
     with torch.device("meta"):
         model = spec.model_cls(args)
     model = spec.parallelize_fn(model, parallel_dims, config)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)  # overwritten by the load; also computes the RoPE table
-    adapter = Llama3StateDictAdapter(args)
+    model.eval()
+    adapter = spec.state_dict_adapter(args, None)
     load_hf_weights([model], hf_dir, adapter)
     tokens = torch.load(os.path.join(hf_dir, "tokens.pt"))
     with torch.no_grad():
@@ -41,8 +51,7 @@ def main() -> None:
         torch.save(logits, os.path.join(out_dir, "logits.pt"))
     if os.environ.get("SAVE_DIR"):
         save_hf_weights([model], os.environ["SAVE_DIR"], adapter, torch.float32, parallel_dims)
-    dist.barrier()  # leave together (see torchtitan/train.py)
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":

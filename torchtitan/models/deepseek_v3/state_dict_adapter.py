@@ -7,18 +7,25 @@
 RoPE permutation is needed: both sides rotate adjacent channel pairs (``rope_interleave``).
 Layers at or beyond ``n_layers`` (the multi-token-prediction module of the 671B
 checkpoint) are skipped. Tensors are expected to be full (not sharded DTensors).
+
+``to_hf_config``/``from_hf_config`` translate the model arguments to and from a
+``config.json``; Hugging Face's router is sigmoid-only, so softmax-routed flavors (the
+DeepSeek-V2-Lite-sized "16B") have no Hugging Face DeepseekV3 equivalent.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
+from torchtitan.models.moe import MoEArgs
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+from torchtitan.tools.logging import logger
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -55,7 +62,38 @@ _HF_EXPERT_KEY = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 
 class DeepSeekV3StateDictAdapter(StateDictAdapter):
+    """``to_hf``/``from_hf`` for :class:`~torchtitan.models.deepseek_v3.model.DeepSeekV3Model`.
+
+    Works on partial state dicts (one pipeline stage's, one parameter's); a key with no
+    counterpart raises ``ValueError``, and so does an incomplete set of per-expert tensors.
+    """
+
     model_args: DeepSeekV3ModelArgs
+
+    def hf_config(self) -> dict[str, Any]:
+        return to_hf_config(self.model_args)
+
+    def check_hf_config(self, config: dict[str, Any]) -> None:
+        architectures = config.get("architectures") or []
+        if "DeepseekV3ForCausalLM" not in architectures:
+            raise ValueError(
+                f"config.json describes {architectures or 'an unknown architecture'}, not "
+                "DeepseekV3ForCausalLM; point at a DeepSeek-V3 checkpoint or choose the matching "
+                "model.name"
+            )
+        theirs, ours = _compared_fields(from_hf_config(config)), _compared_fields(self.model_args)
+        mismatches = [f"{name} = {theirs[name]} but model.flavor gives {ours[name]}"
+                      for name in ours if name in theirs and theirs[name] != ours[name]]
+        if mismatches:
+            raise ValueError(
+                f"config.json has {', '.join(mismatches)}; choose the flavor (or tokenizer) that "
+                "matches"
+            )
+        if self.model_args.moe.load_balance_coeff is None:
+            logger.warning(
+                "model.flavor has moe.load_balance_coeff = None, so the routers ignore the "
+                "checkpoint's e_score_correction_bias (Hugging Face always adds it)"
+            )
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         out = {}
@@ -117,7 +155,9 @@ def to_hf_config(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
     moe = args.moe
     if moe.score_func != "sigmoid":
         raise ValueError(
-            f"Hugging Face DeepseekV3 routes with sigmoid scores; this model uses {moe.score_func}"
+            f"this model routes with {moe.score_func} scores (moe.score_func) but Hugging Face "
+            "DeepseekV3ForCausalLM only routes with sigmoid, so it has no Hugging Face "
+            "equivalent; choose a sigmoid-routed flavor"
         )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_factor > 1:
@@ -159,3 +199,113 @@ def to_hf_config(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
         "hidden_act": "silu",
         "num_nextn_predict_layers": 0,
     }
+
+
+def _rope_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge transformers 5.x ``rope_parameters`` and 4.x (and the published checkpoints')
+    ``rope_theta``/``rope_scaling`` forms."""
+    settings: dict[str, Any] = {"rope_theta": config.get("rope_theta", 10000.0)}
+    settings.update(config.get("rope_scaling") or {})
+    settings.update(config.get("rope_parameters") or {})
+    settings.setdefault("rope_type", settings.get("type", "default"))
+    return settings
+
+
+def _require(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise ValueError(f"config.json lacks {key!r}")
+    return config[key]
+
+
+def from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3ModelArgs:
+    """Model args equivalent to a Hugging Face DeepSeek-V3 config dict (``max_seq_len`` is
+    left at its default: the trainer sets it from ``training.seq_len``)."""
+    if config.get("tie_word_embeddings", False):
+        raise ValueError("config.json: tied word embeddings are not supported")
+    if config.get("attention_bias", False):
+        raise ValueError("config.json: attention biases are not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: unsupported hidden_act {config['hidden_act']!r}")
+    rope = _rope_settings(config)
+    if rope["rope_type"] not in ("default", "yarn"):
+        raise ValueError(f"config.json: unsupported rope_type {rope['rope_type']!r}")
+    groups = _require(config, "n_group")
+    limited = _require(config, "topk_group")
+    if groups == 1:  # one group: no group-limited routing
+        groups = limited = None
+    moe = MoEArgs(
+        num_experts=_require(config, "n_routed_experts"),
+        num_shared_experts=_require(config, "n_shared_experts"),
+        top_k=_require(config, "num_experts_per_tok"),
+        score_func=config.get("scoring_func", "sigmoid"),
+        route_norm=bool(_require(config, "norm_topk_prob")),
+        route_scale=float(_require(config, "routed_scaling_factor")),
+        num_expert_groups=groups,
+        num_limited_groups=limited,
+    )
+    args = DeepSeekV3ModelArgs(
+        vocab_size=_require(config, "vocab_size"),
+        dim=_require(config, "hidden_size"),
+        inter_dim=_require(config, "intermediate_size"),
+        moe_inter_dim=_require(config, "moe_intermediate_size"),
+        n_layers=_require(config, "num_hidden_layers"),
+        n_dense_layers=_require(config, "first_k_dense_replace"),
+        n_heads=_require(config, "num_attention_heads"),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        moe=moe,
+        q_lora_rank=config.get("q_lora_rank") or 0,  # null: full-rank queries
+        kv_lora_rank=_require(config, "kv_lora_rank"),
+        qk_nope_head_dim=_require(config, "qk_nope_head_dim"),
+        qk_rope_head_dim=_require(config, "qk_rope_head_dim"),
+        v_head_dim=_require(config, "v_head_dim"),
+        rope_theta=float(rope["rope_theta"]),
+    )
+    if rope["rope_type"] == "yarn":
+        mscale, mscale_all_dim = rope.get("mscale", 1.0), rope.get("mscale_all_dim", 0.0)
+        if mscale != mscale_all_dim:
+            raise ValueError(
+                f"config.json: YaRN with mscale ({mscale}) != mscale_all_dim ({mscale_all_dim}) "
+                "is not supported"
+            )
+        args.rope_factor = float(rope["factor"])
+        args.rope_original_seq_len = int(rope["original_max_position_embeddings"])
+        args.rope_beta_fast = float(rope.get("beta_fast", 32.0))
+        args.rope_beta_slow = float(rope.get("beta_slow", 1.0))
+        args.rope_mscale = float(mscale)
+    return args
+
+
+def _compared_fields(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
+    """What makes two configurations compute different functions (weight shapes, routing,
+    RoPE), in comparable form."""
+    moe = args.moe
+    grouped = (moe.num_expert_groups or 1) > 1
+    fields = {
+        "n_layers": args.n_layers,
+        "dim": args.dim,
+        "n_heads": args.n_heads,
+        "vocab_size": args.vocab_size,
+        "inter_dim": args.inter_dim,
+        "moe_inter_dim": args.moe_inter_dim,
+        "n_dense_layers": args.n_dense_layers,
+        "q_lora_rank": args.q_lora_rank or 0,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "moe.num_experts": moe.num_experts,
+        "moe.num_shared_experts": moe.num_shared_experts,
+        "moe.top_k": moe.top_k,
+        "moe.score_func": moe.score_func,
+        "moe.route_norm": moe.route_norm,
+        "moe.route_scale": moe.route_scale,
+        "moe.num_expert_groups": moe.num_expert_groups if grouped else None,
+        "moe.num_limited_groups": moe.num_limited_groups if grouped else None,
+        "rope_theta": args.rope_theta,
+        "rope_factor": args.rope_factor if args.rope_factor > 1 else 1.0,
+    }
+    if args.rope_factor > 1:
+        fields.update(rope_original_seq_len=args.rope_original_seq_len,
+                      rope_beta_fast=args.rope_beta_fast, rope_beta_slow=args.rope_beta_slow,
+                      rope_mscale=args.rope_mscale)
+    return fields
