@@ -19,11 +19,17 @@ if TYPE_CHECKING:
 class BaseModelArgs(ABC):
     """Arguments of one model flavor. Subclasses are plain dataclasses."""
 
-    @abstractmethod
     def update_from_config(
         self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None
     ) -> None:
-        """Adopt run-dependent values (vocabulary size, max sequence length, ...)."""
+        """Adopt run-dependent values: the tokenizer's vocabulary size (when one is given)
+        and a max sequence length covering training and validation. Subclasses without
+        ``vocab_size``/``max_seq_len`` fields, or with more to adopt, override it."""
+        if tokenizer is not None:
+            self.vocab_size = tokenizer.vocab_size
+        self.max_seq_len = job_config.training.seq_len
+        if job_config.validation.enable:
+            self.max_seq_len = max(self.max_seq_len, job_config.validation.seq_len)
 
     @abstractmethod
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

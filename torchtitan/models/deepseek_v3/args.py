@@ -60,11 +60,7 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
     def update_from_config(
         self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None
     ) -> None:
-        if tokenizer is not None:
-            self.vocab_size = tokenizer.vocab_size
-        self.max_seq_len = job_config.training.seq_len
-        if job_config.validation.enable:
-            self.max_seq_len = max(self.max_seq_len, job_config.validation.seq_len)
+        super().update_from_config(job_config, tokenizer)
         # A fresh MoEArgs: the flavor's own instance is shared by every copy of the flavor.
         self.moe = replace(self.moe, force_load_balance=job_config.debug.moe_force_load_balance)
 

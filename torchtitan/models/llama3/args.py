@@ -12,8 +12,6 @@ from torchtitan.config.manager import ConfigError
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
-    from torchtitan.components.tokenizer import BaseTokenizer
-    from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
 
 
@@ -52,15 +50,6 @@ class TransformerModelArgs(BaseModelArgs):
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
-
-    def update_from_config(
-        self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None
-    ) -> None:
-        if tokenizer is not None:
-            self.vocab_size = tokenizer.vocab_size
-        self.max_seq_len = job_config.training.seq_len
-        if job_config.validation.enable:
-            self.max_seq_len = max(self.max_seq_len, job_config.validation.seq_len)
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         if parallel_dims.ep > 1 or parallel_dims.etp > 1:
