@@ -97,11 +97,12 @@ class Trainer:
         if parallel_dims.pp_enabled:
             if spec.pipelining_fn is None:
                 raise ConfigError(f"parallelism.pipeline_parallel_degree: model {spec.name!r} has no pipelining support")
-            (self.pp_schedule, self.model_parts, self.pp_has_first_stage,
-             self.pp_has_last_stage) = spec.pipelining_fn(
+            pipeline = spec.pipelining_fn(
                 model, parallel_dims, job_config, self.device, model_args,
                 spec.parallelize_fn, self.loss_fn,
             )
+            self.pp_schedule, self.model_parts = pipeline.schedule, pipeline.model_parts
+            self.pp_has_first_stage, self.pp_has_last_stage = pipeline.has_first_stage, pipeline.has_last_stage
         else:
             self.model_parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
         # With CPU offload FSDP keeps parameters on the CPU; buffers stay on the device.
@@ -248,11 +249,11 @@ class Trainer:
         (the mean over micro-batches), other stages report -1."""
         losses: list[torch.Tensor] = []
         targets = {"target": labels, "losses": losses} if self.pp_has_last_stage else {}
+        inputs = (input_dict["input"],) if self.pp_has_first_stage else ()
         with self.train_context():
-            if self.pp_has_first_stage:
-                self.pp_schedule.step(input_dict["input"], **targets)
-            else:
-                self.pp_schedule.step(**targets)
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's
+            # logits until the next step and concatenate them into a batch-sized copy.
+            self.pp_schedule.step(*inputs, return_outputs=False, **targets)
         if not self.pp_has_last_stage:
             return torch.tensor(-1.0, device=self.device)
         loss = torch.mean(torch.stack([l.detach() for l in losses]))

@@ -137,10 +137,8 @@ class Validator:
         pipeline = self.pipeline
         losses: list[torch.Tensor] = []
         targets = {"target": labels, "losses": losses} if pipeline.has_last_stage else {}
-        if pipeline.has_first_stage:
-            pipeline.schedule.eval(inputs, **targets)
-        else:
-            pipeline.schedule.eval(**targets)
+        args = (inputs,) if pipeline.has_first_stage else ()
+        pipeline.schedule.eval(*args, return_outputs=False, **targets)  # logits are not needed
         if not pipeline.has_last_stage:
             return None
         losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]

@@ -175,6 +175,17 @@ def build_stage_module(model: nn.Module, layer_ids: list[int], first: bool, last
     return stage
 
 
+@dataclass
+class BuiltPipeline:
+    """This rank's share of the pipeline: its stages (one per model part) and the schedule."""
+
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
+    stages: list[PipelineStage]
+    model_parts: list[nn.Module]
+    has_first_stage: bool
+    has_last_stage: bool
+
+
 def pipeline_llm(
     model: nn.Module,
     parallel_dims,
@@ -183,9 +194,9 @@ def pipeline_llm(
     model_args,
     parallelize_fn: Callable[..., nn.Module],
     loss_fn: Callable,
-):
+) -> BuiltPipeline:
     """Split ``model`` (on meta) into this rank's stages, parallelize each, and build the
-    schedule. Returns (schedule, model_parts, has_first_stage, has_last_stage)."""
+    schedule."""
     pp_mesh = parallel_dims.world_mesh["pp"]
     pp_rank, pp_degree = pp_mesh.get_local_rank(), pp_mesh.size()
     plan = plan_stages(job_config, len(model.layers), pp_degree)
@@ -211,7 +222,7 @@ def pipeline_llm(
     logger.info(f"pipeline schedule {cls.__name__}: {plan.num_stages} stages, {n_micro} micro-batches")
     has_first = any(s == 0 for s in stage_ids)
     has_last = any(s == plan.num_stages - 1 for s in stage_ids)
-    return schedule, parts, has_first, has_last
+    return BuiltPipeline(schedule, stages, parts, has_first, has_last)
 
 
 def loss_owner_rank(job_config, world_size: int, parallel_dims) -> int:

@@ -18,8 +18,21 @@ from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.preflight import preflight
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
+from torchtitan.distributed.pipeline import BuiltPipeline
 from torchtitan.protocols import ModelConvertersContainer, TrainSpec, get_train_spec
 from torchtitan.protocols.model import BaseModelArgs
+
+
+@dataclass
+class MetaBuild:
+    """The parallelized model on meta: one part, or this rank's pipeline stages."""
+
+    spec: TrainSpec
+    model_args: BaseModelArgs
+    model_parts: list[nn.Module]
+    pipeline: BuiltPipeline | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    grad_accum_steps: int
 
 
 @dataclass
@@ -28,7 +41,8 @@ class TrainingSetup:
     spec: TrainSpec
     model_args: BaseModelArgs
     parallel_dims: ParallelDims
-    model: nn.Module
+    model_parts: list[nn.Module]
+    pipeline: BuiltPipeline | None
     optimizers: Any
     lr_schedulers: Any
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,6 +53,12 @@ class TrainingSetup:
     @property
     def vocab_size(self) -> int:
         return self.model_args.vocab_size
+
+    @property
+    def model(self) -> nn.Module:
+        """The whole model (without pipeline parallel)."""
+        assert self.pipeline is None
+        return self.model_parts[0]
 
 
 def build_parallel_dims(job_config: JobConfig, world_size: int, device_type: str) -> ParallelDims:
@@ -63,17 +83,27 @@ def estimation_model_args(job_config: JobConfig, spec: TrainSpec) -> BaseModelAr
 
 
 def build_parallelized_meta_model(
-    job_config: JobConfig, parallel_dims: ParallelDims
-) -> tuple[TrainSpec, BaseModelArgs, nn.Module]:
-    """Model on meta, converters, then the spec's parallelize_fn. Must run outside
-    FakeTensorMode (torch >= 2.13 cannot swap fake parameters in ``Module._apply``)."""
+    job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device
+) -> MetaBuild:
+    """Model on meta, converters, then the spec's parallelize_fn, or under pipeline parallel
+    its pipelining_fn (this rank's stages and the schedule, whose stages live on
+    ``device``). Must run outside FakeTensorMode (torch >= 2.13 cannot swap fake parameters
+    in ``Module._apply``)."""
     spec = get_train_spec(job_config.model.name)
     model_args = estimation_model_args(job_config, spec)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     ModelConvertersContainer(job_config, parallel_dims).convert(model)
-    model = spec.parallelize_fn(model, parallel_dims, job_config)
-    return spec, model_args, model
+    accum = grad_accumulation_steps(job_config, parallel_dims)
+    loss_fn = rescale_accumulated_loss(spec.build_loss_fn(job_config), accum)
+    pipeline = None
+    if parallel_dims.pp_enabled:
+        pipeline = spec.pipelining_fn(model, parallel_dims, job_config, device, model_args,
+                                      spec.parallelize_fn, loss_fn)
+        parts = pipeline.model_parts
+    else:
+        parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
+    return MetaBuild(spec, model_args, parts, pipeline, loss_fn, accum)
 
 
 def grad_accumulation_steps(job_config: JobConfig, parallel_dims: ParallelDims) -> int:
@@ -119,37 +149,36 @@ def build_training_setup(
 ) -> TrainingSetup:
     """Everything for the training steps on real tensors, weights initialised from
     ``init_seed`` (a fake build calls the two halves itself, around FakeTensorMode)."""
-    spec, model_args, model = build_parallelized_meta_model(job_config, parallel_dims)
-    return materialize_setup(job_config, parallel_dims, device, spec, model_args, model, init_seed)
+    meta = build_parallelized_meta_model(job_config, parallel_dims, device)
+    return materialize_setup(job_config, parallel_dims, device, meta, init_seed)
 
 
 def materialize_setup(
     job_config: JobConfig,
     parallel_dims: ParallelDims,
     device: torch.device,
-    spec: TrainSpec,
-    model_args: BaseModelArgs,
-    model: nn.Module,
+    meta: MetaBuild,
     init_seed: int | None,
 ) -> TrainingSetup:
-    model.to_empty(device=device)
-    if init_seed is not None:
-        with torch.no_grad():
-            model.init_weights(seed=init_seed)
-    model.train()
-    optimizers = spec.build_optimizers_fn([model], job_config, parallel_dims)
-    lr_schedulers = spec.build_lr_schedulers_fn(optimizers, job_config)
-    accum = grad_accumulation_steps(job_config, parallel_dims)
+    for part in meta.model_parts:
+        part.to_empty(device=device)
+        if init_seed is not None:
+            with torch.no_grad():
+                part.init_weights(seed=init_seed)
+        part.train()
+    optimizers = meta.spec.build_optimizers_fn(meta.model_parts, job_config, parallel_dims)
+    lr_schedulers = meta.spec.build_lr_schedulers_fn(optimizers, job_config)
     return TrainingSetup(
         job_config=job_config,
-        spec=spec,
-        model_args=model_args,
+        spec=meta.spec,
+        model_args=meta.model_args,
         parallel_dims=parallel_dims,
-        model=model,
+        model_parts=meta.model_parts,
+        pipeline=meta.pipeline,
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
-        loss_fn=rescale_accumulated_loss(spec.build_loss_fn(job_config), accum),
-        grad_accum_steps=accum,
+        loss_fn=meta.loss_fn,
+        grad_accum_steps=meta.grad_accum_steps,
         train_context=train_context_factory(job_config, parallel_dims, device.type),
         device=device,
     )

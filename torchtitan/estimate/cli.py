@@ -47,7 +47,7 @@ def header_lines(job_config: JobConfig, setup: TrainingSetup, world_size: int, t
     vocab_source = "tokenizer" if job_config.model.tokenizer_path else "flavor; no model.tokenizer_path"
     ac = job_config.activation_checkpoint
     ac_text = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
-    return [
+    lines = [
         f"memory estimate: {job_config.model.name} {job_config.model.flavor}, {world_size} ranks "
         f"({degrees(setup.parallel_dims)})",
         f"  seq_len {t.seq_len} x local batch {t.local_batch_size}, {_microbatch_text(setup)}; params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}; "
@@ -55,6 +55,10 @@ def header_lines(job_config: JobConfig, setup: TrainingSetup, world_size: int, t
         f"  vocabulary {setup.vocab_size:,} (from the {vocab_source}); target device {target}"
         + (": CUDA-kernel emulation (rms_norm) and 512-byte block rounding" if target == "cuda" else ""),
     ]
+    if hasattr(setup.model_args, "moe"):
+        lines.append("  MoE routing assumed perfectly balanced (every expert gets tokens x top_k / experts); "
+                     "real imbalance adds to the expert activations")
+    return lines
 
 
 def _microbatch_text(setup: TrainingSetup) -> str:
@@ -79,12 +83,16 @@ def run_estimate(job_config: JobConfig) -> int:
 def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int) -> list[str]:
     me, result = job_config.memory_estimation, outcome.result
     lines = header_lines(job_config, outcome.setup, world_size, me.target_device)
+    traced = "rank 0" if outcome.stage_peaks is None else f"the first rank of each of {len(outcome.stage_peaks)} pipeline ranks"
     lines += [
-        f"  traced rank 0 of {world_size} over {ITERATIONS} steps in {outcome.seconds:.1f} s",
+        f"  traced {traced} of {world_size} over {ITERATIONS} steps in {outcome.seconds:.1f} s",
         "",
         f"traced allocated peak per rank: {report.size(result.peak_bytes)} ({result.peak_bytes:,} B)",
-        report.where_line(result),
     ]
+    if outcome.stage_peaks is not None:
+        per_stage = ", ".join(f"pp {i} {report.size(p, result.peak_bytes)}" for i, p in enumerate(outcome.stage_peaks))
+        lines.append(f"  peak per pipeline rank: {per_stage} (largest: pp {outcome.pp_rank}; details below are its)")
+    lines.append(report.where_line(result))
     if me.target_device == "cuda":
         lines.append(f"  includes 512-byte block rounding: {result.rounding_bytes / 2**20:.2f} MiB")
     lines += report.breakdown_lines(result) + report.phase_lines(result) + report.module_lines(result)

@@ -33,6 +33,19 @@ class MeasuredOutcome:
     phase_peaks: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
+class NoPhases:
+    """A phase observer that records nothing."""
+
+    def start_iteration(self, iteration: int) -> None:
+        pass
+
+    def start_microbatch(self, module: nn.Module | None = None) -> None:
+        pass
+
+    def set_phase(self, iteration: int, phase: str) -> None:
+        pass
+
+
 class CudaPhaseProbe:
     """Per-phase ``max_memory_allocated`` (the peak counter is reset at each phase change)."""
 
@@ -44,7 +57,7 @@ class CudaPhaseProbe:
     def start_iteration(self, iteration: int) -> None:
         pass
 
-    def start_microbatch(self) -> None:
+    def start_microbatch(self, module: nn.Module | None = None) -> None:
         pass
 
     def set_phase(self, iteration: int, phase: str) -> None:
@@ -54,10 +67,11 @@ class CudaPhaseProbe:
         self._current = (iteration, phase)
 
 
-def live_storage_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
+def live_storage_bytes(model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> int:
     """Bytes of the distinct storages behind parameters, buffers, grads and optimizer state."""
-    tensors = list(module.parameters()) + list(module.buffers())
-    tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    params = [p for part in model_parts for p in part.parameters()]
+    tensors = params + [b for part in model_parts for b in part.buffers()]
+    tensors += [p.grad for p in params if p.grad is not None]
     tensors += [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     storages = {}
     for t in tensors:
@@ -82,15 +96,20 @@ def _allocator_peak(prof: profile) -> int:
 
 def _measure_cpu(setup: TrainingSetup) -> MeasuredOutcome:
     optimizers = list(setup.optimizers)
-    tracker = build_tracker(setup.model, optimizers)
     gc.collect()
-    baseline = live_storage_bytes(setup.model, optimizers)
+    baseline = live_storage_bytes(setup.model_parts, optimizers)
+    method = "CPU allocator events (torch.profiler profile_memory)"
+    if setup.pipeline is not None:  # torch's MemTracker cannot follow the schedule's shape inference
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run_training_steps(setup, NoPhases())
+        return MeasuredOutcome(peak_bytes=baseline + _allocator_peak(prof), method=method)
+    tracker = build_tracker(setup.model_parts, optimizers)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, tracker:
         run_training_steps(setup, tracker)
     result = tracker.result()
     return MeasuredOutcome(
         peak_bytes=baseline + _allocator_peak(prof),
-        method="CPU allocator events (torch.profiler profile_memory)",
+        method=method,
         tracker=result,
         phase_peaks=result.phase_peaks,
     )

@@ -10,6 +10,7 @@ import torch
 from torchtitan.distributed.context_parallel import shard_batch_for_cp
 from torchtitan.distributed.utils import clip_grad_norm_
 from torchtitan.estimate.build import TrainingSetup
+from torchtitan.estimate.pipeline_replay import PipelineReplay
 
 ITERATIONS = 2
 """Two steps: the second one runs with optimizer states and grads as in steady state."""
@@ -26,7 +27,7 @@ def microbatches_per_step(setup: TrainingSetup) -> int:
 class PhaseObserver(Protocol):
     def start_iteration(self, iteration: int) -> None: ...
 
-    def start_microbatch(self) -> None: ...
+    def start_microbatch(self, module: torch.nn.Module | None = None) -> None: ...
 
     def set_phase(self, iteration: int, phase: str) -> None: ...
 
@@ -59,15 +60,41 @@ def _forward_backward(setup: TrainingSetup, observer: PhaseObserver, iteration: 
     return loss.detach()
 
 
-def run_training_steps(setup: TrainingSetup, observer: PhaseObserver, iterations: int = ITERATIONS) -> None:
-    params = [p for p in setup.model.parameters()]
+def _pipeline_step(setup: TrainingSetup, observer: PhaseObserver, iteration: int, replay) -> None:
+    """One local batch through this rank's pipeline stages: the real schedule, or on fake
+    tensors its replay (``pipeline_replay``)."""
+    inputs, labels = random_batch(setup)
+    if replay is not None:
+        replay.step(inputs, labels, observer, iteration)
+        return
+    pipeline = setup.pipeline
+    targets = {"target": labels, "losses": []} if pipeline.has_last_stage else {}
+    args = (inputs,) if pipeline.has_first_stage else ()
+    observer.set_phase(iteration, "pipeline schedule")
+    with setup.train_context():
+        pipeline.schedule.step(*args, return_outputs=False, **targets)
+
+
+def run_training_steps(
+    setup: TrainingSetup, observer: PhaseObserver, iterations: int = ITERATIONS, replay_pipeline: bool = False
+) -> None:
+    """``replay_pipeline``: run pipeline stages through ``PipelineReplay`` (fake tensors)
+    instead of the schedule."""
+    params = [p for part in setup.model_parts for p in part.parameters()]
+    pp_mesh = setup.parallel_dims.world_mesh["pp"] if setup.pipeline is not None else None
+    replay = PipelineReplay(setup) if setup.pipeline is not None and replay_pipeline else None
     for iteration in range(1, iterations + 1):
         observer.start_iteration(iteration)
         observer.set_phase(iteration, "zero_grad")
         setup.optimizers.zero_grad()
-        losses = [_forward_backward(setup, observer, iteration) for _ in range(microbatches_per_step(setup))]
+        losses = []
+        for _ in range(microbatches_per_step(setup)):
+            if setup.pipeline is None:
+                losses.append(_forward_backward(setup, observer, iteration))
+            else:
+                _pipeline_step(setup, observer, iteration, replay)
         observer.set_phase(iteration, "clip_grad_norm")
-        clip_grad_norm_(params, setup.job_config.training.max_norm, foreach=True)
+        clip_grad_norm_(params, setup.job_config.training.max_norm, foreach=True, pp_mesh=pp_mesh)
         observer.set_phase(iteration, "optimizer_step")
         setup.optimizers.step()
         setup.lr_schedulers.step()

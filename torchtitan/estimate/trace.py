@@ -4,13 +4,19 @@ process group, tracked per allocation."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
+import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config import ConfigError, ConfigManager, JobConfig, config_to_toml
 from torchtitan.estimate.build import TrainingSetup, build_parallelized_meta_model, materialize_setup
 from torchtitan.estimate.coverage import check_covered
 from torchtitan.estimate.steps import run_training_steps
@@ -23,11 +29,23 @@ from torchtitan.estimate.tracing import (
 )
 
 
+T = TypeVar("T")
+
+
 @dataclass
 class TraceOutcome:
     result: TrackerResult
+    """The traced rank's peak; under pipeline parallel the pipeline rank with the largest."""
     seconds: float
     setup: TrainingSetup
+    stage_peaks: list[int] | None = None
+    """Under pipeline parallel: the peak of each pipeline rank, by pp rank."""
+
+    @property
+    def pp_rank(self) -> int | None:
+        if self.stage_peaks is None:
+            return None
+        return self.stage_peaks.index(self.result.peak_bytes)
 
 
 def target_device_context(target: str) -> contextlib.ExitStack:
@@ -41,25 +59,60 @@ def target_device_context(target: str) -> contextlib.ExitStack:
 
 
 def trace_training_memory(job_config: JobConfig, world_size: int, target: str) -> TraceOutcome:
-    """Peak memory of rank 0 (the rank with the largest share: FSDP pads every shard to the
-    first rank's size) over two training steps."""
+    """Peak memory over two training steps of the rank with the largest share: rank 0 (FSDP
+    pads every shard to the first rank's size), under pipeline parallel the first rank of
+    every pipeline rank (each holds different stages), the largest reported."""
     start = time.perf_counter()
     parallel_dims = check_covered(job_config, world_size)
-    with fake_process_group(world_size), private_propagation_fake_mode():
+    if not parallel_dims.pp_enabled:
+        result, setup = _trace_rank(job_config, world_size, target, rank=0)
+        return TraceOutcome(result, time.perf_counter() - start, setup)
+    ranks_per_stage = world_size // parallel_dims.pp
+    first, setup = _trace_rank(job_config, world_size, target, rank=0)
+    results = [first] + [
+        in_fresh_process(_traced_rank_result, job_config, world_size, target, pp_rank * ranks_per_stage)
+        for pp_rank in range(1, parallel_dims.pp)
+    ]
+    result = max(results, key=lambda r: r.peak_bytes)
+    return TraceOutcome(result, time.perf_counter() - start, setup, [r.peak_bytes for r in results])
+
+
+def in_fresh_process(fn: Callable[..., T], job_config: JobConfig, *args: Any) -> T:
+    """``fn(job_config, *args)`` in a new process. Traces of different ranks or worlds
+    must not share one: DTensor's caches are keyed by meshes that compare equal across
+    process groups and would hand one world's groups to the other."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "job.toml")
+        with open(path, "w") as f:
+            f.write(config_to_toml(job_config))
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(_call_with_config, fn, path, *args).result()
+
+
+def _call_with_config(fn: Callable[..., T], config_path: str, *args: Any) -> T:
+    return fn(ConfigManager().parse_args(["--job.config_file", config_path]), *args)
+
+
+def _traced_rank_result(job_config: JobConfig, world_size: int, target: str, rank: int) -> TrackerResult:
+    return _trace_rank(job_config, world_size, target, rank)[0]
+
+
+def _trace_rank(job_config: JobConfig, world_size: int, target: str, rank: int) -> tuple[TrackerResult, TrainingSetup]:
+    parallel_dims = check_covered(job_config, world_size)
+    device = torch.device("cpu")
+    with fake_process_group(world_size, rank), private_propagation_fake_mode():
         parallel_dims.world_mesh  # noqa: B018  (meshes are built outside fake mode)
-        spec, model_args, model = build_parallelized_meta_model(job_config, parallel_dims)
+        meta = build_parallelized_meta_model(job_config, parallel_dims, device)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            setup = materialize_setup(
-                job_config, parallel_dims, torch.device("cpu"), spec, model_args, model, init_seed=None
-            )
-            tracker = build_tracker(setup.model, list(setup.optimizers))
+            setup = materialize_setup(job_config, parallel_dims, device, meta, init_seed=None)
+            tracker = build_tracker(setup.model_parts, list(setup.optimizers))
             try:
                 with target_device_context(target), tracker:
-                    run_training_steps(setup, tracker)
+                    run_training_steps(setup, tracker, replay_pipeline=True)
             except DataDependentOutputException as e:
                 raise ConfigError(
                     f"model.name={job_config.model.name!r}: the model has data-dependent shapes "
-                    f"({e.func}, e.g. MoE token routing), which fake tensors cannot trace; not "
-                    "covered by the memory estimator yet"
+                    f"({e.func}), which fake tensors cannot trace; not covered by the memory "
+                    "estimator yet"
                 ) from None
-    return TraceOutcome(tracker.result(), time.perf_counter() - start, setup)
+    return tracker.result(), setup

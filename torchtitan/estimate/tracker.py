@@ -75,9 +75,15 @@ class _EstimationTrackerMixin:
         self.module_stats.clear()
         self.iteration = iteration
 
-    def start_microbatch(self) -> None:
-        """torch's trackers refuse a second forward of the root without a reset."""
-        self.reset_mod_stats()
+    def start_microbatch(self, module: nn.Module | None = None) -> None:
+        """torch's trackers refuse a second forward of a root without a reset: forget the
+        module statistics of ``module`` (a pipeline stage about to run forward; the other
+        stages' backwards still need theirs), or of every module."""
+        if module is None:
+            self.reset_mod_stats()
+            return
+        for submodule in module.modules():
+            self.memory_tracking.pop(submodule, None)
 
     # ------------------------------------------------------------ context
     def __enter__(self):
@@ -196,11 +202,11 @@ class EstimationFSDPMemTracker(_EstimationTrackerMixin, FSDPMemTracker):
         self._init_estimation_state()
 
 
-def build_tracker(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> _EstimationTrackerMixin:
-    """FSDPMemTracker (sharded/unsharded params, all-gather and reduce-scatter buffers) for an
-    FSDP root, otherwise MemTracker."""
-    if isinstance(model, FSDPModule) and len(optimizers) == 1:
-        return EstimationFSDPMemTracker(model, optimizers[0])
+def build_tracker(model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> _EstimationTrackerMixin:
+    """FSDPMemTracker (sharded/unsharded params, all-gather and reduce-scatter buffers) for
+    one FSDP root, otherwise MemTracker."""
+    if len(model_parts) == 1 and isinstance(model_parts[0], FSDPModule) and len(optimizers) == 1:
+        return EstimationFSDPMemTracker(model_parts[0], optimizers[0])
     tracker = EstimationMemTracker()
-    tracker.track_external(model, *optimizers)
+    tracker.track_external(*model_parts, *optimizers)
     return tracker

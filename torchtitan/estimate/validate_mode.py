@@ -9,22 +9,19 @@ the other."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import tempfile
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from torchtitan.config import ConfigError, ConfigManager, JobConfig, config_to_toml
+from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.utils import init_distributed, leave_together
 from torchtitan.estimate import report
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
 from torchtitan.estimate.measure import MeasuredOutcome, measure_training_memory
 from torchtitan.estimate.steps import ITERATIONS
-from torchtitan.estimate.trace import trace_training_memory
+from torchtitan.estimate.trace import in_fresh_process, trace_training_memory
 from torchtitan.estimate.tracing import fake_process_group
 from torchtitan.tools.profiling import exit_after_profiled_run
 
@@ -45,6 +42,12 @@ def measure_single_process(job_config: JobConfig, world_size: int) -> MeasuredOu
     """One rank of ``world_size`` on real tensors: collectives are no-ops (fake process
     group) and every buffer has its per-rank size."""
     device = _validation_device(job_config.memory_estimation.target_device)
+    if job_config.parallelism.expert_parallel_degree > 1:
+        raise ConfigError(
+            "parallelism.expert_parallel_degree: real tensors in one process cannot route tokens "
+            "between expert-parallel ranks; validate under torchrun (torchrun --nproc_per_node N "
+            "scripts/estimate/estimation.py ... --memory_estimation.mode validate)"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with fake_process_group(world_size):
@@ -61,18 +64,14 @@ def _measure_distributed(job_config: JobConfig) -> list[MeasuredOutcome]:
     return outcomes
 
 
-def _traced_peak(config_path: str, world_size: int, target: str) -> int:
-    job_config = ConfigManager().parse_args(["--job.config_file", config_path])
-    return trace_training_memory(job_config, world_size, target).result.peak_bytes
+def _traced_peaks(job_config: JobConfig, world_size: int, target: str) -> list[int]:
+    outcome = trace_training_memory(job_config, world_size, target)
+    return outcome.stage_peaks or [outcome.result.peak_bytes]
 
 
-def traced_peak_in_fresh_process(job_config: JobConfig, world_size: int, target: str) -> int:
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "job.toml")
-        with open(path, "w") as f:
-            f.write(config_to_toml(job_config))
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(_traced_peak, path, world_size, target).result()
+def traced_peaks_in_fresh_process(job_config: JobConfig, world_size: int, target: str) -> list[int]:
+    """The traced peak of each pipeline rank (one entry without pipeline parallel)."""
+    return in_fresh_process(_traced_peaks, job_config, world_size, target)
 
 
 def run_validate(job_config: JobConfig) -> int:
@@ -89,25 +88,31 @@ def run_validate(job_config: JobConfig) -> int:
     _validation_device(me.target_device)
     if not launched:
         measured = [measure_single_process(job_config, world_size)]
-        estimate = traced_peak_in_fresh_process(job_config, world_size, me.target_device)
-        print("\n".join(validation_lines(estimate, measured, world_size, launched)))
+        estimates = traced_peaks_in_fresh_process(job_config, world_size, me.target_device)
+        print("\n".join(validation_lines(estimates, measured, world_size, launched)))
         return 0
     measured = _measure_distributed(job_config)
     if int(os.environ["RANK"]) == 0:
-        estimate = traced_peak_in_fresh_process(job_config, world_size, me.target_device)
-        print("\n".join(validation_lines(estimate, measured, world_size, launched)))
+        estimates = traced_peaks_in_fresh_process(job_config, world_size, me.target_device)
+        print("\n".join(validation_lines(estimates, measured, world_size, launched)))
     if me.target_device == "cpu":  # measured with the torch profiler
         exit_after_profiled_run(0)
     return 0
 
 
-def validation_lines(estimate: int, measured: list[MeasuredOutcome], world_size: int, launched: bool) -> list[str]:
+def validation_lines(estimates: list[int], measured: list[MeasuredOutcome], world_size: int, launched: bool) -> list[str]:
+    """``estimates``: the traced peak per pipeline rank (one entry without pipeline
+    parallel); every measured rank is compared with its pipeline rank's."""
     how = f"{len(measured)} real processes" if launched else f"rank 0 of {world_size} emulated in one process"
-    lines = [
-        f"validation: traced estimate vs measured peak over the same {ITERATIONS} steps ({how})",
-        f"  estimate (fake tensors, rank 0 of {world_size}): {estimate:,} B ({report.size(estimate)})",
-    ]
+    ranks_per_stage = world_size // len(estimates)
+    lines = [f"validation: traced estimate vs measured peak over the same {ITERATIONS} steps ({how})"]
+    for pp_rank, estimate in enumerate(estimates):
+        whose = f"rank {pp_rank * ranks_per_stage} of {world_size}"
+        if len(estimates) > 1:
+            whose += f", pipeline rank {pp_rank}"
+        lines.append(f"  estimate (fake tensors, {whose}): {estimate:,} B ({report.size(estimate)})")
     for rank, m in enumerate(measured):
+        estimate = estimates[rank // ranks_per_stage]
         parts = [f"{m.method} {m.peak_bytes:,} B (estimate {_error(estimate, m.peak_bytes)})"]
         if m.tracker is not None:
             parts.insert(0, f"tracker on real tensors {m.tracker.peak_bytes:,} B (estimate "

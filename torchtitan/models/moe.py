@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
@@ -55,6 +56,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The local piece of a (possibly) sharded parameter. Its gradient keeps the
     parameter's placements: the callers feed every tensor-parallel rank the same tokens."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def host_counts(counts: torch.Tensor, rows: int) -> list:
+    """Token counts as host integers (one device sync); each row of ``counts`` sums to
+    ``rows``. Fake tensors (the memory estimator's trace) have no values: there every row
+    is a perfectly balanced split of ``rows``, the routing the estimate assumes."""
+    if not is_fake(counts):
+        return counts.tolist()
+    base, extra = divmod(rows, counts.shape[-1])
+    row = [base + (1 if i < extra else 0) for i in range(counts.shape[-1])]
+    return row if counts.dim() == 1 else [list(row) for _ in range(counts.shape[0])]
 
 
 def _recomputing() -> bool:
@@ -113,7 +125,7 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tenso
 
 
 def _experts_loop(x, counts, w1, w2, w3) -> torch.Tensor:
-    chunks = x.split(counts.tolist())
+    chunks = x.split(host_counts(counts, x.shape[0]))
     return torch.cat([_swiglu(c, w1[e], w2[e], w3[e]) for e, c in enumerate(chunks)])
 
 
@@ -129,7 +141,13 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden:
     """Capability probe: run ``torch._grouped_mm`` on this device and dtype with these
     expert shapes and uneven groups (one empty) and compare with plain matmuls. Decides the
     expert kernel; no GPU model is hard-coded. Forward only, without autograd or autocast,
-    so that it is safe inside any forward (activation checkpointing included)."""
+    so that it is safe inside any forward (activation checkpointing included); on real
+    tensors even while the memory estimator traces on fake ones."""
+    with unset_fake_temporarily():
+        return _probe_grouped_mm(device, dtype, dim, hidden)
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(7, dim, device=device, dtype=dtype, generator=gen)
     ws = [torch.randn(3, *shape, device=device, dtype=dtype, generator=gen) / dim**0.5

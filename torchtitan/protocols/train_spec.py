@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 # parallelize_fn(model, parallel_dims, job_config) -> model: applies TP, AC, compile, FSDP/DDP in place.
 ParallelizeFunction: TypeAlias = Callable[..., nn.Module]
 # pipelining_fn(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
-#   -> (pp_schedule, model_parts, has_first_stage, has_last_stage)
-PipeliningFunction: TypeAlias = Callable[..., tuple[Any, list[nn.Module], bool, bool]]
+#   -> BuiltPipeline (torchtitan.distributed.pipeline): schedule, stages, model_parts,
+#      has_first_stage, has_last_stage
+PipeliningFunction: TypeAlias = Callable[..., Any]
 # build_optimizers_fn(model_parts, job_config, parallel_dims) -> OptimizersContainer
 OptimizersBuilder: TypeAlias = Callable[..., Any]
 # build_lr_schedulers_fn(optimizers, job_config) -> LRSchedulersContainer

@@ -31,8 +31,8 @@ def main() -> None:
     with torch.device("meta"):
         model = spec.model_cls(args)
     if parallel_dims.pp_enabled:
-        _, parts, _, _ = spec.pipelining_fn(model, parallel_dims, config, torch.device("cpu"), args,
-                                            spec.parallelize_fn, None)
+        parts = spec.pipelining_fn(model, parallel_dims, config, torch.device("cpu"), args,
+                                   spec.parallelize_fn, None).model_parts
     else:
         parts = [spec.parallelize_fn(model, parallel_dims, config)]
     result, sharded, count = "ok", 0, 0
