@@ -1,6 +1,6 @@
 """``--memory_estimation.mode validate`` under torchrun: real CPU processes (gloo) run the
 traced steps (FSDP 2, HSDP 2 x 2, FSDP 2 x CP 2, DeepSeek-V3 FSDP 4 x EP 2, PP 2 with
-1F1B and Interleaved1F1B), and every rank's measured peak must match the estimate (under
+1F1B and Interleaved1F1B, PP 2 x TP 2), and every rank's measured peak must match the estimate (under
 pipeline parallel: its pipeline rank's)."""
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ RANK_LINE = re.compile(
 )
 ESTIMATE_LINE = re.compile(r"estimate \(fake tensors, rank 0 of \d+\): ([\d,]+) B")
 PP_ESTIMATE_LINE = re.compile(r"estimate \(fake tensors, rank \d+ of \d+, pipeline rank (\d+)\): ([\d,]+) B")
-PP_RANK_LINE = re.compile(r"rank (\d+): CPU allocator events .*? ([\d,]+) B")
+PP_RANK_LINE = re.compile(
+    r"rank (\d+): schedule: CPU allocator events .*? ([\d,]+) B .*?; "
+    r"replayed schedule: tracker on real tensors ([\d,]+) B"
+)
 
 
 def _bytes(text: str) -> int:
@@ -74,29 +77,33 @@ def test_estimate_matches_real_cpu_processes(nproc, args, allocator_rtol: float 
 
 
 PP = ["--parallelism.pipeline_parallel_degree", "2"]
+# gloo stages tensor-parallel collectives in the allocator too (NCCL does not): on these tiny
+# stages the allocator events run 20-40 % above the tensors, varying by rank.
+GLOO_TP_STAGING = None
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("nproc", "overrides"),
+    ("nproc", "overrides", "allocator_rtol"),
     [
-        (2, PP),  # 1F1B: the first stage holds two micro-batches, the last one
-        (2, PP + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+        (2, PP, 0.02),  # 1F1B: the first stage holds two micro-batches, the last one
+        (2, PP + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 0.02),
+        (4, PP + ["--parallelism.tensor_parallel_degree", "2"], GLOO_TP_STAGING),
     ],
-    ids=["pp2_1f1b", "pp2_interleaved"],
+    ids=["pp2_1f1b", "pp2_interleaved", "pp2_tp2"],
 )
-def test_pipeline_estimate_matches_real_schedule(nproc, overrides):
-    """The replayed schedule (fake tensors, one process per pipeline rank) against torch's
-    schedule running for real. torch's MemTracker cannot follow the schedule, so only the
-    allocator events are compared; gloo's asynchronous collectives only ever add to them,
-    so each pipeline rank is compared with the lowest of its data-parallel ranks."""
+def test_pipeline_estimate_matches_real_schedule(nproc, overrides, allocator_rtol: float | None):
+    """Every pipeline rank's trace (the schedule replayed on fake tensors) against torch's
+    schedule running for real (allocator events; torch's MemTracker cannot follow it), and
+    against the same replay on real tensors (tracker: what fake tensors may have missed)."""
     out = run_torchrun(nproc, LLAMA + overrides + VALIDATE, script=str(ESTIMATION), timeout=280).stdout
     estimates = {int(pp): _bytes(b) for pp, b in PP_ESTIMATE_LINE.findall(out)}
     assert sorted(estimates) == [0, 1], out[-3000:]
-    measured: dict[int, list[int]] = {}
-    for rank, allocated in PP_RANK_LINE.findall(out):
-        measured.setdefault(int(rank) * 2 // nproc, []).append(_bytes(allocated))
-    assert sum(len(v) for v in measured.values()) == nproc, out[-3000:]
-    for pp_rank, estimate in estimates.items():
-        assert abs(estimate / min(measured[pp_rank]) - 1) < 0.02, (pp_rank, estimate, measured)
+    ranks = PP_RANK_LINE.findall(out)
+    assert sorted(int(r) for r, _, _ in ranks) == list(range(nproc)), out[-3000:]
+    for rank, allocator, replayed_tracker in ranks:
+        estimate = estimates[int(rank) * 2 // nproc]
+        assert abs(estimate / _bytes(replayed_tracker) - 1) < 0.005
+        if allocator_rtol is not None:
+            assert abs(estimate / _bytes(allocator) - 1) < allocator_rtol

@@ -53,12 +53,19 @@ def _cp(method: str) -> list[str]:
     return ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", method]
 
 
+def _pp(schedule: str) -> list[str]:
+    return ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 @pytest.mark.parametrize(
     ("world_size", "overrides", "rtol"),
-    [(2, [], 0.01), (4, _cp("allgather"), 0.01), (4, _cp("ulysses"), 0.01), (4, _cp("alltoall"), 0.02)],
-    ids=["fsdp2", "fsdp2_cp2_allgather", "fsdp2_cp2_ulysses", "fsdp2_cp2_alltoall"],
+    [(2, [], 0.01), (4, _cp("allgather"), 0.01), (4, _cp("ulysses"), 0.01), (4, _cp("alltoall"), 0.02),
+     # pipeline stages: the closed form over-approximates (held gradients, buffers): +2 to
+     # +12 % on the debug models, checked loosely
+     (2, _pp("1F1B"), 0.15), (2, _pp("GPipe"), 0.15)],
+    ids=["fsdp2", "fsdp2_cp2_allgather", "fsdp2_cp2_ulysses", "fsdp2_cp2_alltoall", "pp2_1f1b", "pp2_gpipe"],
 )
 def test_analytic_matches_trace(target, world_size, overrides, rtol):
     config = ConfigManager().parse_args(
@@ -67,7 +74,7 @@ def test_analytic_matches_trace(target, world_size, overrides, rtol):
     setup = outcome.setup
     geometry, layout, run = analytic.from_job_config(config, setup.model_args, setup.parallel_dims, 1, target)
     closed_form = analytic.estimate(geometry, layout, run).peak_bytes
-    assert abs(closed_form / outcome.result.peak_bytes - 1) < rtol
+    assert abs(closed_form / outcome.result.peak_bytes - 1) < rtol, closed_form / outcome.result.peak_bytes - 1
 
 
 @pytest.mark.timeout(120)
@@ -118,9 +125,6 @@ def test_cli_errors_are_one_line(capsys, monkeypatch):
                              "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], capsys)
     assert "ZBVZeroBubble: schedules with a split input/weight backward" in err
     assert "is not covered by the memory estimator yet" in err
-    err = _cli_error(TINY + ["--memory_estimation.world_size", "4", "--parallelism.pipeline_parallel_degree", "2",
-                             "--parallelism.tensor_parallel_degree", "2"], capsys)
-    assert "pipeline parallel with tensor parallel is not covered by the memory estimator yet" in err
     err = _cli_error(TINY + ["--memory_estimation.world_size", "2", "--memory_estimation.mode", "plan"], capsys)
     assert "memory_estimation.device_memory_gib: mode plan needs" in err
 

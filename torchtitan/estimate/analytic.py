@@ -79,6 +79,7 @@ class Run:
     loss_parallel: bool = True
     target: str = "cuda"
     pp_microbatch: int = 1
+    pp_all_in_flight: bool = False  # GPipe, LoopedBFS: every micro-batch's forward before any backward
     cp_rotate: str = "allgather"  # parallelism.context_parallel_rotate_method
     cp_headtail: bool = True  # parallelism.context_parallel_load_balancer == "headtail"
 
@@ -242,7 +243,10 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
     st = _stage_sizes(g, lay, run, first, last)
     a = run.param_bytes
     grads = st.weights
-    in_flight = min(lay.pp, max(1, run.local_batch // run.pp_microbatch)) if (lay.pp > 1 and first) else 1
+    micro = max(1, run.local_batch // run.pp_microbatch)
+    in_flight = 1
+    if lay.pp > 1:  # 1F1B: pp - stage warm-up forwards
+        in_flight = micro if run.pp_all_in_flight else (min(lay.pp, micro) if first else 1)
     activations = in_flight * st.layers * st.kept
     inputs = 16 * run.local_batch * run.seq_len / lay.cp
     base = st.weights + st.opt + st.u_root + inputs
@@ -257,7 +261,13 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
         log_probs = 4 * st.tokens * vocab_local
         final_norm = st.tokens * (_norm_kept_bytes(a, g.dim, run.target) / lay.tp + a * g.dim)
         accum_grads = grads if run.grad_accum > 1 else 0
+        if lay.pp > 1:  # later micro-batches: the stage's gradients and gathered parameters exist,
+            # and every in-flight micro-batch keeps its logits (torch's stage) and log-probabilities
+            accum_grads = sum(_pipeline_held(st, lay, run, first, last))
+            accum_grads += in_flight * a * st.tokens * vocab_local + (in_flight - 1) * 4 * st.tokens * vocab_local
         phases["loss backward"] = base + accum_grads + activations + final_norm + (1 + loss_k) * log_probs
+    if lay.pp > 1:
+        phases["pipeline backward"] = _pipeline_backward(st, g, lay, run, base, activations, first, last)
     phase = max(phases, key=phases.get)
     items = {
         "parameters (sharded fp32)": st.weights,
@@ -268,6 +278,32 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
     }
     return AnalyticEstimate(int(phases[phase]), phase, {k: int(v) for k, v in phases.items()},
                             {k: int(v) for k, v in items.items()})
+
+
+def _pipeline_held(st: _Stage, lay: Layout, run: Run, first: bool, last: bool) -> tuple[float, float, float]:
+    """What a pipeline stage holds through a step besides weights and optimizer states:
+    torch's stage keeps gradients unreduced until the step's last backward (under FSDP
+    unsharded, accumulated in fp32, with the parameters left gathered), and one receive
+    buffer per micro-batch for the input (non-first stages) and the output gradient
+    (non-last stages). Returns (gathered parameters, gradients, receive buffers)."""
+    stage_local = st.layers * st.layer_local + st.root_local
+    a = run.param_bytes
+    params, grads = (a * stage_local, 4 * stage_local) if lay.fsdp else (0.0, st.weights)
+    boundary = (a if lay.fsdp else 4) * st.a_in / a  # a micro-batch's block output
+    micro = max(1, run.local_batch // run.pp_microbatch)
+    buffers = micro * boundary * ((not first) + (not last))
+    return params, grads, buffers
+
+
+def _pipeline_backward(st: _Stage, g: Geometry, lay: Layout, run: Run, base: float, activations: float,
+                       first: bool, last: bool) -> float:
+    """A block's backward in the pipeline's steady state: every in-flight micro-batch's
+    activations, the stage's held gradients, gathered parameters and buffers, the block's
+    recomputation under AC and its gradient temporaries."""
+    a = run.param_bytes
+    recompute = st.a_layer if st.kept != st.a_layer else 0
+    temps = st.tokens * a * (2 * g.ffn_dim / lay.tp + 2 * g.dim) + (a + 4) * st.layer_local
+    return base + sum(_pipeline_held(st, lay, run, first, last)) + activations + recompute + temps
 
 
 def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -> float:
@@ -308,6 +344,7 @@ def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, targ
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
         target=target,
         pp_microbatch=job_config.parallelism.pipeline_parallel_microbatch_size,
+        pp_all_in_flight=job_config.parallelism.pipeline_parallel_schedule in ("GPipe", "LoopedBFS"),
         cp_rotate=job_config.parallelism.context_parallel_rotate_method,
         cp_headtail=job_config.parallelism.context_parallel_load_balancer == "headtail",
     )

@@ -13,7 +13,7 @@ from torchtitan.estimate.pipeline_replay import SPLIT_BACKWARD_GAP
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 COVERED = ("FSDP, HSDP, DDP, tensor parallel (with sequence and loss parallel), context parallel, "
-           "pipeline parallel (1F1B, GPipe, Interleaved1F1B, LoopedBFS; with FSDP/HSDP/DDP), expert parallel "
+           "pipeline parallel (1F1B, GPipe, Interleaved1F1B, LoopedBFS), expert parallel "
            "(balanced routing), activation checkpointing")
 
 
@@ -34,11 +34,6 @@ def coverage_gap(job_config: JobConfig, parallel_dims: ParallelDims) -> str | No
     if parallel_dims.pp_enabled and job_config.parallelism.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
         schedule = job_config.parallelism.pipeline_parallel_schedule
         return f"parallelism.pipeline_parallel_schedule={schedule}: {SPLIT_BACKWARD_GAP}"
-    if parallel_dims.pp_enabled and (parallel_dims.tp_enabled or parallel_dims.ep_enabled):
-        # Real gloo runs of these layouts peak 20-40 % above the replayed schedule; suspected
-        # cause: torch's first-step stage shape inference, which runs the stage for real.
-        other = "tensor" if parallel_dims.tp_enabled else "expert"
-        return f"parallelism.pipeline_parallel_degree={parallel_dims.pp}: pipeline parallel with {other} parallel"
     if job_config.parallelism.enable_async_tensor_parallel:
         return "parallelism.enable_async_tensor_parallel: async tensor parallel"
     if job_config.model.converters:

@@ -3,6 +3,11 @@
 On CPU the peak is taken two independent ways at allocation level: the tracker on real
 tensors, and the CPU allocator's events from the profiler (live bytes at the start plus the
 running sum of allocations and frees). On CUDA it is ``torch.cuda.max_memory_allocated``.
+
+Under pipeline parallel torch's schedule runs for real, measured by the allocator events
+only (torch's MemTracker cannot follow the schedule's first-step shape inference); the
+trace's replay of the schedule (``pipeline_replay``) then runs once more on real tensors,
+measured both ways: the tracker checks the fake trace, the allocator events the replay.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class MeasuredOutcome:
     tracker: TrackerResult | None = None
     reserved_bytes: int | None = None
     phase_peaks: dict[tuple[int, str], int] = field(default_factory=dict)
+    replayed: MeasuredOutcome | None = None
+    """Under pipeline parallel on CPU: the replayed schedule on real tensors."""
 
 
 class NoPhases:
@@ -94,18 +101,18 @@ def _allocator_peak(prof: profile) -> int:
     return peak
 
 
-def _measure_cpu(setup: TrainingSetup) -> MeasuredOutcome:
+def _measure_cpu(setup: TrainingSetup, replay_pipeline: bool = False) -> MeasuredOutcome:
     optimizers = list(setup.optimizers)
     gc.collect()
     baseline = live_storage_bytes(setup.model_parts, optimizers)
     method = "CPU allocator events (torch.profiler profile_memory)"
-    if setup.pipeline is not None:  # torch's MemTracker cannot follow the schedule's shape inference
+    if setup.pipeline is not None and not replay_pipeline:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             run_training_steps(setup, NoPhases())
         return MeasuredOutcome(peak_bytes=baseline + _allocator_peak(prof), method=method)
     tracker = build_tracker(setup.model_parts, optimizers)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, tracker:
-        run_training_steps(setup, tracker)
+        run_training_steps(setup, tracker, replay_pipeline=replay_pipeline)
     result = tracker.result()
     return MeasuredOutcome(
         peak_bytes=baseline + _allocator_peak(prof),
@@ -136,4 +143,9 @@ def measure_training_memory(job_config: JobConfig, device: torch.device) -> Meas
     setup = build_training_setup(job_config, parallel_dims, device, init_seed=INIT_SEED)
     if device.type == "cuda":
         return _measure_cuda(setup)
-    return _measure_cpu(setup)
+    measured = _measure_cpu(setup)
+    if setup.pipeline is not None:
+        del setup
+        replay_setup = build_training_setup(job_config, parallel_dims, device, init_seed=INIT_SEED)
+        measured.replayed = _measure_cpu(replay_setup, replay_pipeline=True)
+    return measured

@@ -133,6 +133,12 @@ def schedule_actions(setup: TrainingSetup, n_micro: int) -> list[Action]:
     ]
 
 
+def _one_microbatch_actions(stage_indices: list[int]) -> list[Action]:
+    return ([Action(s, FORWARD, 0) for s in stage_indices]
+            + [Action(s, FULL_BACKWARD, 0) for s in reversed(stage_indices)]
+            + [Action(s, REDUCE_GRAD) for s in stage_indices])
+
+
 class PipelineReplay:
     """Replays one pipeline step per call; keeps the receive buffers between steps."""
 
@@ -141,12 +147,16 @@ class PipelineReplay:
         self.stages = {s.stage_index: s for s in setup.pipeline.stages}
         self.n_micro = microbatches(setup.job_config, next(iter(self.stages.values())).num_stages)
         self.actions = schedule_actions(setup, self.n_micro)
+        self.first_step_actions = _one_microbatch_actions(sorted(self.stages))
         self.state = _new_state(setup, self.n_micro)
         # 1F1B releases a backward send once the next backward has run; the others keep
         # every send request until the end of the step.
         self.sends_replace = isinstance(setup.pipeline.schedule, Schedule1F1B)
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, observer, iteration: int) -> None:
+        """Step 1 only has to create the gradients and optimizer states (its peak stays
+        below step 2's, which adds the optimizer states), so it runs one micro-batch per
+        stage: with dozens of micro-batches that halves the trace."""
         self.state.forward_cache.clear()
         self.state.backward_count.clear()
         self.state.sent.clear()
@@ -158,7 +168,7 @@ class PipelineReplay:
 
     def _run_actions(self, input_chunks, label_chunks, observer, iteration: int) -> None:
         reduced = set()
-        for action in self.actions:
+        for action in self.actions if iteration > 1 else self.first_step_actions:
             stage = self.stages[action.stage_index]
             kind = action.kind
             if kind in _NO_OPS:

@@ -94,6 +94,10 @@ def _traced_lines(job_config: JobConfig, request: planner.PlanRequest, supported
     budget = job_config.memory_estimation.plan_traced_layouts
     lines = []
     for rank, entry in supported[:budget]:
+        if entry.layout.pp > 1:
+            lines.append(f"    traced #{rank}: not traced here: a pipeline layout is traced per pipeline rank "
+                         f"through every micro-batch (long at this size); run mode estimate for it")
+            continue
         config = layout_config(job_config, request, entry)
         outcome = trace_training_memory(config, request.world_size, job_config.memory_estimation.target_device)
         peak = outcome.result.peak_bytes

@@ -119,6 +119,11 @@ def validation_lines(estimates: list[int], measured: list[MeasuredOutcome], worl
                             f"{_error(estimate, m.tracker.peak_bytes)})")
         if m.reserved_bytes is not None:
             parts.append(f"reserved {m.reserved_bytes:,} B")
+        if m.replayed is not None:
+            parts[0] = "schedule: " + parts[0]
+            r = m.replayed
+            parts.append(f"replayed schedule: tracker on real tensors {r.tracker.peak_bytes:,} B (estimate "
+                         f"{_error(estimate, r.tracker.peak_bytes)}), {r.method} {r.peak_bytes:,} B")
         lines.append(f"  rank {rank}: " + "; ".join(parts))
     if any(m.reserved_bytes is not None for m in measured):
         lines.append(
