@@ -159,6 +159,7 @@ class PipelineReplay:
         stage: with dozens of micro-batches that halves the trace."""
         self.state.forward_cache.clear()
         self.state.backward_count.clear()
+        self.state.input_grads.clear()  # step 1's were never sent
         self.state.sent.clear()
         input_chunks = inputs.tensor_split(self.n_micro)
         label_chunks = labels.tensor_split(self.n_micro)
