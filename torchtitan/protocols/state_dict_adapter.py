@@ -29,3 +29,14 @@ class StateDictAdapter(ABC):
     def check_hf_config(self, config: dict[str, Any]) -> None:
         """Raise ValueError (naming the field) when a Hugging Face config.json describes
         another architecture or other dimensions than this model."""
+
+    @staticmethod
+    def require_architecture(config: dict[str, Any], architecture: str, family: str) -> None:
+        """Raise ValueError unless ``config.json`` lists ``architecture`` (e.g.
+        ``LlamaForCausalLM``); ``family`` names the checkpoint to point at instead."""
+        architectures = config.get("architectures") or []
+        if architecture not in architectures:
+            raise ValueError(
+                f"config.json describes {architectures or 'an unknown architecture'}, not "
+                f"{architecture}; point at a {family} checkpoint or choose the matching model.name"
+            )

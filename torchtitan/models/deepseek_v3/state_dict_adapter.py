@@ -74,13 +74,7 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
         return to_hf_config(self.model_args)
 
     def check_hf_config(self, config: dict[str, Any]) -> None:
-        architectures = config.get("architectures") or []
-        if "DeepseekV3ForCausalLM" not in architectures:
-            raise ValueError(
-                f"config.json describes {architectures or 'an unknown architecture'}, not "
-                "DeepseekV3ForCausalLM; point at a DeepSeek-V3 checkpoint or choose the matching "
-                "model.name"
-            )
+        self.require_architecture(config, "DeepseekV3ForCausalLM", "DeepSeek-V3")
         theirs, ours = _compared_fields(from_hf_config(config)), _compared_fields(self.model_args)
         mismatches = [f"{name} = {theirs[name]} but model.flavor gives {ours[name]}"
                       for name in ours if name in theirs and theirs[name] != ours[name]]

@@ -74,12 +74,7 @@ class Llama3StateDictAdapter(StateDictAdapter):
         return to_hf_config(self.model_args)
 
     def check_hf_config(self, config: dict[str, Any]) -> None:
-        architectures = config.get("architectures") or []
-        if "LlamaForCausalLM" not in architectures:
-            raise ValueError(
-                f"config.json describes {architectures or 'an unknown architecture'}, not "
-                "LlamaForCausalLM; point at a Llama checkpoint or choose the matching model.name"
-            )
+        self.require_architecture(config, "LlamaForCausalLM", "Llama")
         theirs = from_hf_config(config)
         ours = self.model_args
         for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim"):
