@@ -125,6 +125,9 @@ def test_cli_errors_are_one_line(capsys, monkeypatch):
                              "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], capsys)
     assert "ZBVZeroBubble: schedules with a split input/weight backward" in err
     assert "is not covered by the memory estimator yet" in err
+    err = _cli_error(TINY + ["--memory_estimation.world_size", "2", "--parallelism.pipeline_parallel_degree", "2",
+                             "--memory_estimation.mode", "validate", "--memory_estimation.target_device", "cpu"], capsys)
+    assert "cannot pass activations between pipeline stages; validate under torchrun" in err
     err = _cli_error(TINY + ["--memory_estimation.world_size", "2", "--memory_estimation.mode", "plan"], capsys)
     assert "memory_estimation.device_memory_gib: mode plan needs" in err
 

@@ -42,12 +42,14 @@ def measure_single_process(job_config: JobConfig, world_size: int) -> MeasuredOu
     """One rank of ``world_size`` on real tensors: collectives are no-ops (fake process
     group) and every buffer has its per-rank size."""
     device = _validation_device(job_config.memory_estimation.target_device)
-    if job_config.parallelism.expert_parallel_degree > 1:
-        raise ConfigError(
-            "parallelism.expert_parallel_degree: real tensors in one process cannot route tokens "
-            "between expert-parallel ranks; validate under torchrun (torchrun --nproc_per_node N "
-            "scripts/estimate/estimation.py ... --memory_estimation.mode validate)"
-        )
+    for field, what in (("expert_parallel_degree", "route tokens between expert-parallel ranks"),
+                        ("pipeline_parallel_degree", "pass activations between pipeline stages")):
+        if getattr(job_config.parallelism, field) > 1:
+            raise ConfigError(
+                f"parallelism.{field}: real tensors in one process cannot {what}; validate under "
+                "torchrun (torchrun --nproc_per_node N scripts/estimate/estimation.py ... "
+                "--memory_estimation.mode validate)"
+            )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with fake_process_group(world_size):
