@@ -35,6 +35,6 @@ else
 fi
 export LOG_RANK
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" "${rdzv[@]}" \
+exec "$PYTHON" -m torchtitan.distributed.launch --nproc_per_node="$NGPU" "${rdzv[@]}" \
   --local-ranks-filter "$LOG_RANK" \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

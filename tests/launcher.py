@@ -32,19 +32,36 @@ def run_torchrun(
     The processes run in their own session so that a timeout kills every rank.
     """
     proc = start_torchrun(nproc, args, module=module, script=script, env=env)
+    return _wait(proc, timeout, check)
+
+
+def run_command(cmd: list[str], *, env: dict[str, str] | None = None,
+                timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run any command (run_train.sh, a script) from the repository root with the test
+    environment of ``start_torchrun``; stdout holds stdout and stderr. Never raises on a
+    non-zero exit."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=_test_env(env), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    return _wait(proc, timeout, check=False)
+
+
+def _wait(proc: subprocess.Popen, timeout: float, check: bool) -> subprocess.CompletedProcess:
+    """Wait for ``proc``; on a timeout kill its whole session. Always reaps every process."""
     cmd = proc.args
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise TorchrunError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-6000:]}")
+        raise TorchrunError(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-6000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     if check and proc.returncode != 0:
-        raise TorchrunError(f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-8000:]}")
+        raise TorchrunError(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{out[-8000:]}")
     return result
 
 
@@ -63,18 +80,23 @@ def start_torchrun(
            f"--nproc_per_node={nproc}"]
     cmd += ["-m", module] if script is None else [str(script)]
     cmd += list(args)
-    full_env = dict(os.environ)
-    full_env.update(
+    return subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=_test_env(env), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+
+
+def _test_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """CPU/gloo, one thread per process, unbuffered output, this checkout first on the path."""
+    env = dict(os.environ)
+    env.update(
         TORCHTITAN_DEVICE_TYPE="cpu",
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
+        PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}",
     )
-    full_env.update(env or {})
-    return subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+    env.update(extra or {})
+    return env
 
 
 def read_metrics(dump_folder: str | Path) -> list[dict]:

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.checkpoint import SafeFileSystemReader, WeightsOnlyLoadPlanner
 from torchtitan.components.hf_checkpoint import HFCheckpointError, save_hf_weights
+from torchtitan.components.safe_loading import METADATA_FILE, LoadError, load_dcp
 from torchtitan.config import ConfigError
 from torchtitan.config.entry import config_errors_exit
 
@@ -28,13 +27,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @config_errors_exit
 def convert_to_hf(checkpoint: str, out: str, dtype: str, config_args: list[str]) -> None:
-    if not (Path(checkpoint) / ".metadata").is_file():
-        raise SystemExit(f"error: {checkpoint} is not a DCP checkpoint folder (no .metadata)")
+    if not (Path(checkpoint) / METADATA_FILE).is_file():
+        raise ConfigError(f"CHECKPOINT_DIR: {checkpoint} is not a DCP checkpoint folder (no .metadata)")
     model, spec, args = build_cpu_model(config_args)
-    state = model.state_dict()
-    dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint),
-             planner=WeightsOnlyLoadPlanner(allow_partial_load=True), no_dist=True)
-    model.load_state_dict(state)
+    try:
+        load_dcp(model.state_dict(), checkpoint,
+                 hint="; pass the job config (model.flavor, tokenizer) that trained it")
+    except LoadError as e:
+        raise ConfigError(f"CHECKPOINT_DIR: {e}") from None
     try:
         save_hf_weights([model], out, spec.state_dict_adapter(args), DTYPES[dtype], None,
                         field="model.flavor")

@@ -17,6 +17,6 @@ CHECKPOINT_DIR=${CHECKPOINT_DIR:-outputs/checkpoint}
 PROMPT=${PROMPT:-}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+exec "$PYTHON" -m torchtitan.distributed.launch --standalone --nproc_per_node="$NGPU" \
   --local-ranks-filter 0 scripts/generate/test_generate.py \
   --config "$CONFIG_FILE" --checkpoint "$CHECKPOINT_DIR" --prompt "$PROMPT" "$@"

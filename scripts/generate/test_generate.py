@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.config.entry import config_errors_exit  # noqa: E402
+from torchtitan.config.entry import config_errors_exit, exit_on_user_error  # noqa: E402
 from torchtitan.config.preflight import preflight  # noqa: E402
 from torchtitan.distributed.data_parallel import TORCH_DTYPES  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = run(args, overrides)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_on_user_error(str(e))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

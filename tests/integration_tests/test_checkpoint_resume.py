@@ -18,7 +18,9 @@ import pytest
 
 from tests.launcher import read_metrics, run_torchrun, start_torchrun
 from tests.parity import train_args
-from torchtitan.components.checkpoint import MANIFEST, PAUSE_ENV, read_dcp_metadata
+from tests.integration_tests.pause_checkpoint_publish import PAUSE_LINE
+from torchtitan.components.checkpoint import MANIFEST
+from torchtitan.components.safe_loading import read_dcp_metadata
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -111,7 +113,7 @@ def _kill_when_paused(proc, timeout: float) -> str:
     try:
         for line in proc.stdout:
             lines.append(line)
-            if PAUSE_ENV in line:
+            if PAUSE_LINE in line:
                 os.killpg(proc.pid, signal.SIGKILL)
                 break
     finally:
@@ -128,9 +130,10 @@ def test_fsdp2_exact_resume_through_a_kill_during_save(straight, tmp_path):
     stop_after_step_10("fsdp2", tmp_path)
     overrides = CKPT + ["--checkpoint.interval", "5", "--checkpoint.async_mode", "async"]
     nproc, _ = LAYOUTS["fsdp2"]
-    proc = start_torchrun(nproc, train_args(nproc, tmp_path, overrides), env={PAUSE_ENV: "120"})
+    pause = ["--experimental.custom_import", "tests.integration_tests.pause_checkpoint_publish"]
+    proc = start_torchrun(nproc, train_args(nproc, tmp_path, overrides + pause))
     out = _kill_when_paused(proc, timeout=240)
-    assert proc.returncode != 0 and PAUSE_ENV in out, out[-3000:]
+    assert proc.returncode != 0 and PAUSE_LINE in out, out[-3000:]
     folder = tmp_path / "checkpoint"
     assert (folder / "step-15.tmp" / ".metadata").is_file()  # every rank's data is written ...
     assert not (folder / "step-15.tmp" / MANIFEST).exists()  # ... but the save never completed

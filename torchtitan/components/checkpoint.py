@@ -12,16 +12,14 @@ A checkpoint is the folder ``{job.dump_folder}/{checkpoint.folder}/step-N``:
 
 A save is written to ``step-N.tmp`` and renamed to ``step-N`` by rank 0 once DCP reports every
 rank's files written (DCP's own all-reduce at the end of a save is the barrier), so a crash
-never leaves a ``step-N`` that looks complete. Loading runs no code from the files: JSON, tensors
-through ``weights_only`` and DCP's pickled ``.metadata`` through an allow-list unpickler.
+never leaves a ``step-N`` that looks complete. Loading goes through ``safe_loading`` (no code
+runs from the files; every entry is checked against the metadata first) and JSON.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import time
@@ -33,9 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,76 +41,24 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from torchtitan.components.hf_checkpoint import HFCheckpointError, load_hf_weights, save_hf_weights
+from torchtitan.components.safe_loading import (
+    MANIFEST_FILE,
+    LoadError,
+    check_dcp_folder,
+    load_dcp,
+    read_dcp_metadata,
+)
 from torchtitan.config import ConfigError
 from torchtitan.datasets.packing import merge_data_states
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
-MANIFEST = "checkpoint.json"
+MANIFEST = MANIFEST_FILE
 FORMAT = "torchtitan-dcp-1"
-PAUSE_ENV = "TORCHTITAN_TEST_PAUSE_CHECKPOINT_WRITE"
-"""Test hook: seconds rank 0 sleeps with a finished-but-unmarked ``step-N.tmp`` on disk."""
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _LEFTOVER_RE = re.compile(r"^step-\d+\.(tmp|old)$")
 _BUILTIN_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
-
-
-# ---------------------------------------------------------------------- safe DCP reading
-_METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
-    )),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    *((module, name) for module in ("pathlib", "pathlib._local")
-      for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` allowing only its own data classes and torch dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not allowed")
-
-
-def read_dcp_metadata(path: Path, name: str = ".metadata") -> Metadata:
-    """The DCP metadata of the checkpoint folder ``path``, unpickled through the allow-list."""
-    with open(path / name, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"{path / name} does not hold DCP metadata")
-    return metadata
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata goes through the allow-list unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
-        metadata = read_dcp_metadata(Path(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """Non-tensor values (optimizer hyper-parameters) are decoded with ``weights_only=True``;
-    the default planner then places the re-encoded, known-safe value."""
-
-    def load_bytes(self, read_item, value) -> None:
-        safe = io.BytesIO()
-        torch.save(torch.load(value, weights_only=True), safe)
-        safe.seek(0)
-        super().load_bytes(read_item, safe)
 
 
 # ---------------------------------------------------------------------- checkpoint folders
@@ -146,9 +90,9 @@ def inspect_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str | None]:
             found = "missing" if actual is None else f"{actual} bytes"
             return None, f"{path} is corrupt ({name}: {found}, expected {size} bytes)"
     try:
-        read_dcp_metadata(path)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-        return None, f"{path} is corrupt (unreadable DCP metadata: {e})"
+        check_dcp_folder(path, read_dcp_metadata(path))
+    except LoadError as e:
+        return None, f"corrupt checkpoint: {e}"
     return manifest, None
 
 
@@ -434,10 +378,6 @@ class CheckpointManager:
         """Rank 0, once every rank's files are written: marker, then the atomic rename."""
         if upload is not None:
             upload.result()
-        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
-        if pause > 0:
-            logger.warning(f"{PAUSE_ENV}: pausing {pause:g}s before completing {tmp}")
-            time.sleep(pause)
         manifest["files"] = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
         _write_json_atomic(tmp / MANIFEST, manifest)
         _publish(tmp, final)
@@ -635,16 +575,12 @@ class CheckpointManager:
                            "start fresh")
 
     def _dcp_load(self, tensors: dict[str, Any], path: Path) -> None:
+        hint = ("; load it with the model flavor that saved it, or skip states with "
+                "checkpoint.exclude_from_loading")
         try:
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(path),
-                     planner=WeightsOnlyLoadPlanner(), process_group=self._group)
-        except CheckpointException as e:  # one line instead of every rank's traceback
-            error, _ = next(iter(e.failures.values()))
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise ConfigError(
-                f"checkpoint {path} does not fit this job ({reason}); load it with the model "
-                "flavor that saved it, or skip states with checkpoint.exclude_from_loading"
-            ) from None
+            load_dcp(tensors, path, process_group=self._group, hint=hint)
+        except LoadError as e:
+            raise ConfigError(str(e)) from None
 
     def _rng_kinds(self, manifest: dict[str, Any] | None) -> list[str]:
         if not manifest or not manifest["rng"]:

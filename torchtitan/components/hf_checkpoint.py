@@ -21,11 +21,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.components.safe_loading import (
+    LoadError,
+    open_safetensors,
+    read_hf_config,
+    safetensors_files,
+)
 from torchtitan.models.init import clean_fqn
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.logging import logger
@@ -55,27 +60,24 @@ def _model_tensors(model_parts: list[nn.Module]) -> tuple[dict[str, torch.Tensor
     return tensors, buffers
 
 
-def _scan(folder: Path, field: str) -> tuple[dict[str, Path], dict[str, list[int]]]:
+def _scan(folder: Path) -> tuple[dict[str, Path], dict[str, list[int]]]:
     """Hugging Face key -> file holding it, and key -> shape."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise HFCheckpointError(f"{field}: no *.safetensors files in {folder}")
     index, shapes = {}, {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
+    for path in safetensors_files(folder):
+        with open_safetensors(path) as f:
             for key in f.keys():
                 index[key] = path
-                shapes[key] = f.get_slice(key).get_shape()
+                shapes[key] = f.shape(key)
     return index, shapes
 
 
 def _check_config(folder: Path, adapter: StateDictAdapter, field: str) -> None:
-    config_path = folder / "config.json"
-    if not config_path.exists():
+    config = read_hf_config(folder)
+    if config is None:
         logger.warning(f"{field}: {folder} has no config.json; shapes are checked per tensor only")
         return
     try:
-        adapter.check_hf_config(json.loads(config_path.read_text()))
+        adapter.check_hf_config(config)
     except ValueError as e:
         raise HFCheckpointError(f"{field}: {e}") from None
 
@@ -106,9 +108,9 @@ def _read(index: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
         by_file[index[key]].append(key)
     out = {}
     for path, file_keys in by_file.items():
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for key in file_keys:
-                out[key] = f.get_tensor(key)
+                out[key] = f.tensor(key)
     return out
 
 
@@ -126,8 +128,17 @@ def load_hf_weights(
     folder = Path(folder)
     if not folder.is_dir():
         raise HFCheckpointError(f"{field}: {folder} is not a folder of Hugging Face safetensors")
+    try:
+        _load_hf_folder(model_parts, folder, adapter, field)
+    except LoadError as e:
+        raise HFCheckpointError(f"{field}: {e}") from None
+    logger.info(f"loaded Hugging Face weights from {folder}")
+
+
+def _load_hf_folder(model_parts: list[nn.Module], folder: Path, adapter: StateDictAdapter,
+                    field: str) -> None:
     _check_config(folder, adapter, field)
-    index, shapes = _scan(folder, field)
+    index, shapes = _scan(folder)
     _check_keys(shapes, adapter, folder, field)
     tensors, _ = _model_tensors(model_parts)
     for fqn, tensor in tensors.items():
@@ -148,8 +159,10 @@ def load_hf_weights(
                 f"{field}: {_describe(hf_keys)} has shape {tuple(value.shape)} for {fqn}, the "
                 f"model expects {tuple(full_shape)} (vocabulary or flavor mismatch?)"
             )
+        if value.is_floating_point() != tensor.is_floating_point():
+            raise HFCheckpointError(f"{field}: {_describe(hf_keys)} is {value.dtype} for {fqn}, "
+                                    f"the model has {tensor.dtype}")
         _copy_full_into(tensor, value)
-    logger.info(f"loaded Hugging Face weights from {folder}")
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -184,13 +197,9 @@ def save_hf_weights(
         config = adapter.hf_config()  # on every rank, before any collective
     except (ValueError, NotImplementedError) as e:
         raise HFCheckpointError(f"{field}: {e}") from None
-    pp_rank, pp_size = 0, 1
-    if parallel_dims is not None and parallel_dims.pp_enabled:
-        pp_mesh = parallel_dims.world_mesh["pp"]
-        pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
+    pp_rank, pp_size, writer = _stage_writer(parallel_dims)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    writer = rank % (world // pp_size) == 0  # first rank of this pipeline stage
     tensors = {}
     model_tensors, buffers = _model_tensors(model_parts)
     for fqn, tensor in model_tensors.items():
@@ -216,6 +225,17 @@ def save_hf_weights(
     if dist.is_initialized():
         dist.barrier()
     logger.info(f"saved Hugging Face weights ({export_dtype}) to {folder}")
+
+
+def _stage_writer(parallel_dims: Any) -> tuple[int, int, bool]:
+    """(pipeline rank, pipeline degree, whether this rank writes its stage's file): the
+    writer is the stage's rank at coordinate 0 of every other mesh dimension."""
+    if parallel_dims is None:
+        return 0, 1, not dist.is_initialized() or dist.get_rank() == 0
+    mesh = parallel_dims.world_mesh.root
+    coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    writer = all(c == 0 for name, c in coordinate.items() if name != "pp")
+    return coordinate.get("pp", 0), parallel_dims.pp, writer
 
 
 def _write_index_and_config(folder: Path, keys: dict[str, str], config: dict[str, Any],

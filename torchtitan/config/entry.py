@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import NoReturn
 
 from torchtitan.config.manager import ConfigError, ConfigManager, config_to_toml
 
+USER_ERROR_FILE_ENV = "TORCHTITAN_USER_ERROR_FILE"
+"""Set by ``torchtitan.distributed.launch`` (what run_train.sh runs) for its ranks: a rank that
+stops on a user error appends the message there and exits 0, so that torchrun prints no crash
+report of its own; the launcher then exits 2."""
+
+
+def exit_on_user_error(message: str) -> NoReturn:
+    """Print ``error: message`` on stderr and exit 2 (or hand the error to run_train.sh)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    report_file = os.environ.get(USER_ERROR_FILE_ENV)
+    if report_file:
+        with open(report_file, "a") as f:
+            f.write(message + "\n")
+        sys.exit(0)
+    sys.exit(2)
+
 
 def config_errors_exit(fn):
-    """Decorator: a ConfigError (or ValueError from config-level checks) prints one line
-    ``error: ...`` on stderr and exits with code 2, instead of a traceback."""
+    """Decorator: a ConfigError (bad input found anywhere, also inside the ranks) prints one
+    line ``error: ...`` on stderr and exits with code 2, instead of a traceback."""
 
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            exit_on_user_error(str(e))
 
     return wrapper
 

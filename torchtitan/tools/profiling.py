@@ -6,7 +6,6 @@ import atexit
 import contextlib
 import logging
 import os
-import pickle
 import sys
 from typing import NoReturn
 
@@ -71,8 +70,8 @@ class MemorySnapshotter:
             return
         out = os.path.join(self.folder, f"iteration_{step}{'_exit' if exited else ''}")
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}_memory_snapshot.pickle"), "wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+        name = f"rank{os.environ.get('RANK', '0')}_memory_snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(os.path.join(out, name))
 
 
 def maybe_memory_snapshotter(job_config, device: torch.device) -> MemorySnapshotter | None:

@@ -1,0 +1,26 @@
+"""Test-only hook (loaded with ``--experimental.custom_import``): rank 0 pauses with a
+finished but unpublished ``step-N.tmp`` on disk, so that a test can kill the run in the
+middle of a save."""
+
+from __future__ import annotations
+
+import time
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.tools.logging import logger
+
+PAUSE_LINE = "test hook: pausing before publishing"
+PAUSE_SECONDS = 120
+
+_publish_when_written = CheckpointManager._finish
+
+
+def _pause_then_publish(self, upload, tmp, final, manifest, start) -> None:
+    if upload is not None:
+        upload.result()
+    logger.warning(f"{PAUSE_LINE} {tmp}")
+    time.sleep(PAUSE_SECONDS)
+    _publish_when_written(self, None, tmp, final, manifest, start)
+
+
+CheckpointManager._finish = _pause_then_publish
