@@ -236,7 +236,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         # Global counts of the last step, for metrics (set by the optimizer pre-step hook).
         self.last_tokens_per_expert: torch.Tensor | None = None
-        # 1 / gradient-accumulation steps, set by the parallelize function.
+        # 1 / gradient-accumulation steps, set by the recipe (torchtitan/recipe.py).
         self.aux_loss_scale = 1.0
 
     def reset_buffers(self) -> None:
