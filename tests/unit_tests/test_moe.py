@@ -5,13 +5,13 @@ import pytest
 import torch
 from torch import nn
 
+from torchtitan.components.optimizer import build_moe_optimizers
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.moe import (
     GroupedExperts,
     MoE,
     MoEArgs,
     TokenChoiceTopKRouter,
-    build_moe_optimizers,
     grouped_mm_works,
     moe_layers,
     moe_load_metrics,

@@ -22,6 +22,7 @@ from torchtitan.estimate.coverage import check_covered
 from torchtitan.estimate.steps import run_training_steps
 from torchtitan.estimate.tracker import TrackerResult, build_tracker
 from torchtitan.estimate.tracing import (
+    balanced_moe_routing,
     cuda_block_rounding,
     cuda_kernel_emulation,
     fake_process_group,
@@ -101,7 +102,7 @@ def _traced_rank_result(job_config: JobConfig, world_size: int, target: str, ran
 def _trace_rank(job_config: JobConfig, world_size: int, target: str, rank: int) -> tuple[TrackerResult, Recipe]:
     parallel_dims = check_covered(job_config, world_size)
     device = torch.device("cpu")
-    with fake_process_group(world_size, rank), private_propagation_fake_mode():
+    with fake_process_group(world_size, rank), private_propagation_fake_mode(), balanced_moe_routing():
         parallel_dims.world_mesh  # noqa: B018  (meshes are built outside fake mode)
         meta = build_estimation_meta_model(job_config, parallel_dims, device)
         with FakeTensorMode(allow_non_fake_inputs=True):
