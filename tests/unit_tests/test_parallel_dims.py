@@ -128,6 +128,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_real_gloo_mesh_with_ep_and_tp(tmp_path):
     script = tmp_path / "probe.py"
