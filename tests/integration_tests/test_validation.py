@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from tests.layouts import HSDP_2X2
 from tests.parity import RTOL, assert_parity, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -44,8 +45,7 @@ def one_process(tmp_path_factory):
 # case: (processes, dp degree, overrides, validation batches per pass)
 CASES = {
     "fsdp2": (2, 2, [], VALIDATION_STEPS),
-    "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2",
-                       "--parallelism.data_parallel_shard_degree", "2"], VALIDATION_STEPS),
+    "hsdp2x2": (4, 4, HSDP_2X2, VALIDATION_STEPS),
     "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"], VALIDATION_STEPS),  # loss parallel
     "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2"], VALIDATION_STEPS),
     "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2",
