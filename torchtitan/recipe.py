@@ -311,15 +311,14 @@ def train_step(
     observer: StepObserver = UNOBSERVED,
     before_optimizer_step: BeforeOptimizerStep = _always,
     run_microbatch: ForwardBackward | None = None,
-) -> bool:
+) -> None:
     """One optimizer step over ``micro_batches`` (default: the gradient-accumulation steps).
 
     ``before_optimizer_step(losses, grad_norm)`` sees the micro-batch losses and the
     pre-clip gradient norm and returns whether to apply the step (the trainer's non-finite
-    and stop checks); it is also the only holder of ``grad_norm``, so an observer that does
-    not keep it sees the norm freed before the optimizer runs. ``run_microbatch`` replaces
-    the forward/backward of a micro-batch (the estimator's pipeline replay). Returns whether
-    the optimizer stepped.
+    and stop checks). Unless it keeps ``grad_norm``, the norm is freed before the optimizer
+    runs (the estimator's traced peaks rely on that). ``run_microbatch`` replaces the
+    forward/backward of a micro-batch (the estimator's pipeline replay).
     """
     if run_microbatch is None:
         run_microbatch = pipeline_forward_backward if recipe.pipeline is not None else forward_backward
@@ -331,9 +330,8 @@ def train_step(
     params = [p for part in recipe.model_parts for p in part.parameters()]
     grad_norm = clip_grad_norm_(params, recipe.job_config.training.max_norm, foreach=True, pp_mesh=recipe.pp_mesh)
     if not before_optimizer_step(losses, grad_norm):
-        return False
+        return
     del grad_norm
     observer.set_phase("optimizer_step")
     recipe.optimizers.step()
     recipe.lr_schedulers.step()
-    return True

@@ -69,11 +69,10 @@ def trace_training_memory(job_config: JobConfig, world_size: int, target: str) -
     if not parallel_dims.pp_enabled:
         result, setup = _trace_rank(job_config, world_size, target, rank=0)
         return TraceOutcome(result, time.perf_counter() - start, setup)
-    ranks_per_stage = world_size // parallel_dims.pp
     first, setup = _trace_rank(job_config, world_size, target, rank=0)
+    stage_ranks = [parallel_dims.first_rank_at("pp", pp_rank) for pp_rank in range(1, parallel_dims.pp)]
     results = [first] + [
-        in_fresh_process(_traced_rank_result, job_config, world_size, target, pp_rank * ranks_per_stage)
-        for pp_rank in range(1, parallel_dims.pp)
+        in_fresh_process(_traced_rank_result, job_config, world_size, target, rank) for rank in stage_ranks
     ]
     result = max(results, key=lambda r: r.peak_bytes)
     return TraceOutcome(result, time.perf_counter() - start, setup, [r.peak_bytes for r in results])
