@@ -7,7 +7,6 @@ tool and test that compares runs reads it (full-precision floats), never the con
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -76,7 +75,7 @@ class MetricsProcessor:
 
         folder = dump / cfg.save_tb_folder / datetime.now().strftime("%Y%m%d-%H%M")
         if cfg.save_for_all_ranks:
-            folder = folder / f"rank_{os.environ.get('RANK', '0')}"
+            folder = folder / f"rank_{self.parallel_dims.world_mesh.get_rank()}"
         return SummaryWriter(str(folder))
 
     def should_log(self, step: int) -> bool:
