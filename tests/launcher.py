@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,3 +105,12 @@ def read_metrics(dump_folder: str | Path) -> list[dict]:
     path = Path(dump_folder) / "metrics.jsonl"
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def run_probe(nproc: int, source: str, folder: Path, timeout: float = 110) -> dict[int, Any]:
+    """Run the script ``source`` on ``nproc`` ranks; it writes ``$PROBE_DIR/{rank}.json``.
+    Returns each rank's JSON by rank."""
+    script = folder / "probe.py"
+    script.write_text(source)
+    run_torchrun(nproc, [], script=str(script), timeout=timeout, env={"PROBE_DIR": str(folder)})
+    return {int(p.stem): json.loads(p.read_text()) for p in folder.glob("*.json")}

@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO_ROOT))
 from torchtitan.components.dataloader import build_dataloader  # noqa: E402
 from torchtitan.components.lr_scheduler import lr_factor, schedule_lengths  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.distributed.data_parallel import TORCH_DTYPES  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
+from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: E402
 from torchtitan.tools.utils import peak_flops, peak_memory_gib  # noqa: E402
 
 PROFILER_WARMUP = 3

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.launcher import read_metrics, run_torchrun, start_torchrun
+from tests.layouts import DDP_2, HSDP_2X2
 from tests.parity import train_args
 from tests.integration_tests.pause_checkpoint_publish import PAUSE_LINE
 from torchtitan.components.checkpoint import MANIFEST
@@ -32,10 +33,8 @@ LAYOUTS = {
     "1proc": (1, []),
     "fsdp2": (2, []),
     "fsdp4": (4, []),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
-                    "--parallelism.data_parallel_shard_degree", "2"]),
-    "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2",
-                 "--parallelism.data_parallel_shard_degree", "1"]),
+    "hsdp2x2": (4, HSDP_2X2),
+    "ddp2": (2, DDP_2),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
     "pp2_fsdp2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),

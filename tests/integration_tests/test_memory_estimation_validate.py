@@ -10,6 +10,7 @@ import re
 import pytest
 
 from tests.launcher import REPO_ROOT, run_torchrun
+from tests.layouts import HSDP_2X2
 
 ESTIMATION = REPO_ROOT / "scripts" / "estimate" / "estimation.py"
 VALIDATE = ["--memory_estimation.mode", "validate", "--memory_estimation.target_device", "cpu"]
@@ -56,8 +57,7 @@ GLOO_ALLTOALL_STAGING = None
     ("nproc", "args", "allocator_rtol"),
     [
         (2, LLAMA, 0.02),
-        (4, LLAMA + ["--parallelism.data_parallel_replicate_degree", "2",
-                     "--parallelism.data_parallel_shard_degree", "2"], 0.02),
+        (4, LLAMA + HSDP_2X2, 0.02),
         (4, LLAMA + ["--parallelism.context_parallel_degree", "2"], GLOO_CP_STAGING),
         (4, DEEPSEEK_EP2, GLOO_ALLTOALL_STAGING),
     ],

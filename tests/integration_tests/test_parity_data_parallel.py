@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.layouts import DDP_2, HSDP_2X2
 from tests.parity import ParityError, assert_parity, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -9,10 +10,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 CASES = {
     "fsdp2": (2, []),
     "fsdp4": (4, []),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
-                    "--parallelism.data_parallel_shard_degree", "2"]),
-    "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2",
-                 "--parallelism.data_parallel_shard_degree", "1"]),
+    "hsdp2x2": (4, HSDP_2X2),
+    "ddp2": (2, DDP_2),
     # global 8 = 2 micro-batches x local 2 x dp 2
     "grad_accum_fsdp2": (2, ["--training.local_batch_size", "2"]),
     "reshard_always": (2, ["--parallelism.fsdp_reshard_after_forward", "always"]),

@@ -1,5 +1,5 @@
-"""Validation under FSDP, FSDP x TP, CP and PP gives the 1-process validation loss, every
-validation.freq steps, and does not disturb training.
+"""Validation under FSDP, HSDP, FSDP x TP, CP, PP and (DeepSeek-V3) EP gives the 1-process
+validation loss, every validation.freq steps, and does not disturb training.
 
 Every layout validates on the same 16 global sequences per pass (4 steps x 4 sequences in
 one process; the local batch shrinks with the data-parallel degree, as the parity harness
@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from tests.layouts import HSDP_2X2
 from tests.parity import RTOL, assert_parity, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -44,6 +45,7 @@ def one_process(tmp_path_factory):
 # case: (processes, dp degree, overrides, validation batches per pass)
 CASES = {
     "fsdp2": (2, 2, [], VALIDATION_STEPS),
+    "hsdp2x2": (4, 4, HSDP_2X2, VALIDATION_STEPS),
     "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"], VALIDATION_STEPS),  # loss parallel
     "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2"], VALIDATION_STEPS),
     "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2",
@@ -60,11 +62,9 @@ def test_one_process_validates_every_freq_steps(one_process, reference_run) -> N
     assert_parity(reference_run, metrics)  # validating changes nothing in training
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_validation_loss_matches_one_process(case, one_process, tmp_path) -> None:
-    nproc, dp, overrides, batches = CASES[case]
-    metrics, validation = _run(nproc, dp, tmp_path, overrides, batches)
-    reference_metrics, reference = one_process
+def _assert_same_validation(reference_run: tuple[list[dict], list[dict]],
+                            run: tuple[list[dict], list[dict]]) -> None:
+    (reference_metrics, reference), (metrics, validation) = reference_run, run
     assert_parity(reference_metrics, metrics)
     assert [r["step"] for r in validation] == [r["step"] for r in reference]
     for ref, got in zip(reference, validation):
@@ -72,3 +72,19 @@ def test_validation_loss_matches_one_process(case, one_process, tmp_path) -> Non
             f"step {ref['step']}: validation loss {got['validation_loss']!r} vs one process "
             f"{ref['validation_loss']!r}"
         )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_validation_loss_matches_one_process(case, one_process, tmp_path) -> None:
+    nproc, dp, overrides, batches = CASES[case]
+    _assert_same_validation(one_process, _run(nproc, dp, tmp_path, overrides, batches))
+
+
+# Forced-balanced routing, as the expert-parallel parity tests use.
+DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--debug.moe_force_load_balance"]
+
+
+def test_validation_under_expert_parallel_matches_one_process(tmp_path) -> None:
+    reference = _run(1, 1, tmp_path / "one_process", DEEPSEEK)
+    ep2 = _run(2, 2, tmp_path / "ep2", DEEPSEEK + ["--parallelism.expert_parallel_degree", "2"])
+    _assert_same_validation(reference, ep2)

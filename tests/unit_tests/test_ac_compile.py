@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.distributed.activation_checkpoint import apply_ac, check_ac_config
+from torchtitan.config.validation import check_ac_config
+from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.compile import CompileError, compile_blocks
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from tests.layouts import single_process_dims
 from torchtitan.components.checkpoint import (
     MANIFEST,
     CheckpointManager,
@@ -25,7 +26,6 @@ from torchtitan.components.safe_loading import read_dcp_metadata
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.distributed import ParallelDims
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,7 +85,7 @@ class Run:
         torch.manual_seed(0)
         self.model = torch.compile(Net().to(device))  # an OptimizedModule: keys lose _orig_mod too
         self.device = device
-        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+        dims = single_process_dims()
         self.optimizers = build_optimizers([self.model], self.job_config, dims)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, self.job_config)
         self.loader, self.train_state = Loader(), TrainState()
@@ -308,7 +308,7 @@ def test_hf_export_of_a_model_without_hf_equivalent_fails_at_start(tmp_path):
     job_config = ConfigManager().parse_args([
         "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.last_save_in_hf",
     ])
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    dims = single_process_dims()
     with pytest.raises(ConfigError, match="checkpoint.last_save_in_hf: this model routes with "
                                           "softmax scores"):
         CheckpointManager(

@@ -263,14 +263,10 @@ dist.destroy_process_group()
 @pytest.mark.timeout(120)
 def test_validation_loader_under_real_gloo_dp(tmp_path):
     """build_dataloader's validation loader all-reduces its end over the real dp group."""
-    import json
+    from tests.launcher import run_probe
 
-    from tests.launcher import run_torchrun
-
-    script = tmp_path / "probe.py"
-    script.write_text(GLOO_PROBE)
-    run_torchrun(2, [], script=str(script), timeout=110, env={"PROBE_DIR": str(tmp_path)})
-    per_rank = [torch.tensor(json.loads((tmp_path / f"{rank}.json").read_text())) for rank in range(2)]
+    probes = run_probe(2, GLOO_PROBE, tmp_path)
+    per_rank = [torch.tensor(probes[rank]) for rank in range(2)]
     assert len(per_rank[0]) == len(per_rank[1]) > 0
     single = rank_loader(1, 0, dataset="python_stdlib_validation", seq_len=512, global_batch=3, infinite=False)
     assert torch.equal(_assemble(per_rank), torch.cat([_windows(batch) for batch in single]))

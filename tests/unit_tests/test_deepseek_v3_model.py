@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.config.preflight import preflight
+from torchtitan.preflight import preflight
 from torchtitan.protocols import get_train_spec
 
 

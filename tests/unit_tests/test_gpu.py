@@ -7,7 +7,7 @@ from tests.launcher import read_metrics, run_torchrun
 from tests.parity import BASE_OVERRIDES
 from torchtitan.protocols import get_train_spec
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
 
 def test_forward_on_cuda_matches_cpu():

@@ -163,10 +163,12 @@ def test_fake_routing_counts_are_balanced():
     expert-parallel rank) gets an equal share; real tensors report their own counts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchtitan.models.moe import host_counts
+    from torchtitan.estimate.tracing import balanced_moe_routing
+    from torchtitan.models import moe
 
-    assert host_counts(torch.tensor([3, 0, 5]), 8) == [3, 0, 5]
-    with FakeTensorMode():
+    assert moe.host_counts(torch.tensor([3, 0, 5]), 8) == [3, 0, 5]
+    with FakeTensorMode(), balanced_moe_routing():
+        host_counts = moe.host_counts
         counts = torch.zeros(3, dtype=torch.int64)
         assert host_counts(counts, 8) == [3, 3, 2]
         assert host_counts(torch.zeros(2, 4, dtype=torch.int64), 10) == [[3, 3, 2, 2]] * 2

@@ -5,13 +5,13 @@ import pytest
 import torch
 from torch import nn
 
+from torchtitan.components.optimizer import build_moe_optimizers
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.moe import (
     GroupedExperts,
     MoE,
     MoEArgs,
     TokenChoiceTopKRouter,
-    build_moe_optimizers,
     grouped_mm_works,
     moe_layers,
     moe_load_metrics,
@@ -120,12 +120,12 @@ def test_bias_update_moves_towards_balance_and_resets_counts():
 
 def test_moe_optimizer_updates_biases_before_each_step():
     from torchtitan.config import ConfigManager
-    from torchtitan.distributed.parallel_dims import ParallelDims
+    from tests.layouts import single_process_dims
 
     model = _debug_model()
     model(torch.randint(0, 264, (2, 16))).sum().backward()
     config = ConfigManager().parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"])
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    dims = single_process_dims()
     optimizers = build_moe_optimizers([model], config, dims)
     optimizers.step()
     for moe in moe_layers([model]).values():

@@ -1,10 +1,8 @@
-import json
-
 import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tests.launcher import run_torchrun
+from tests.launcher import run_probe
 from torchtitan.distributed import ParallelDims
 
 
@@ -128,12 +126,10 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_real_gloo_mesh_with_ep_and_tp(tmp_path):
-    script = tmp_path / "probe.py"
-    script.write_text(MESH_PROBE)
-    run_torchrun(8, [], script=str(script), timeout=110, env={"PROBE_DIR": str(tmp_path)})
-    probes = {int(p.stem): json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    probes = run_probe(8, MESH_PROBE, tmp_path)
     assert len(probes) == 8
     assert {v["tp"][0] for v in probes.values()} == {2}
     assert {v["ep"][0] for v in probes.values()} == {2}

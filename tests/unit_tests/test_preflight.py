@@ -3,7 +3,7 @@
 import pytest
 
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.config.preflight import preflight
+from torchtitan.preflight import preflight
 
 
 def check(world_size, *args, device="cpu"):

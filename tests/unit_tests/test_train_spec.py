@@ -73,6 +73,7 @@ def test_model_converters_apply_in_order_and_reject_unknown():
         ModelConvertersContainer(bad, None)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_custom_import_registers_and_trains_a_user_model(tmp_path):
     run_torchrun(1, [

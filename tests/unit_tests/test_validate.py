@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.layouts import single_process_dims
 from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.components.metrics import build_metrics_processor
 from torchtitan.components.tokenizer import ByteTokenizer
 from torchtitan.components.validate import build_validator
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets import DatasetConfig, register_dataset
-from torchtitan.distributed import ParallelDims
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 
@@ -50,7 +51,7 @@ def _job_config(tmp_path, steps: int = -1):
 def _validator(tmp_path, steps: int = -1, metrics_processor=None):
     return build_validator(
         job_config=_job_config(tmp_path, steps),
-        parallel_dims=ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1),
+        parallel_dims=single_process_dims(),
         tokenizer=ByteTokenizer(),
         loss_fn=cross_entropy_loss,
         train_context=contextlib.nullcontext,
@@ -112,10 +113,9 @@ def test_model_is_back_in_train_mode(model, tmp_path) -> None:
 
 def test_writes_validation_jsonl_and_tensorboard(model, tmp_path) -> None:
     scalars = []
-    processor = SimpleNamespace(
-        jsonl_path=tmp_path / "metrics.jsonl",
-        tb=SimpleNamespace(add_scalar=lambda tag, value, step: scalars.append((tag, step))),
-    )
+    processor = build_metrics_processor(_job_config(tmp_path, 1), single_process_dims(), torch.device("cpu"),
+                                        0, owns_loss=True, compute_dtype=torch.float32)
+    processor.tb = SimpleNamespace(add_scalar=lambda tag, value, step: scalars.append((tag, step)))
     (tmp_path / "validation.jsonl").write_text('{"step": 2, "validation_loss": 9.0}\n')  # a stale run
     validator = _validator(tmp_path, steps=1, metrics_processor=processor)
     assert [validator.should_validate(s) for s in (1, 2, 3, 4)] == [False, True, False, True]

@@ -7,7 +7,6 @@ tool and test that compares runs reads it (full-precision floats), never the con
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ class MetricsProcessor:
         dump = Path(job_config.job.dump_folder)
         self.jsonl_path = dump / "metrics.jsonl" if owns_loss else None
         self.jsonl = None
+        self.validation_jsonl_started = False
         self.tb = self._build_tensorboard(dump)
 
     def _build_tensorboard(self, dump: Path):
@@ -75,7 +75,7 @@ class MetricsProcessor:
 
         folder = dump / cfg.save_tb_folder / datetime.now().strftime("%Y%m%d-%H%M")
         if cfg.save_for_all_ranks:
-            folder = folder / f"rank_{os.environ.get('RANK', '0')}"
+            folder = folder / f"rank_{self.parallel_dims.world_mesh.get_rank()}"
         return SummaryWriter(str(folder))
 
     def should_log(self, step: int) -> bool:
@@ -134,6 +134,22 @@ class MetricsProcessor:
                 if key != "step":
                     self.tb.add_scalar(key, value, step)
         return record
+
+    def log_validation(self, record: dict[str, float]) -> None:
+        """A validation pass's record: TensorBoard scalars under ``validation/`` and a line of
+        ``validation.jsonl`` beside metrics.jsonl. Its first write of a run keeps only
+        records of earlier steps (a resumed run continues the file, a fresh one starts it
+        over), as metrics.jsonl does."""
+        step = record["step"]
+        if self.tb is not None:
+            self.tb.add_scalar("validation/loss", record["validation_loss"], step)
+            self.tb.add_scalar("validation/perplexity", record["validation_perplexity"], step)
+        if self.jsonl_path is None:
+            return
+        path = self.jsonl_path.parent / "validation.jsonl"
+        with (open(path, "a") if self.validation_jsonl_started else _open_jsonl(path, first_step=step)) as f:
+            f.write(json.dumps(record) + "\n")
+        self.validation_jsonl_started = True
 
     def close(self) -> None:
         if self.jsonl is not None:

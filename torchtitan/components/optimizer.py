@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.models.moe import moe_layers, update_expert_biases
 from torchtitan.tools.logging import logger
 
 _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
@@ -98,3 +99,18 @@ def build_optimizers(model_parts: list[nn.Module], job_config, parallel_dims) ->
         **_implementation_kwargs(cfg.implementation, param.device.type),
     }
     return OptimizersContainer(model_parts, _OPTIMIZERS[cfg.name], kwargs)
+
+
+def build_moe_optimizers(model_parts: list[nn.Module], job_config, parallel_dims) -> OptimizersContainer:
+    """``build_optimizers`` plus a step pre-hook per model part that updates its MoE
+    layers' expert biases (aux-loss-free load balancing, with the token counts of the
+    gradients about to be applied)."""
+    optimizers = build_optimizers(model_parts, job_config, parallel_dims)
+    group = parallel_dims.world_mesh["dp_cp"].get_group() if parallel_dims.dp_cp_enabled else None
+    for part, optimizer in zip(model_parts, optimizers):
+        moes = list(moe_layers([part]).values())
+        if moes:
+            optimizer.register_step_pre_hook(
+                lambda *args, moes=moes, **kwargs: update_expert_biases(moes, group)
+            )
+    return optimizers

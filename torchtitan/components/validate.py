@@ -10,23 +10,23 @@ scores the batch.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import LossFn
-from torchtitan.components.metrics import MetricsProcessor, _open_jsonl
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import shard_batch_for_cp
 from torchtitan.tools.logging import logger
 
@@ -47,11 +47,8 @@ class PipelineEval:
 
 
 class Validator:
-    """Runs the model parts over the validation loader; see the module docstring.
-
-    ``reduce_meshes`` (in order) sum loss x tokens and tokens over the ranks that hold
-    different data (``dp_cp``) and, under PP, bring the last stage's sums to every stage.
-    """
+    """Runs the model parts over the validation loader; see the module docstring. Reads
+    the ``cp``, ``dp_cp`` and ``pp`` views of ``parallel_dims.world_mesh`` itself."""
 
     def __init__(
         self,
@@ -61,8 +58,7 @@ class Validator:
         train_context: Callable[[], AbstractContextManager],
         freq: int,
         steps: int,
-        reduce_meshes: Sequence[Any] = (),
-        cp_mesh: Any | None = None,
+        parallel_dims: ParallelDims,
         cp_load_balancer: str = "headtail",
         pipeline: PipelineEval | None = None,
         metrics_processor: MetricsProcessor | None = None,
@@ -72,12 +68,10 @@ class Validator:
         self.train_context = train_context
         self.freq = freq
         self.steps = steps
-        self.reduce_meshes = list(reduce_meshes)
-        self.cp_mesh = cp_mesh
+        self.parallel_dims = parallel_dims
         self.cp_load_balancer = cp_load_balancer
         self.pipeline = pipeline
         self.metrics_processor = metrics_processor
-        self._jsonl_opened = False
 
     def should_validate(self, step: int) -> bool:
         return step % self.freq == 0
@@ -99,7 +93,9 @@ class Validator:
 
     @torch.no_grad()
     def _loss_sum_and_tokens(self, model_parts: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum over batches of mean loss x tokens, tokens), reduced over ``reduce_meshes``."""
+        """(sum over batches of mean loss x tokens, tokens), summed over the ranks that
+        hold different data (``dp_cp``) and, under PP, brought from the last stage to every
+        stage."""
         device = _buffer_device(model_parts[0])
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         for index, (input_dict, labels) in enumerate(self.dataloader):
@@ -117,19 +113,25 @@ class Validator:
                 loss = loss.full_tensor()
             totals[0] += loss.double() * labels.numel()
             totals[1] += labels.numel()
-        for mesh in self.reduce_meshes:
+        for mesh in self._reduce_meshes():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=mesh.get_group())
         if totals[1] == 0:
             raise ValueError("validation.dataset: the validation split produced no batches")
         return totals[0], totals[1]
+
+    def _reduce_meshes(self) -> list[DeviceMesh]:
+        parallel_dims = self.parallel_dims
+        names = (["dp_cp"] if parallel_dims.dp_cp_enabled else []) + (["pp"] if parallel_dims.pp_enabled else [])
+        return [parallel_dims.world_mesh[name] for name in names]
 
     def _model_loss(self, model: nn.Module, inputs: torch.Tensor,
                     labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss over this rank's tokens (its share of each sequence under CP) and the
         labels it scored."""
         positions = None
-        if self.cp_mesh is not None:
-            inputs, labels, positions = shard_batch_for_cp(inputs, labels, self.cp_mesh, self.cp_load_balancer)
+        if self.parallel_dims.cp_enabled:
+            cp_mesh = self.parallel_dims.world_mesh["cp"]
+            inputs, labels, positions = shard_batch_for_cp(inputs, labels, cp_mesh, self.cp_load_balancer)
         return self.loss_fn(model(inputs, positions=positions), labels), labels
 
     def _pipeline_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
@@ -147,21 +149,8 @@ class Validator:
     def _log(self, record: dict[str, float], tokens: int) -> None:
         step, loss, perplexity = record["step"], record["validation_loss"], record["validation_perplexity"]
         logger.info(f"validation step {step}: loss {loss:.4f}  perplexity {perplexity:.4f}  ({tokens:,} tokens)")
-        processor = self.metrics_processor
-        if processor is None:
-            return
-        if processor.tb is not None:
-            processor.tb.add_scalar("validation/loss", loss, step)
-            processor.tb.add_scalar("validation/perplexity", perplexity, step)
-        if processor.jsonl_path is not None:
-            self._append_jsonl(Path(processor.jsonl_path).parent / "validation.jsonl", record)
-
-    def _append_jsonl(self, path: Path, record: dict[str, float]) -> None:
-        """The first write of a run keeps only records of earlier steps (a resumed run
-        continues the file, a fresh one starts it over), as metrics.jsonl does."""
-        with (open(path, "a") if self._jsonl_opened else _open_jsonl(path, first_step=record["step"])) as f:
-            f.write(json.dumps(record) + "\n")
-        self._jsonl_opened = True
+        if self.metrics_processor is not None:
+            self.metrics_processor.log_validation(record)
 
 
 def _perplexity(loss: float) -> float:
@@ -196,15 +185,10 @@ def build_validator(
     metrics_processor: MetricsProcessor | None = None,
     pipeline: PipelineEval | None = None,
 ) -> Validator:
-    """The train spec's ``build_validator_fn``: reads the ``dp`` (through the data loader),
-    ``cp``, ``dp_cp`` and ``pp`` views of ``parallel_dims.world_mesh`` itself. Under PP it
-    needs the trainer's schedule (``pipeline``)."""
+    """The train spec's ``build_validator_fn``. Under PP it needs the trainer's schedule
+    (``pipeline``)."""
     if parallel_dims.pp_enabled and pipeline is None:
         raise ValueError("build_validator: pipeline parallel needs the trainer's schedule (pipeline=...)")
-    mesh = parallel_dims.world_mesh if parallel_dims.world_size > 1 else None
-    reduce_meshes = [mesh["dp_cp"]] if parallel_dims.dp_cp_enabled else []
-    if parallel_dims.pp_enabled:
-        reduce_meshes.append(mesh["pp"])
     config = job_config.validation
     return Validator(
         dataloader=build_dataloader(job_config, parallel_dims, tokenizer, split="validation"),
@@ -212,8 +196,7 @@ def build_validator(
         train_context=train_context,
         freq=config.freq,
         steps=config.steps,
-        reduce_meshes=reduce_meshes,
-        cp_mesh=mesh["cp"] if parallel_dims.cp_enabled else None,
+        parallel_dims=parallel_dims,
         cp_load_balancer=job_config.parallelism.context_parallel_load_balancer,
         pipeline=pipeline if parallel_dims.pp_enabled else None,
         metrics_processor=metrics_processor,

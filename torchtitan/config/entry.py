@@ -6,7 +6,8 @@ import os
 import sys
 from typing import NoReturn
 
-from torchtitan.config.manager import ConfigError, ConfigManager, config_to_toml
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import ConfigManager, config_to_toml
 
 USER_ERROR_FILE_ENV = "TORCHTITAN_USER_ERROR_FILE"
 """Set by ``torchtitan.distributed.launch`` (what run_train.sh runs) for its ranks: a rank that
@@ -38,33 +39,8 @@ def config_errors_exit(fn):
     return wrapper
 
 
-def _pop_world_size(argv: list[str]) -> tuple[list[str], int | None, bool]:
-    out, world_size, i = [], None, 0
-    print_loss_rank = "--print-loss-rank" in argv
-    argv = [a for a in argv if a != "--print-loss-rank"]
-    while i < len(argv):
-        if argv[i] == "--world-size" and i + 1 < len(argv):
-            world_size = int(argv[i + 1])
-            i += 2
-            continue
-        out.append(argv[i])
-        i += 1
-    return out, world_size, print_loss_rank
-
-
 @config_errors_exit
 def main(argv: list[str]) -> int:
-    argv, world_size, print_loss_rank = _pop_world_size(argv)
-    config = ConfigManager().parse_args(argv)
-    if world_size is not None:
-        from torchtitan.config.preflight import preflight
-        from torchtitan.distributed.parallel_dims import default_device_type
-
-        parallel_dims = preflight(config, world_size, default_device_type())
-        if print_loss_rank:
-            from torchtitan.distributed.pipeline import loss_owner_rank
-
-            print(loss_owner_rank(config, world_size, parallel_dims))
-        return 0
-    print(config_to_toml(config), end="")
+    """Print the merged config as TOML."""
+    print(config_to_toml(ConfigManager().parse_args(argv)), end="")
     return 0

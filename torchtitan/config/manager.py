@@ -21,13 +21,11 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tyro
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.validation import validate_job_config
 
 logger = logging.getLogger("torchtitan")
-
-
-class ConfigError(ValueError):
-    """A bad job config; the message is one line that names the field and the fix."""
 
 
 # Older (section, key) names still accepted, mapped to the current ones.
@@ -339,8 +337,6 @@ class ConfigManager:
         default = build_from_dict(config_cls, toml_data)
         args = _split_comma_lists(args, _field_types(config_cls))
         config = self._parse_cli(config_cls, args, default)
-        from torchtitan.config.validation import validate_job_config
-
         validate_job_config(config)
         return config
 

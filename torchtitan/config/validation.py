@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torchtitan.config.manager import ConfigError
-from torchtitan.distributed.activation_checkpoint import check_ac_config
+from torchtitan.config.errors import ConfigError
 
 # (field, predicate that must hold, what the user should do)
 _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -105,6 +104,18 @@ def validate_job_config(config: Any) -> None:
             f"parallelism.expert_tensor_parallel_degree: must be 1 or tensor_parallel_degree "
             f"({tp}), got {etp}"
         )
+
+
+def check_ac_config(mode: str, selective_option: str) -> str | None:
+    """An error message for an invalid selective activation-checkpointing option, else None."""
+    if mode != "selective" or selective_option == "op":
+        return None
+    if not selective_option.isdigit() or int(selective_option) < 1:
+        return (
+            f"activation_checkpoint.selective_ac_option: must be a positive integer N (every "
+            f"N-th block) or 'op', got {selective_option!r}"
+        )
+    return None
 
 
 _CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")

@@ -78,15 +78,3 @@ def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
         )
     detail = f" ({selective_option})" if mode == "selective" else ""
     logger.info(f"activation checkpointing {mode}{detail} on {len(chosen)}/{len(blocks)} blocks")
-
-
-def check_ac_config(mode: str, selective_option: str) -> str | None:
-    """An error message for an invalid selective option, else None."""
-    if mode != "selective" or selective_option == "op":
-        return None
-    if not selective_option.isdigit() or int(selective_option) < 1:
-        return (
-            f"activation_checkpoint.selective_ac_option: must be a positive integer N (every "
-            f"N-th block) or 'op', got {selective_option!r}"
-        )
-    return None

@@ -8,9 +8,8 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: F401  (re-exported for components/checkpoint.py and scripts/generate)
 from torchtitan.tools.logging import logger
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def reshard_after_forward_policy(policy: str, pp_enabled: bool) -> bool:

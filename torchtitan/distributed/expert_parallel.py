@@ -44,7 +44,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.moe import MoE, host_counts
+from torchtitan.models import moe as moe_module
+from torchtitan.models.moe import MoE
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -68,7 +69,7 @@ def dispatch(
     received = torch.empty_like(num_tokens_per_expert)
     dist.all_to_all_single(received, num_tokens_per_expert, group=group)
     sent, received = num_tokens_per_expert.view(ep, local_experts), received.view(ep, local_experts)
-    input_splits, output_splits = host_counts(torch.stack([sent.sum(1), received.sum(1)]), tokens.shape[0])
+    input_splits, output_splits = moe_module.host_counts(torch.stack([sent.sum(1), received.sum(1)]), tokens.shape[0])
     tokens = all_to_all_single_autograd(tokens, output_splits, input_splits, group)
     # Received rows come in (source rank, local expert) blocks; the experts want them
     # grouped by local expert.

@@ -6,6 +6,7 @@ Nothing else in the code base builds a DeviceMesh: callers read named views with
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -235,6 +236,15 @@ class ParallelDims:
             ("tp", self.tp),
         ]
         return [(n, d) for n, d in dims if d > 1]
+
+    def first_rank_at(self, dim: str, index: int) -> int:
+        """The lowest global rank whose coordinate along mesh dim ``dim`` is ``index``
+        (the world mesh is row-major over ``_mesh_dims``). Needs no process group."""
+        names = [n for n, _ in self._mesh_dims()]
+        if dim not in names:
+            return 0
+        stride = math.prod(d for _, d in self._mesh_dims()[names.index(dim) + 1:])
+        return index * stride
 
     def _flattened_views(self, present: set[str]) -> dict[str, tuple[str, ...]]:
         if self.ep > 1:

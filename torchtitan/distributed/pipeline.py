@@ -24,7 +24,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
 
 SCHEDULES = [
@@ -225,12 +225,12 @@ def pipeline_llm(
     return BuiltPipeline(schedule, stages, parts, has_first, has_last)
 
 
-def loss_owner_rank(job_config, world_size: int, parallel_dims) -> int:
+def loss_owner_rank(job_config, parallel_dims) -> int:
     """Global rank that owns the loss: the first rank of the pp coordinate holding the last
-    stage (pp is the outermost mesh dim). V-shaped schedules put the last stage on pp rank 0."""
+    stage. V-shaped schedules put the last stage on pp rank 0."""
     if not parallel_dims.pp_enabled:
         return 0
     p = job_config.parallelism
     cls = schedule_class(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
     last_pp_rank = 0 if issubclass(cls, _V_SHAPED) else parallel_dims.pp - 1
-    return last_pp_rank * (world_size // parallel_dims.pp)
+    return parallel_dims.first_rank_at("pp", last_pp_rank)

@@ -10,12 +10,12 @@ from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimate import analytic, report
-from torchtitan.estimate.build import TrainingSetup
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
 from torchtitan.estimate.plan_mode import run_plan
 from torchtitan.estimate.steps import ITERATIONS, microbatches_per_step
 from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
 from torchtitan.estimate.validate_mode import measure_single_process, run_validate
+from torchtitan.recipe import Recipe
 from torchtitan.tools.logging import init_logger
 
 # The trainer refuses memory_estimation.enable; this script always estimates, so the flag
@@ -42,7 +42,7 @@ def degrees(parallel_dims: ParallelDims) -> str:
     return " x ".join(parts) or "single device"
 
 
-def header_lines(job_config: JobConfig, setup: TrainingSetup, world_size: int, target: str) -> list[str]:
+def header_lines(job_config: JobConfig, setup: Recipe, world_size: int, target: str) -> list[str]:
     t, o = job_config.training, job_config.optimizer
     vocab_source = "tokenizer" if job_config.model.tokenizer_path else "flavor; no model.tokenizer_path"
     ac = job_config.activation_checkpoint
@@ -52,7 +52,7 @@ def header_lines(job_config: JobConfig, setup: TrainingSetup, world_size: int, t
         f"({degrees(setup.parallel_dims)})",
         f"  seq_len {t.seq_len} x local batch {t.local_batch_size}, {_microbatch_text(setup)}; params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}; "
         f"{o.name} ({o.implementation}); activation checkpointing {ac_text}",
-        f"  vocabulary {setup.vocab_size:,} (from the {vocab_source}); target device {target}"
+        f"  vocabulary {setup.model_args.vocab_size:,} (from the {vocab_source}); target device {target}"
         + (": CUDA-kernel emulation (rms_norm) and 512-byte block rounding" if target == "cuda" else ""),
     ]
     if hasattr(setup.model_args, "moe"):
@@ -61,7 +61,7 @@ def header_lines(job_config: JobConfig, setup: TrainingSetup, world_size: int, t
     return lines
 
 
-def _microbatch_text(setup: TrainingSetup) -> str:
+def _microbatch_text(setup: Recipe) -> str:
     accum, traced = setup.grad_accum_steps, microbatches_per_step(setup)
     if accum == traced:
         return f"{accum} micro-batch{'es' if accum > 1 else ''} per step"

@@ -21,9 +21,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from torchtitan.config import JobConfig
-from torchtitan.estimate.build import TrainingSetup, build_parallel_dims, build_training_setup
+from torchtitan.estimate.build import build_estimation_recipe, build_parallel_dims
 from torchtitan.estimate.steps import run_training_steps
 from torchtitan.estimate.tracker import TrackerResult, build_tracker
+from torchtitan.recipe import Recipe
 
 INIT_SEED = 0
 
@@ -101,7 +102,7 @@ def _allocator_peak(prof: profile) -> int:
     return peak
 
 
-def _measure_cpu(setup: TrainingSetup, replay_pipeline: bool = False) -> MeasuredOutcome:
+def _measure_cpu(setup: Recipe, replay_pipeline: bool = False) -> MeasuredOutcome:
     optimizers = list(setup.optimizers)
     gc.collect()
     baseline = live_storage_bytes(setup.model_parts, optimizers)
@@ -122,7 +123,7 @@ def _measure_cpu(setup: TrainingSetup, replay_pipeline: bool = False) -> Measure
     )
 
 
-def _measure_cuda(setup: TrainingSetup) -> MeasuredOutcome:
+def _measure_cuda(setup: Recipe) -> MeasuredOutcome:
     probe = CudaPhaseProbe(setup.device)
     torch.cuda.synchronize(setup.device)
     torch.cuda.reset_peak_memory_stats(setup.device)
@@ -140,12 +141,12 @@ def _measure_cuda(setup: TrainingSetup) -> MeasuredOutcome:
 def measure_training_memory(job_config: JobConfig, device: torch.device) -> MeasuredOutcome:
     """Run the steps for real on this rank (the default process group must exist)."""
     parallel_dims = build_parallel_dims(job_config, dist.get_world_size(), device.type)
-    setup = build_training_setup(job_config, parallel_dims, device, init_seed=INIT_SEED)
+    setup = build_estimation_recipe(job_config, parallel_dims, device, seed=INIT_SEED)
     if device.type == "cuda":
         return _measure_cuda(setup)
     measured = _measure_cpu(setup)
     if setup.pipeline is not None:
         del setup
-        replay_setup = build_training_setup(job_config, parallel_dims, device, init_seed=INIT_SEED)
+        replay_setup = build_estimation_recipe(job_config, parallel_dims, device, seed=INIT_SEED)
         measured.replayed = _measure_cpu(replay_setup, replay_pipeline=True)
     return measured

@@ -31,10 +31,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from torchtitan.config import ConfigError
-
-from torchtitan.distributed.data_parallel import TORCH_DTYPES
 from torchtitan.distributed.pipeline import microbatches
-from torchtitan.estimate.build import TrainingSetup
+from torchtitan.recipe import ForwardBackward, NextBatch, Recipe, StepObserver
+from torchtitan.tools.dtypes import TORCH_DTYPES
 
 # Schedule action kinds (torch's _ComputationType values, a str enum).
 FORWARD, FULL_BACKWARD = "F", "B"
@@ -61,7 +60,7 @@ class _ReplayState:
     """Per stage, tensors that pending send requests keep alive."""
 
 
-def stage_boundary(setup: TrainingSetup, microbatch_size: int) -> tuple[torch.Size, torch.dtype]:
+def stage_boundary(setup: Recipe, microbatch_size: int) -> tuple[torch.Size, torch.dtype]:
     """Shape and dtype of the activation that crosses a stage boundary: a block's output
     ``[microbatch, local sequence, dim]`` (sequence-sharded under TP's sequence parallel),
     in FSDP's compute dtype, else fp32 (autocast keeps the residual stream in fp32)."""
@@ -71,7 +70,7 @@ def stage_boundary(setup: TrainingSetup, microbatch_size: int) -> tuple[torch.Si
     return torch.Size([microbatch_size, seq, setup.model_args.dim]), dtype
 
 
-def _new_state(setup: TrainingSetup, n_micro: int) -> _ReplayState:
+def _new_state(setup: Recipe, n_micro: int) -> _ReplayState:
     shape, dtype = stage_boundary(setup, setup.job_config.parallelism.pipeline_parallel_microbatch_size)
 
     def buffers(requires_grad: bool) -> list[torch.Tensor]:
@@ -119,7 +118,7 @@ def single_stage_actions(schedule, stage_index: int, num_stages: int, n_micro: i
     return order + [Action(stage_index, REDUCE_GRAD)]
 
 
-def schedule_actions(setup: TrainingSetup, n_micro: int) -> list[Action]:
+def schedule_actions(setup: Recipe, n_micro: int) -> list[Action]:
     """This rank's actions in execution order; runtime (multi-stage) schedules execute their
     ``pipeline_order_with_comms``."""
     schedule = setup.pipeline.schedule
@@ -142,7 +141,7 @@ def _one_microbatch_actions(stage_indices: list[int]) -> list[Action]:
 class PipelineReplay:
     """Replays one pipeline step per call; keeps the receive buffers between steps."""
 
-    def __init__(self, setup: TrainingSetup) -> None:
+    def __init__(self, setup: Recipe) -> None:
         self.setup = setup
         self.stages = {s.stage_index: s for s in setup.pipeline.stages}
         self.n_micro = microbatches(setup.job_config, next(iter(self.stages.values())).num_stages)
@@ -153,7 +152,15 @@ class PipelineReplay:
         # every send request until the end of the step.
         self.sends_replace = isinstance(setup.pipeline.schedule, Schedule1F1B)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, observer, iteration: int) -> None:
+    def microbatch_runner(self, iteration: int) -> ForwardBackward:
+        """The recipe's ``run_microbatch`` for one iteration: the replay instead of the schedule."""
+        def run(recipe: Recipe, next_batch: NextBatch, observer: StepObserver) -> None:
+            inputs, labels = next_batch()
+            self.step(inputs, labels, observer, iteration)
+
+        return run
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, observer: StepObserver, iteration: int) -> None:
         """Step 1 only has to create the gradients and optimizer states (its peak stays
         below step 2's, which adds the optimizer states), so it runs one micro-batch per
         stage: with dozens of micro-batches that halves the trace."""
@@ -174,9 +181,9 @@ class PipelineReplay:
             kind = action.kind
             if kind in _NO_OPS:
                 continue
-            observer.set_phase(iteration, _PHASES.get(kind, kind.lower()))
+            observer.set_phase(_PHASES.get(kind, kind.lower()))
             if kind == FORWARD:
-                self._forward(stage, action.microbatch_index, input_chunks, label_chunks, observer, iteration)
+                self._forward(stage, action.microbatch_index, input_chunks, label_chunks, observer)
             elif kind == FULL_BACKWARD:
                 self._backward(stage, action.microbatch_index)
             elif kind in (SEND_F, SEND_B):
@@ -196,13 +203,13 @@ class PipelineReplay:
                 self._reduce_grad(stage)
 
     # ------------------------------------------------------------ actions
-    def _forward(self, stage: PipelineStage, mb: int, input_chunks, label_chunks, observer, iteration) -> None:
+    def _forward(self, stage: PipelineStage, mb: int, input_chunks, label_chunks, observer: StepObserver) -> None:
         observer.start_microbatch(stage.submod)
         x = input_chunks[mb] if stage.is_first else self.state.input_buffers[stage.stage_index][mb]
         loss = None
         output = stage.forward_maybe_with_nosync(x)
         if stage.is_last:
-            observer.set_phase(iteration, "loss")
+            observer.set_phase("loss")
             loss = self.setup.loss_fn(output, label_chunks[mb])
         inputs = [x] if not stage.is_first else []
         self.state.forward_cache[(stage.stage_index, mb)] = (output, loss, inputs)

@@ -17,16 +17,18 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, config_to_toml
-from torchtitan.estimate.build import TrainingSetup, build_parallelized_meta_model, materialize_setup
+from torchtitan.estimate.build import build_estimation_meta_model
 from torchtitan.estimate.coverage import check_covered
 from torchtitan.estimate.steps import run_training_steps
 from torchtitan.estimate.tracker import TrackerResult, build_tracker
 from torchtitan.estimate.tracing import (
+    balanced_moe_routing,
     cuda_block_rounding,
     cuda_kernel_emulation,
     fake_process_group,
     private_propagation_fake_mode,
 )
+from torchtitan.recipe import Recipe, materialize
 
 
 T = TypeVar("T")
@@ -37,7 +39,7 @@ class TraceOutcome:
     result: TrackerResult
     """The traced rank's peak; under pipeline parallel the pipeline rank with the largest."""
     seconds: float
-    setup: TrainingSetup
+    setup: Recipe
     stage_peaks: list[int] | None = None
     """Under pipeline parallel: the peak of each pipeline rank, by pp rank."""
 
@@ -67,11 +69,10 @@ def trace_training_memory(job_config: JobConfig, world_size: int, target: str) -
     if not parallel_dims.pp_enabled:
         result, setup = _trace_rank(job_config, world_size, target, rank=0)
         return TraceOutcome(result, time.perf_counter() - start, setup)
-    ranks_per_stage = world_size // parallel_dims.pp
     first, setup = _trace_rank(job_config, world_size, target, rank=0)
+    stage_ranks = [parallel_dims.first_rank_at("pp", pp_rank) for pp_rank in range(1, parallel_dims.pp)]
     results = [first] + [
-        in_fresh_process(_traced_rank_result, job_config, world_size, target, pp_rank * ranks_per_stage)
-        for pp_rank in range(1, parallel_dims.pp)
+        in_fresh_process(_traced_rank_result, job_config, world_size, target, rank) for rank in stage_ranks
     ]
     result = max(results, key=lambda r: r.peak_bytes)
     return TraceOutcome(result, time.perf_counter() - start, setup, [r.peak_bytes for r in results])
@@ -97,14 +98,14 @@ def _traced_rank_result(job_config: JobConfig, world_size: int, target: str, ran
     return _trace_rank(job_config, world_size, target, rank)[0]
 
 
-def _trace_rank(job_config: JobConfig, world_size: int, target: str, rank: int) -> tuple[TrackerResult, TrainingSetup]:
+def _trace_rank(job_config: JobConfig, world_size: int, target: str, rank: int) -> tuple[TrackerResult, Recipe]:
     parallel_dims = check_covered(job_config, world_size)
     device = torch.device("cpu")
-    with fake_process_group(world_size, rank), private_propagation_fake_mode():
+    with fake_process_group(world_size, rank), private_propagation_fake_mode(), balanced_moe_routing():
         parallel_dims.world_mesh  # noqa: B018  (meshes are built outside fake mode)
-        meta = build_parallelized_meta_model(job_config, parallel_dims, device)
+        meta = build_estimation_meta_model(job_config, parallel_dims, device)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            setup = materialize_setup(job_config, parallel_dims, device, meta, init_seed=None)
+            setup = materialize(meta, job_config, parallel_dims, device, seed=None)
             tracker = build_tracker(setup.model_parts, list(setup.optimizers))
             try:
                 with target_device_context(target), tracker:

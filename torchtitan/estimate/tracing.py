@@ -5,7 +5,9 @@
   would otherwise be counted as real memory (torch reuses the caller's FakeTensorMode for it);
 * the CUDA caching allocator's 512-byte block rounding, applied to the traced CPU storages;
 * emulation of CUDA kernels whose saved-for-backward tensors differ from the CPU kernels'
-  (the fused rms_norm saves the input and an fp32 rstd; the CPU decomposition saves fp32 copies).
+  (the fused rms_norm saves the input and an fp32 rstd; the CPU decomposition saves fp32 copies);
+* MoE routing without values: perfectly balanced token counts, the routing the estimate
+  assumes, and the grouped_mm capability probe on real tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
 CUDA_BLOCK_BYTES = 512
@@ -122,3 +125,34 @@ def cuda_kernel_emulation() -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(F, name, original)
+
+
+def balanced_host_counts(counts: torch.Tensor, rows: int) -> list:
+    """``models.moe.host_counts`` during a trace. Fake tensors have no values: every row
+    of ``counts`` is a perfectly balanced split of ``rows``. Real tensors (the grouped_mm
+    probe's) report their own counts."""
+    if not is_fake(counts):
+        return counts.tolist()
+    base, extra = divmod(rows, counts.shape[-1])
+    row = [base + (1 if i < extra else 0) for i in range(counts.shape[-1])]
+    return row if counts.dim() == 1 else [list(row) for _ in range(counts.shape[0])]
+
+
+@contextlib.contextmanager
+def balanced_moe_routing() -> Iterator[None]:
+    """MoE layers traced on fake tensors: token counts read on the host (the expert loop's
+    and expert parallel's splits) come out balanced, and the grouped_mm capability probe
+    runs on real tensors (its comparison needs values)."""
+    from torchtitan.models import moe
+
+    host_counts, probe = moe.host_counts, moe.grouped_mm_works
+
+    def probe_on_real_tensors(*args: Any) -> bool:
+        with unset_fake_temporarily():
+            return probe(*args)
+
+    moe.host_counts, moe.grouped_mm_works = balanced_host_counts, probe_on_real_tensors
+    try:
+        yield
+    finally:
+        moe.host_counts, moe.grouped_mm_works = host_counts, probe

@@ -4,8 +4,8 @@ A token-choice top-k router (softmax or sigmoid scores, optional group-limited r
 routed experts held as stacked 3-D SwiGLU weights (``w1``/``w3``: ``[experts, hidden,
 dim]``, ``w2``: ``[experts, dim, hidden]``), optional shared experts, and auxiliary-loss-free
 load balancing (DeepSeek-V3): a per-expert bias added to the scores only when *choosing*
-experts, nudged before every optimizer step towards balance by
-:func:`build_moe_optimizers`.
+experts, nudged before every optimizer step towards balance by :func:`update_expert_biases` (the
+optimizer side hooks it in: ``components/optimizer.build_moe_optimizers``).
 
 Every MoE parameter is used through its local tensor (:func:`local`), so expert parallel
 and tensor parallel (``torchtitan.distributed.expert_parallel``) only choose how the weights
@@ -22,10 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 from torchtitan.models.init import clean_fqn
 from torchtitan.tools.logging import logger
 
@@ -60,13 +58,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def host_counts(counts: torch.Tensor, rows: int) -> list:
     """Token counts as host integers (one device sync); each row of ``counts`` sums to
-    ``rows``. Fake tensors (the memory estimator's trace) have no values: there every row
-    is a perfectly balanced split of ``rows``, the routing the estimate assumes."""
-    if not is_fake(counts):
-        return counts.tolist()
-    base, extra = divmod(rows, counts.shape[-1])
-    row = [base + (1 if i < extra else 0) for i in range(counts.shape[-1])]
-    return row if counts.dim() == 1 else [list(row) for _ in range(counts.shape[0])]
+    ``rows`` (what a reader without the values, such as the memory estimator's
+    ``estimate.tracing.balanced_moe_routing``, needs to split them)."""
+    return counts.tolist()
 
 
 def _recomputing() -> bool:
@@ -141,13 +135,7 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden:
     """Capability probe: run ``torch._grouped_mm`` on this device and dtype with these
     expert shapes and uneven groups (one empty) and compare with plain matmuls. Decides the
     expert kernel; no GPU model is hard-coded. Forward only, without autograd or autocast,
-    so that it is safe inside any forward (activation checkpointing included); on real
-    tensors even while the memory estimator traces on fake ones."""
-    with unset_fake_temporarily():
-        return _probe_grouped_mm(device, dtype, dim, hidden)
-
-
-def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    so that it is safe inside any forward (activation checkpointing included)."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(7, dim, device=device, dtype=dtype, generator=gen)
     ws = [torch.randn(3, *shape, device=device, dtype=dtype, generator=gen) / dim**0.5
@@ -236,7 +224,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         # Global counts of the last step, for metrics (set by the optimizer pre-step hook).
         self.last_tokens_per_expert: torch.Tensor | None = None
-        # 1 / gradient-accumulation steps, set by the parallelize function.
+        # 1 / gradient-accumulation steps, set by the recipe (torchtitan/recipe.py).
         self.aux_loss_scale = 1.0
 
     def reset_buffers(self) -> None:
@@ -309,20 +297,6 @@ def update_expert_biases(moes: list[MoE], dp_cp_group: dist.ProcessGroup | None)
         if coeff is not None:
             moe.expert_bias.add_(coeff * torch.sign(count.mean() - count))
         moe.tokens_per_expert.zero_()
-
-
-def build_moe_optimizers(model_parts: list[nn.Module], job_config, parallel_dims) -> OptimizersContainer:
-    """``build_optimizers`` plus a step pre-hook per model part that updates its MoE
-    layers' expert biases (with the counts of the gradients about to be applied)."""
-    optimizers = build_optimizers(model_parts, job_config, parallel_dims)
-    group = parallel_dims.world_mesh["dp_cp"].get_group() if parallel_dims.dp_cp_enabled else None
-    for part, optimizer in zip(model_parts, optimizers):
-        moes = list(moe_layers([part]).values())
-        if moes:
-            optimizer.register_step_pre_hook(
-                lambda *args, moes=moes, **kwargs: update_expert_biases(moes, group)
-            )
-    return optimizers
 
 
 def moe_load_metrics(model_parts: list[nn.Module]) -> dict[str, float]:

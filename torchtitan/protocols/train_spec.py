@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
@@ -39,8 +39,6 @@ TokenizerBuilder: TypeAlias = Callable[..., Any]
 LossFunctionBuilder: TypeAlias = Callable[..., Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 # build_validator_fn(job_config, parallel_dims, tokenizer, loss_fn, ...) -> Validator
 ValidatorBuilder: TypeAlias = Callable[..., Any]
-# build_metrics_processor_fn(job_config, parallel_dims, model_args) -> MetricsProcessor
-MetricsProcessorBuilder: TypeAlias = Callable[..., Any]
 
 
 @dataclass
@@ -56,9 +54,7 @@ class TrainSpec:
     build_tokenizer_fn: TokenizerBuilder | None
     build_loss_fn: LossFunctionBuilder
     build_validator_fn: ValidatorBuilder | None = None
-    build_metrics_processor_fn: MetricsProcessorBuilder | None = None
     state_dict_adapter: type[StateDictAdapter] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def flavor_args(self, flavor: str) -> BaseModelArgs:
         """A fresh copy of the named flavor's args (unknown flavor: error listing them)."""

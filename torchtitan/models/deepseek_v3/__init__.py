@@ -4,6 +4,7 @@ balancing (the optimizer builder adds the expert-bias update)."""
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_moe_optimizers
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.validate import build_validator
 from torchtitan.distributed.pipeline import pipeline_llm
@@ -12,7 +13,6 @@ from torchtitan.models.deepseek_v3.flavors import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
-from torchtitan.models.moe import build_moe_optimizers
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 __all__ = ["DeepSeekV3Model", "DeepSeekV3ModelArgs", "deepseek_v3_flavors", "parallelize_deepseek_v3"]

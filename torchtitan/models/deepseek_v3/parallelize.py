@@ -18,17 +18,17 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import (
-    TORCH_DTYPES,
     apply_ddp,
     apply_fsdp,
     reshard_after_forward_policy,
 )
 from torchtitan.distributed.expert_parallel import apply_expert_fsdp, parallelize_moe
+from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
 
@@ -50,7 +50,6 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
     moes = [block.moe for block in model.layers.values() if block.moe_enabled]
     for moe in moes:
         parallelize_moe(moe, parallel_dims)
-        moe.aux_loss_scale = 1 / _grad_accumulation_steps(job_config, parallel_dims)
     if parallel_dims.ep_enabled:
         logger.info(f"applied expert parallel over {parallel_dims.ep} ranks "
                     f"(expert tensor parallel {parallel_dims.etp})")
@@ -75,14 +74,6 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.world_mesh["dp_replicate"])
     return model
-
-
-def _grad_accumulation_steps(job_config, parallel_dims: ParallelDims) -> int:
-    """As the trainer computes it (which also checks divisibility)."""
-    training = job_config.training
-    if training.global_batch_size <= 0:
-        return 1
-    return training.global_batch_size // (training.local_batch_size * parallel_dims.dp_degree)
 
 
 class _SumGradFrom(torch.autograd.Function):

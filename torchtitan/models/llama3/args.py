@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:

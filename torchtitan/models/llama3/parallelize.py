@@ -19,12 +19,12 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import (
-    TORCH_DTYPES,
     apply_ddp,
     apply_fsdp,
     reshard_after_forward_policy,
 )
 from torchtitan.tools.compile import compile_blocks
+from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
 

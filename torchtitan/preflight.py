@@ -1,0 +1,125 @@
+"""Checks that need the world size, the model flavor and the pipeline plan, run once before
+any process group exists (by run_train.sh through ``python -m torchtitan.config --world-size
+N``, by the trainer and by the memory estimator), so bad layouts fail with one line instead
+of one traceback per rank. It sits above ``config/`` (which knows only the config's own
+values) and the layers whose rules it applies."""
+
+from __future__ import annotations
+
+from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.config.entry import config_errors_exit
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.context_parallel import check_cp_config
+from torchtitan.distributed.parallel_dims import default_device_type, parallel_dims_from_config
+from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_stages
+from torchtitan.protocols import get_train_spec
+
+
+def preflight(job_config: JobConfig, world_size: int, device_type: str) -> ParallelDims:
+    """Validate the parallel layout for this config, world size and device; return the
+    ParallelDims (not yet holding a mesh)."""
+    try:
+        parallel_dims = parallel_dims_from_config(job_config, world_size)
+        spec = get_train_spec(job_config.model.name)
+        model_args = spec.flavor_args(job_config.model.flavor)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model_args.check_parallelism(parallel_dims)
+    seq_len = job_config.training.seq_len
+    if seq_len % parallel_dims.seq_len_divisor != 0:
+        raise ConfigError(
+            f"training.seq_len ({seq_len}) must be divisible by tp * 2 * cp = "
+            f"{parallel_dims.seq_len_divisor} (sequence parallel and context-parallel load "
+            "balancing split the sequence)"
+        )
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and parallel_dims.tp_enabled:
+        # torch's replicate() leaves DTensor (TP) gradients unsynchronised: refuse, never
+        # train silently wrong.
+        raise ConfigError(
+            "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1) does not "
+            "compose with tensor_parallel_degree > 1; use HSDP (data_parallel_shard_degree >= 2) "
+            "or FSDP with TP"
+        )
+    if parallel_dims.cp_enabled:
+        _check_context_parallel(job_config, parallel_dims, model_args)
+    if parallel_dims.pp_enabled:
+        plan = plan_stages(job_config, model_args.n_layers, parallel_dims.pp)
+        microbatches(job_config, plan.num_stages)
+    if job_config.validation.enable:
+        _check_validation(job_config, parallel_dims)
+    if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1, all parallel "
+            f"degrees 1), got {world_size} processes; any layout loads the seed later"
+        )
+    if job_config.training.enable_cpu_offload and device_type == "cpu":
+        raise ConfigError(
+            "training.enable_cpu_offload: offloads accelerator memory to the CPU, but this run "
+            "already trains on the CPU; leave it off"
+        )
+    if job_config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
+        raise ConfigError(
+            "training.enable_cpu_offload: needs FSDP (data_parallel_shard_degree > 1), which "
+            "does the offloading"
+        )
+    if job_config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel: needs CUDA (symmetric memory); this "
+            f"machine runs on {device_type}"
+        )
+    return parallel_dims
+
+
+def _check_context_parallel(job_config, parallel_dims, model_args) -> None:
+    p = job_config.parallelism
+    if parallel_dims.pp_enabled:
+        raise ConfigError(
+            "parallelism.context_parallel_degree > 1 with pipeline_parallel_degree > 1 is not "
+            "supported yet (stages would need the sharded positions); use one of them"
+        )
+    seq_lens = {"training.seq_len": job_config.training.seq_len}
+    if job_config.validation.enable:
+        seq_lens["validation.seq_len"] = job_config.validation.seq_len
+    for field, seq_len in seq_lens.items():
+        try:
+            check_cp_config(seq_len, parallel_dims.cp, parallel_dims.tp, model_args.n_heads,
+                            p.context_parallel_rotate_method, p.context_parallel_load_balancer, field)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _check_validation(job_config, parallel_dims) -> None:
+    validation, training = job_config.validation, job_config.training
+    if validation.seq_len % parallel_dims.seq_len_divisor != 0:
+        raise ConfigError(
+            f"validation.seq_len ({validation.seq_len}) must be divisible by tp * 2 * cp = "
+            f"{parallel_dims.seq_len_divisor}, as training.seq_len is"
+        )
+    if parallel_dims.pp_enabled and (validation.seq_len, validation.local_batch_size) != (
+        training.seq_len, training.local_batch_size
+    ):
+        # The pipeline stages exchange buffers shaped by the first training step.
+        raise ConfigError(
+            "validation under pipeline parallel reuses the training schedule: set "
+            f"validation.seq_len = training.seq_len ({training.seq_len}) and "
+            f"validation.local_batch_size = training.local_batch_size ({training.local_batch_size}); "
+            f"got {validation.seq_len} and {validation.local_batch_size}"
+        )
+
+
+@config_errors_exit
+def main(argv: list[str]) -> int:
+    """``--world-size N [--print-loss-rank] [config flags]``: run the checks for N
+    processes; print the rank that shows the loss (run_train.sh's default LOG_RANK)."""
+    print_loss_rank = "--print-loss-rank" in argv
+    argv = [a for a in argv if a != "--print-loss-rank"]
+    at = argv.index("--world-size")
+    value = argv[at + 1] if at + 1 < len(argv) else ""
+    if not value.isdigit():
+        raise ConfigError(f"--world-size: needs a process count, got {value!r}")
+    world_size = int(value)
+    config = ConfigManager().parse_args(argv[:at] + argv[at + 2:])
+    parallel_dims = preflight(config, world_size, default_device_type())
+    if print_loss_rank:
+        print(loss_owner_rank(config, parallel_dims))
+    return 0

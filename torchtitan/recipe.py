@@ -1,0 +1,337 @@
+"""The training recipe, shared by the trainer (``torchtitan/train.py``) and the memory
+estimator (``torchtitan/estimate/``): a change to how training builds or steps is made here,
+once, and both see it.
+
+* the derived quantities: gradient-accumulation steps (micro-batches per step) and the MoE
+  auxiliary-loss scale;
+* the build sequence: model on meta -> converters -> parallelize (or split into pipeline
+  stages) -> materialize and init -> optimizers -> LR schedulers;
+* the train context every forward and backward runs in (loss parallel, autocast);
+* one ``train_step``: zero_grad -> forward/loss/backward per micro-batch (context-parallel
+  sharding of the batch) -> clip -> optimizer and LR step.
+
+The trainer keeps its loop, checkpointing, metrics, validation and signals; it joins the
+step through ``before_optimizer_step``. The estimator observes the step through a
+``StepObserver`` and replays pipeline schedules on fake tensors through ``forward_backward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan.components.loss import rescale_accumulated_loss
+from torchtitan.config import ConfigError, JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.context_parallel import shard_batch_for_cp
+from torchtitan.distributed.pipeline import BuiltPipeline
+from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.models.moe import moe_layers
+from torchtitan.protocols import ModelConvertersContainer, TrainSpec
+from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.tools.compile import compile_loss
+from torchtitan.tools.dtypes import TORCH_DTYPES
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+NextBatch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+"""Returns the next micro-batch ``(inputs, labels)`` on the training device."""
+
+
+class StepObserver(Protocol):
+    """Watches a training step (the memory estimator's trackers); the trainer uses none."""
+
+    def start_microbatch(self, module: nn.Module | None = None) -> None: ...
+
+    def set_phase(self, phase: str) -> None: ...
+
+
+class _Unobserved:
+    def start_microbatch(self, module: nn.Module | None = None) -> None:
+        pass
+
+    def set_phase(self, phase: str) -> None:
+        pass
+
+
+UNOBSERVED: StepObserver = _Unobserved()
+
+
+# ---------------------------------------------------------------------------- derived quantities
+def grad_accumulation_steps(job_config: JobConfig, parallel_dims: ParallelDims) -> int:
+    """Micro-batches per optimizer step: the global batch over local batch x dp degree."""
+    training = job_config.training
+    dp = parallel_dims.dp_degree
+    per_pass = training.local_batch_size * dp
+    global_batch = training.global_batch_size if training.global_batch_size > 0 else per_pass
+    if global_batch % per_pass != 0:
+        raise ConfigError(
+            f"training.global_batch_size ({global_batch}) must be a multiple of "
+            f"local_batch_size x data-parallel degree ({training.local_batch_size} x {dp} "
+            f"= {per_pass})"
+        )
+    return global_batch // per_pass
+
+
+def set_moe_aux_loss_scale(model: nn.Module, grad_accum_steps: int) -> None:
+    """The MoE auxiliary loss is averaged over the micro-batches like the main loss."""
+    for moe in moe_layers([model]).values():
+        moe.aux_loss_scale = 1 / grad_accum_steps
+
+
+def model_args_from_config(spec: TrainSpec, job_config: JobConfig, tokenizer: Any) -> BaseModelArgs:
+    """The flavor's args updated from the config (and the tokenizer's vocabulary, if any)."""
+    try:
+        model_args = spec.flavor_args(job_config.model.flavor)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model_args.update_from_config(job_config, tokenizer)
+    return model_args
+
+
+def build_loss_fn(spec: TrainSpec, job_config: JobConfig, grad_accum_steps: int) -> LossFn:
+    loss_fn = spec.build_loss_fn(job_config)
+    if job_config.compile.enable and "loss" in job_config.compile.components:
+        loss_fn = compile_loss(loss_fn, job_config.compile.backend)
+    return rescale_accumulated_loss(loss_fn, grad_accum_steps)
+
+
+# ---------------------------------------------------------------------------- build
+@dataclass
+class MetaModel:
+    """The parallelized model on meta: one part, or this rank's pipeline stages."""
+
+    spec: TrainSpec
+    model_args: BaseModelArgs
+    model_parts: list[nn.Module]
+    pipeline: BuiltPipeline | None
+    converters: ModelConvertersContainer
+    loss_fn: LossFn
+    grad_accum_steps: int
+    nparams: int
+    flops_per_token: int
+
+
+@dataclass
+class Recipe:
+    """Everything one training step needs, built in the recipe's order."""
+
+    job_config: JobConfig
+    parallel_dims: ParallelDims
+    device: torch.device
+    spec: TrainSpec
+    model_args: BaseModelArgs
+    model_parts: list[nn.Module]
+    pipeline: BuiltPipeline | None
+    loss_fn: LossFn
+    grad_accum_steps: int
+    optimizers: Any
+    lr_schedulers: Any
+    train_context: Callable[[], contextlib.AbstractContextManager]
+    nparams: int
+    flops_per_token: int
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        return self.parallel_dims.world_mesh["pp"] if self.parallel_dims.pp_enabled else None
+
+
+def build_meta_model(
+    job_config: JobConfig, parallel_dims: ParallelDims, spec: TrainSpec, model_args: BaseModelArgs,
+    device: torch.device,
+) -> MetaModel:
+    """Model on meta, converters, then the spec's parallelize_fn, or under pipeline parallel
+    its pipelining_fn (this rank's stages and the schedule, whose stages live on ``device``).
+    The memory estimator runs this outside FakeTensorMode (torch >= 2.13 cannot swap fake
+    parameters in ``Module._apply``) and ``materialize`` inside it."""
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    converters = ModelConvertersContainer(job_config, parallel_dims)
+    converters.convert(model)
+    nparams, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+    accum = grad_accumulation_steps(job_config, parallel_dims)
+    set_moe_aux_loss_scale(model, accum)
+    loss_fn = build_loss_fn(spec, job_config, accum)
+    pipeline = None
+    if parallel_dims.pp_enabled:
+        if spec.pipelining_fn is None:
+            raise ConfigError(f"parallelism.pipeline_parallel_degree: model {spec.name!r} has no pipelining support")
+        pipeline = spec.pipelining_fn(model, parallel_dims, job_config, device, model_args,
+                                      spec.parallelize_fn, loss_fn)
+        parts = pipeline.model_parts
+    else:
+        parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
+    return MetaModel(spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token)
+
+
+def materialize(
+    meta: MetaModel, job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device,
+    *, seed: int | None, init_device: torch.device | None = None,
+) -> Recipe:
+    """Allocate the parts on ``init_device`` (default ``device``; the CPU under FSDP's CPU
+    offload, buffers staying on ``device``), initialise them from ``seed`` (None: leave the
+    values unset, as a fake-tensor trace does), then build optimizers and LR schedulers."""
+    for part in meta.model_parts:
+        part.to_empty(device=init_device or device)
+        if seed is not None:
+            with torch.no_grad():
+                part.init_weights(seed=seed, buffer_device=device)
+        part.train()
+    optimizers = meta.spec.build_optimizers_fn(meta.model_parts, job_config, parallel_dims)
+    lr_schedulers = meta.spec.build_lr_schedulers_fn(optimizers, job_config)
+    optimizers.register_step_post_hook(
+        lambda *args, **kwargs: meta.converters.post_optimizer_hook(meta.model_parts)
+    )
+    return Recipe(
+        job_config=job_config,
+        parallel_dims=parallel_dims,
+        device=device,
+        spec=meta.spec,
+        model_args=meta.model_args,
+        model_parts=meta.model_parts,
+        pipeline=meta.pipeline,
+        loss_fn=meta.loss_fn,
+        grad_accum_steps=meta.grad_accum_steps,
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        train_context=train_context_factory(job_config, parallel_dims, device.type),
+        nparams=meta.nparams,
+        flops_per_token=meta.flops_per_token,
+    )
+
+
+def build_recipe(
+    job_config: JobConfig, parallel_dims: ParallelDims, spec: TrainSpec, model_args: BaseModelArgs,
+    device: torch.device, *, seed: int | None, init_device: torch.device | None = None,
+) -> Recipe:
+    """The whole build sequence on real tensors."""
+    meta = build_meta_model(job_config, parallel_dims, spec, model_args, device)
+    return materialize(meta, job_config, parallel_dims, device, seed=seed, init_device=init_device)
+
+
+# ---------------------------------------------------------------------------- train context
+def _autocast_dtype(job_config: JobConfig, parallel_dims: ParallelDims) -> torch.dtype | None:
+    """FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does."""
+    dtype = TORCH_DTYPES[job_config.training.mixed_precision_param]
+    return None if dtype == torch.float32 or parallel_dims.fsdp_enabled else dtype
+
+
+def mixed_precision_summary(job_config: JobConfig, parallel_dims: ParallelDims, device_type: str) -> str:
+    training = job_config.training
+    autocast_dtype = _autocast_dtype(job_config, parallel_dims)
+    if autocast_dtype is not None:
+        return f"mixed precision: autocast to {autocast_dtype} on {device_type}"
+    if training.mixed_precision_param == "float32":
+        return "mixed precision: off (float32)"
+    return (f"mixed precision: FSDP parameters in {TORCH_DTYPES[training.mixed_precision_param]}, "
+            f"reduce in {training.mixed_precision_reduce}")
+
+
+def train_context_factory(
+    job_config: JobConfig, parallel_dims: ParallelDims, device_type: str
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context every forward (and backward) runs in: loss parallel under TP (unless
+    disabled), and autocast where FSDP does not cast parameters itself."""
+    autocast_dtype = _autocast_dtype(job_config, parallel_dims)
+    use_loss_parallel = parallel_dims.tp_enabled and not job_config.parallelism.disable_loss_parallel
+
+    @contextlib.contextmanager
+    def context():
+        with contextlib.ExitStack() as stack:
+            if use_loss_parallel:
+                stack.enter_context(loss_parallel())
+            if autocast_dtype is not None:
+                stack.enter_context(torch.autocast(device_type, dtype=autocast_dtype))
+            yield
+
+    return context
+
+
+# ---------------------------------------------------------------------------- the step
+ForwardBackward = Callable[[Recipe, NextBatch, StepObserver], "torch.Tensor | None"]
+BeforeOptimizerStep = Callable[[list, torch.Tensor], bool]
+
+
+def forward_backward(recipe: Recipe, next_batch: NextBatch, observer: StepObserver) -> torch.Tensor:
+    """One micro-batch through the whole model; returns its detached (rescaled) loss.
+    The batch is fetched here so that nothing outside holds it: under context parallel
+    the full batch is freed once this rank's share is cut out."""
+    inputs, labels = next_batch()
+    positions = None
+    if recipe.parallel_dims.cp_enabled:
+        inputs, labels, positions = shard_batch_for_cp(
+            inputs, labels, recipe.parallel_dims.world_mesh["cp"],
+            recipe.job_config.parallelism.context_parallel_load_balancer,
+        )
+    observer.start_microbatch()
+    observer.set_phase("forward")
+    with recipe.train_context():
+        pred = recipe.model_parts[0](inputs, positions=positions)
+        observer.set_phase("loss")
+        loss = recipe.loss_fn(pred, labels)
+        del pred
+        observer.set_phase("backward")
+        loss.backward()
+    return loss.detach()
+
+
+def pipeline_forward_backward(recipe: Recipe, next_batch: NextBatch, observer: StepObserver) -> torch.Tensor:
+    """One local batch through the pipeline schedule; only the last stage has a loss (the
+    mean over micro-batches), other stages report -1."""
+    inputs, labels = next_batch()
+    pipeline = recipe.pipeline
+    losses: list[torch.Tensor] = []
+    targets = {"target": labels, "losses": losses} if pipeline.has_last_stage else {}
+    args = (inputs,) if pipeline.has_first_stage else ()
+    observer.set_phase("pipeline schedule")
+    with recipe.train_context():
+        # return_outputs=False: the last stage would otherwise keep every micro-batch's
+        # logits until the next step and concatenate them into a batch-sized copy.
+        pipeline.schedule.step(*args, return_outputs=False, **targets)
+    if not pipeline.has_last_stage:
+        return torch.tensor(-1.0, device=recipe.device)
+    return torch.mean(torch.stack([loss.detach() for loss in losses]))
+
+
+def _always(losses: list, grad_norm: torch.Tensor) -> bool:
+    return True
+
+
+def train_step(
+    recipe: Recipe,
+    next_batch: NextBatch,
+    *,
+    micro_batches: int | None = None,
+    observer: StepObserver = UNOBSERVED,
+    before_optimizer_step: BeforeOptimizerStep = _always,
+    run_microbatch: ForwardBackward | None = None,
+) -> None:
+    """One optimizer step over ``micro_batches`` (default: the gradient-accumulation steps).
+
+    ``before_optimizer_step(losses, grad_norm)`` sees the micro-batch losses and the
+    pre-clip gradient norm and returns whether to apply the step (the trainer's non-finite
+    and stop checks). Unless it keeps ``grad_norm``, the norm is freed before the optimizer
+    runs (the estimator's traced peaks rely on that). ``run_microbatch`` replaces the
+    forward/backward of a micro-batch (the estimator's pipeline replay).
+    """
+    if run_microbatch is None:
+        run_microbatch = pipeline_forward_backward if recipe.pipeline is not None else forward_backward
+    observer.set_phase("zero_grad")
+    recipe.optimizers.zero_grad()
+    losses = [run_microbatch(recipe, next_batch, observer)
+              for _ in range(micro_batches or recipe.grad_accum_steps)]
+    observer.set_phase("clip_grad_norm")
+    params = [p for part in recipe.model_parts for p in part.parameters()]
+    grad_norm = clip_grad_norm_(params, recipe.job_config.training.max_norm, foreach=True, pp_mesh=recipe.pp_mesh)
+    if not before_optimizer_step(losses, grad_norm):
+        return
+    del grad_norm
+    observer.set_phase("optimizer_step")
+    recipe.optimizers.step()
+    recipe.lr_schedulers.step()
