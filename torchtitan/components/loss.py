@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+IGNORE_INDEX = -100
+"""A label that contributes nothing to the loss (prompt tokens, padding)."""
+
 
 def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Token-mean cross-entropy, computed in fp32 whatever the logits' dtype."""
