@@ -197,10 +197,60 @@ def test_packing_matches_manual_concatenation():
 
 def test_batches_are_shifted_long_tensors():
     inputs, labels = next(iter(_loader(dataset="python_stdlib", seq_len=32, local_batch_size=3, data_shards=4)))
-    assert set(inputs) == {"input"}
-    assert inputs["input"].shape == labels.shape == (3, 32)
+    assert set(inputs) == {"input", "document_ids"}
+    assert inputs["input"].shape == labels.shape == inputs["document_ids"].shape == (3, 32)
     assert inputs["input"].dtype == labels.dtype == torch.long
+    assert inputs["document_ids"].dtype == torch.int32
     assert torch.equal(inputs["input"][:, 1:], labels[:, :-1])
+
+
+def _expected_document_ids(documents: list[str], seq_len: int, windows: int) -> list[list[int]]:
+    """Per packed window: the input positions' documents, renumbered from 0 within the window."""
+    owners = [d for d, doc in enumerate(documents) for _ in ByteTokenizer().encode(doc)]
+    out = []
+    for w in range(windows):
+        owned = owners[w * (seq_len + 1) : w * (seq_len + 1) + seq_len]
+        out.append([sorted(set(owned)).index(owner) for owner in owned])
+    return out
+
+
+def _document_ids(loader, batches: int) -> list[list[int]]:
+    it = iter(loader)
+    return [row for _ in range(batches) for row in next(it)[0]["document_ids"].tolist()]
+
+
+def test_document_ids_follow_the_packed_documents():
+    """Windows 1 and 2 start inside a document (split across windows); window 0 holds three."""
+    expected = _expected_document_ids(TINY_DOCS, seq_len=8, windows=6)
+    assert expected[0] == [0, 0, 0, 0, 0, 0, 0, 0] and expected[1] == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert _document_ids(_loader(data_shards=1), 3) == expected
+
+
+class _PipeIsEos(ByteTokenizer):
+    """Encodes "|" as EOS, so a text can hold the EOS token."""
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        return [self.eos_id if t == ord("|") else t for t in super().encode(text, add_bos, add_eos)]
+
+
+def test_document_ids_do_not_come_from_eos_tokens():
+    """An EOS token inside a text is not a boundary; only the packer's documents are."""
+    register_dataset("test_eos_text", DatasetConfig("test_eos_text", lambda path: ["a|b", "cd"]))
+    loader = _loader("test_eos_text", data_shards=1, seq_len=8, local_batch_size=1, tokenizer=_PipeIsEos())
+    inputs, _ = next(iter(loader))
+    assert inputs["input"][0, 2] == ByteTokenizer().eos_id
+    assert inputs["document_ids"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 1]]
+
+
+def test_document_ids_resume_mid_document():
+    expected = _document_ids(_loader(data_shards=1, local_batch_size=1), 6)
+    first = _loader(data_shards=1, local_batch_size=1)
+    assert _document_ids(first, 2) == expected[:2]
+    state = first.state_dict()
+    assert state["shards"]["0"][2] > 0  # the next window starts inside a document
+    resumed = _loader(data_shards=1, local_batch_size=1)
+    resumed.load_state_dict(state)
+    assert _document_ids(resumed, 4) == expected[2:]
 
 
 def test_streamed_dataset_matches_indexed_across_epochs_and_resume():

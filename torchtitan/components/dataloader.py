@@ -1,7 +1,9 @@
 """Data loaders of packed text sequences whose order does not depend on the dp layout.
 
 See ``torchtitan/datasets/packing.py`` for the order and the state. Batches are
-``({"input": LongTensor[B, seq_len]}, labels LongTensor[B, seq_len])``.
+``({"input": LongTensor[B, seq_len], "document_ids": IntTensor[B, seq_len]}, labels LongTensor[B, seq_len])``:
+``document_ids[b, p]`` numbers the documents of sample ``b`` from 0 along the sequence, so two
+positions share an id exactly when they come from the same document.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.datasets import ShardedTextDataset, load_documents
+from torchtitan.datasets.packing import Sample
 
 if TYPE_CHECKING:
     from torchtitan.config import JobConfig
@@ -24,9 +27,9 @@ Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 DEFAULT_DATA_SHARDS = 64
 
 
-def _collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> Batch:
-    inputs, labels = zip(*samples, strict=True)
-    return {"input": torch.stack(inputs)}, torch.stack(labels)
+def _collate(samples: list[Sample]) -> Batch:
+    inputs, labels, document_ids = zip(*samples, strict=True)
+    return {"input": torch.stack(inputs), "document_ids": torch.stack(document_ids)}, torch.stack(labels)
 
 
 class TextDataLoader(StatefulDataLoader):

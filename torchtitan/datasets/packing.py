@@ -6,6 +6,10 @@ documents are encoded with BOS/EOS, concatenated, and cut into non-overlapping w
 ``seq_len + 1`` tokens (input = window[:-1], label = window[1:]). A shard that runs out starts
 its next epoch over its own documents; the partial window carries over the epoch boundary.
 
+Document ids: every sample carries, per input position, the index of the document the token
+comes from, counted from 0 within the sample (a window that starts inside a document gives that
+part id 0). Documents are what the packer concatenates, never found from EOS tokens in the text.
+
 Global stream: position ``p`` is the ``(p // S)``-th sequence of shard ``p % S``; global batch
 ``k`` of ``G`` sequences is positions ``[k*G, (k+1)*G)``. Data-parallel rank ``r`` of ``dp``
 reads the positions ``p % dp == r`` in increasing order. With ``dp | S`` a rank only touches the
@@ -25,7 +29,7 @@ document and skips the consumed tokens; no token buffer is stored.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +39,28 @@ from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.datasets.registry import Documents, is_indexable
 from torchtitan.datasets.sources import IndexedDocuments, ShardedDocuments, StreamedDocuments
 
-Sample = tuple[torch.Tensor, torch.Tensor]
+Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(input_ids, labels, document_ids), each of ``seq_len`` tokens."""
+
+
+@dataclass
+class Window:
+    """The tokens of one packed sequence (``seq_len + 1`` of them) and where its documents start."""
+
+    tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # positions where a document (or its rest) begins
+
+    def add(self, tokens: list[int]) -> None:
+        self.starts.append(len(self.tokens))
+        self.tokens.extend(tokens)
+
+    def sample(self) -> Sample:
+        """Input and labels shifted by one token; the document id of every input position."""
+        tokens = torch.tensor(self.tokens, dtype=torch.long)
+        seq_len = len(self.tokens) - 1
+        boundaries = torch.zeros(seq_len, dtype=torch.int32)
+        boundaries[[start for start in self.starts if start < seq_len]] = 1
+        return tokens[:-1], tokens[1:], boundaries.cumsum(0, dtype=torch.int32) - 1
 
 
 @dataclass
@@ -73,12 +98,12 @@ class ShardReader:
         self._epoch_has_tokens = self.cursor.doc > 0 or self.cursor.offset > 0
         documents.seek(shard, self.cursor.epoch, self.cursor.doc)
 
-    def next_window(self) -> list[int]:
-        out: list[int] = []
-        while len(out) < self._window:
+    def next_window(self) -> Window:
+        out = Window()
+        while len(out.tokens) < self._window:
             tokens = self._current_tokens()
-            taken = tokens[self.cursor.offset : self.cursor.offset + self._window - len(out)]
-            out.extend(taken)
+            taken = tokens[self.cursor.offset : self.cursor.offset + self._window - len(out.tokens)]
+            out.add(taken)
             self.cursor.offset += len(taken)
             if self.cursor.offset == len(tokens):
                 self.cursor.doc, self.cursor.offset, self._tokens = self.cursor.doc + 1, 0, None
@@ -147,7 +172,8 @@ def _sequences_before(position: int, shard: int, num_shards: int) -> int:
 class ShardedTextDataset(IterableDataset):
     """One dp rank's view of the global stream of packed sequences (see the module docstring).
 
-    Yields ``(input_ids, labels)``, two LongTensors of ``seq_len``. Infinite datasets continue
+    Yields ``(input_ids, labels, document_ids)``: LongTensors of ``seq_len`` and an IntTensor of
+    ``seq_len`` (see the module docstring). Infinite datasets continue
     from their current state on every ``iter()``. Finite ones start from the beginning on every
     ``iter()`` unless a state was loaded since the last one.
 
@@ -214,8 +240,7 @@ class ShardedTextDataset(IterableDataset):
             position = self._position
             window = self._readers[position % self._num_shards].next_window()
             self._position = position + self._dp_degree
-            tokens = torch.tensor(window, dtype=torch.long)
-            yield tokens[:-1], tokens[1:]
+            yield window.sample()
         self._restart()
 
     def _end_position(self) -> int:
