@@ -88,6 +88,18 @@ class Model:
     print_after_conversion: bool = False
     """Print the model after the converters ran."""
 
+    attn_type: Literal["sdpa", "flex"] = "sdpa"
+    """Attention kernel: sdpa (causal only) or flex (FlexAttention, any mask type)."""
+
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """causal: every token sees all earlier tokens of its sequence; block_causal: only the
+    earlier tokens of its own document (packed documents never attend to each other;
+    needs attn_type flex)."""
+
+    sliding_window: int | None = None
+    """Each token sees at most this many tokens (itself included); unset = no window.
+    Needs attn_type flex."""
+
 
 @dataclass
 class Optimizer:
@@ -167,6 +179,10 @@ class Training:
 
     max_norm: float = 1.0
     """Gradient clipping max norm."""
+
+    reset_position_ids_per_document: bool = False
+    """RoPE positions restart at 0 at every document start (needs model.attn_mask_type
+    block_causal)."""
 
     steps: int = 10000
     """Training steps."""

@@ -98,6 +98,7 @@ def validate_job_config(config: Any) -> None:
             "the overlapped collectives)"
         )
     _check_checkpoint(config.checkpoint)
+    _check_attention(config.model, config.training)
     etp, tp = config.parallelism.expert_tensor_parallel_degree, config.parallelism.tensor_parallel_degree
     if etp not in (1, tp):
         raise ConfigError(
@@ -131,3 +132,26 @@ def _check_checkpoint(ckpt: Any) -> None:
     for name in ("initial_load_in_hf", "last_save_in_hf", "initial_load_path"):
         if getattr(ckpt, name) and not ckpt.enable:
             raise ConfigError(f"checkpoint.{name}: needs checkpoint.enable")
+
+
+def _check_attention(model: Any, training: Any) -> None:
+    """Masks other than plain causal need FlexAttention; a window must fit the sequence."""
+    if model.attn_type == "sdpa" and model.attn_mask_type != "causal":
+        raise ConfigError(
+            f"model.attn_mask_type {model.attn_mask_type!r} needs model.attn_type 'flex' "
+            "(SDPA only masks causally); set --model.attn_type flex"
+        )
+    window = model.sliding_window
+    if window is not None:
+        if model.attn_type != "flex":
+            raise ConfigError("model.sliding_window needs model.attn_type 'flex'; set --model.attn_type flex")
+        if not 1 <= window <= training.seq_len:
+            raise ConfigError(
+                f"model.sliding_window: must be between 1 and training.seq_len ({training.seq_len}), "
+                f"got {window}"
+            )
+    if training.reset_position_ids_per_document and model.attn_mask_type != "block_causal":
+        raise ConfigError(
+            "training.reset_position_ids_per_document: needs model.attn_mask_type 'block_causal' "
+            "(positions restart per document only when documents do not attend to each other)"
+        )

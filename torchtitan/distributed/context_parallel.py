@@ -8,18 +8,27 @@ Everything below (batch sharding, RoPE positions, attention masks) follows from 
 as ``S_local * cp`` and its own chunks from its cp rank, which must match how the batch was cut
 (:func:`shard_batch_for_cp` with the same ``load_balancer``).
 
-Attention (:class:`ContextParallelAttention`, the drop-in for ``ScaledDotProductAttention``):
+Attention (:class:`ContextParallelAttention`, the drop-in for the local kernels of
+``torchtitan/models/attention.py``; it keeps the replaced kernel's mask):
 
-- ``allgather``: all-gather K and V (the backward reduce-scatters dK and dV); each local query
-  chunk runs SDPA against the keys up to its end with a lower-right causal bool mask
-  (``S_local x S`` bools per rank and layer, the price of using the fused SDPA kernels).
+- ``allgather``: all-gather K and V (the backward reduce-scatters dK and dV); under the plain
+  causal mask each local query chunk runs SDPA against the keys up to its end with a
+  lower-right causal bool mask (``S_local x S`` bools per rank and layer, the price of using
+  the fused SDPA kernels); under a document or window mask the queries run block by block
+  over the visible blocks of all keys.
 - ``alltoall``: ring attention. K/V blocks travel around the ring while each rank attends its
-  queries to the block it holds; partial results merge by log-sum-exp. The backward recomputes
-  each block, keeps dQ local and passes the dK/dV accumulators around the ring behind the
-  blocks; a rank holds at most two K/V blocks (the one in use and the one arriving). The
-  shift is an all-to-all with one non-empty split, which torch.compile can trace.
-- ``ulysses``: all-to-all from sequence-sharded to head-sharded, causal SDPA over the full
-  sequence on ``H / cp`` heads, all-to-all back (needs ``H % cp == 0``).
+  queries to the visible blocks of the one it holds; partial results merge by log-sum-exp.
+  The backward recomputes each block, keeps dQ local and passes the dK/dV accumulators around
+  the ring behind the blocks; a rank holds at most two K/V blocks (the one in use and the one
+  arriving). The shift is an all-to-all with one non-empty split, which torch.compile can
+  trace.
+- ``ulysses``: all-to-all from sequence-sharded to head-sharded, attention over the full
+  sequence on ``H / cp`` heads (causal SDPA, or block by block under a document or window
+  mask), all-to-all back (needs ``H % cp == 0``).
+
+Masks follow global positions and the document ids of the whole sequences (the model passes
+them unsharded): each rank builds, once per batch, the :class:`BlockPlan` of the blocks its
+queries meet; fully masked blocks are skipped, and load balancing is unaffected.
 
 All communication is in this file; every collective runs on ``cp_mesh.get_group()`` and works
 on gloo (CPU) and NCCL (CUDA).
@@ -27,6 +36,7 @@ on gloo (CPU) and NCCL (CUDA).
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, get_args
 
 import torch
@@ -36,7 +46,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.models.attention import LOCAL_KERNELS, AttentionKernel, MaskSpec, chunk_size
+from torchtitan.models.blockwise_attention import (
+    BlockPlan,
+    block_backward,
+    block_forward,
+    blockwise_attention,
+    build_block_plan,
+    merge_blocks,
+)
 
 RotateMethod = Literal["allgather", "alltoall", "ulysses"]
 LoadBalancer = Literal["headtail", "none"]
@@ -62,6 +80,12 @@ def _chunk_ids(cp: int, rank: int, load_balancer: str) -> list[int]:
 def _rank_major_chunks(cp: int, load_balancer: str) -> list[int]:
     """Global chunk ids in the order they appear when every rank's shard is concatenated."""
     return [c for r in range(cp) for c in _chunk_ids(cp, r, load_balancer)]
+
+
+def _fine_ids(cp: int, rank: int, load_balancer: str, per_chunk: int) -> list[int]:
+    """The rank's chunks in units of ``1 / per_chunk`` of a chunk (the blocks of a
+    :class:`BlockPlan`), in local order."""
+    return [c * per_chunk + i for c in _chunk_ids(cp, rank, load_balancer) for i in range(per_chunk)]
 
 
 def _chunk_size(seq_len: int, cp: int, load_balancer: str) -> int:
@@ -242,69 +266,6 @@ def _ready(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- ring attention
-def _block_pairs(q_ids: list[int], k_ids: list[int]) -> list[tuple[int, int, bool]]:
-    """(local q chunk, k chunk in block, diagonal?) for every chunk pair that attends:
-    a key chunk before the query chunk is fully visible, the same chunk is causal, a later
-    chunk is skipped. No pair has a fully masked row."""
-    return [
-        (a, b, qid == kid)
-        for a, qid in enumerate(q_ids)
-        for b, kid in enumerate(k_ids)
-        if kid <= qid
-    ]
-
-
-# The block functions run outside autograd and work in place: at most two [c, c] fp32
-# blocks are alive at a time. ``q`` arrives pre-multiplied by the softmax scale.
-def _probs(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, lse: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``exp(q k^T - lse)`` and the lse used (computed here when not given)."""
-    s = q @ k.transpose(-2, -1)
-    if causal:
-        n = s.shape[-1]
-        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    if lse is None:
-        lse = s.logsumexp(-1)
-    return s.sub_(lse.unsqueeze(-1)).exp_(), lse
-
-
-def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    p, lse = _probs(q, k, causal)
-    return p @ v, lse
-
-
-def _merge(
-    out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two partial softmax-attention results over disjoint key sets."""
-    if out is None:
-        return out_b, lse_b
-    new = torch.logaddexp(lse, lse_b)
-    weight, weight_b = torch.exp(lse - new).unsqueeze(-1), torch.exp(lse_b - new).unsqueeze(-1)
-    return out.mul_(weight).add_(out_b.mul_(weight_b)), new
-
-
-def _block_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dout: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of one block, given the final (all-block) ``lse`` and
-    ``delta = rowsum(dout * out)``."""
-    p, _ = _probs(q, k, causal, lse)
-    dv = p.transpose(-2, -1) @ dout
-    ds = (dout @ v.transpose(-2, -1)).sub_(delta.unsqueeze(-1)).mul_(p)
-    return (ds @ k).mul_(scale), ds.transpose(-2, -1) @ q, dv
-
-
 def _ring_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -312,22 +273,24 @@ def _ring_forward(
     group: dist.ProcessGroup,
     load_balancer: str,
     scale: float,
+    plan: BlockPlan,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, fp32 log-sum-exp ``[B, H, S_local]``)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    q_ids = _chunk_ids(cp, rank, load_balancer)
-    size = q.shape[2] // len(q_ids)
+    per_chunk = q.shape[2] // len(_chunk_ids(cp, rank, load_balancer)) // plan.size
+    q_ids = _fine_ids(cp, rank, load_balancer, per_chunk)
+    size = plan.size
     qs = (q.float() * scale).split(size, dim=2)
     outs: list = [None] * len(q_ids)
     lses: list = [None] * len(q_ids)
     kv = torch.stack([k, v])
     for step in range(cp):
         kv_next = _ring_shift(kv, group) if step < cp - 1 else None
-        k_ids = _chunk_ids(cp, (rank - step) % cp, load_balancer)
+        k_ids = _fine_ids(cp, (rank - step) % cp, load_balancer, per_chunk)
         ks, vs = (t.float().split(size, dim=2) for t in kv)
-        for a, b, causal in _block_pairs(q_ids, k_ids):
-            block = _block_forward(qs[a], ks[b], vs[b], causal)
-            outs[a], lses[a] = _merge(outs[a], lses[a], *block)
+        for a, b, mask in plan.pairs(q_ids, k_ids):
+            block = block_forward(qs[a], ks[b], vs[b], mask)
+            outs[a], lses[a] = merge_blocks(outs[a], lses[a], *block)
         if kv_next is not None:
             kv = kv_next
     return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
@@ -343,10 +306,12 @@ def _ring_backward(
     group: dist.ProcessGroup,
     load_balancer: str,
     scale: float,
+    plan: BlockPlan,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    q_ids = _chunk_ids(cp, rank, load_balancer)
-    size = q.shape[2] // len(q_ids)
+    per_chunk = q.shape[2] // len(_chunk_ids(cp, rank, load_balancer)) // plan.size
+    q_ids = _fine_ids(cp, rank, load_balancer, per_chunk)
+    size = plan.size
     dout = grad_out.float()
     delta = (dout * out.float()).sum(-1)
     qs, douts = (q.float() * scale).split(size, dim=2), dout.split(size, dim=2)
@@ -357,13 +322,13 @@ def _ring_backward(
     dkv_in_flight = None
     for step in range(cp):
         kv_next = _ring_shift(kv, group) if step < cp - 1 else None
-        k_ids = _chunk_ids(cp, (rank - step) % cp, load_balancer)
+        k_ids = _fine_ids(cp, (rank - step) % cp, load_balancer, per_chunk)
         ks, vs = (t.float().split(size, dim=2) for t in kv)
         dkv = torch.zeros_like(kv, dtype=torch.float32)
         dks, dvs = dkv[0].split(size, dim=2), dkv[1].split(size, dim=2)
-        for a, b, causal in _block_pairs(q_ids, k_ids):
-            dq_ab, dk_ab, dv_ab = _block_backward(
-                qs[a], ks[b], vs[b], douts[a], lses[a], deltas[a], causal, scale
+        for a, b, mask in plan.pairs(q_ids, k_ids):
+            dq_ab, dk_ab, dv_ab = block_backward(
+                qs[a], ks[b], vs[b], douts[a], lses[a], deltas[a], mask, scale
             )
             dqs[a].add_(dq_ab)
             dks[b].add_(dk_ab)
@@ -380,8 +345,8 @@ def _ring_backward(
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal ring attention over the cp group. Block math runs in fp32 with autocast off
-    (the trainer may run the forward under autocast)."""
+    """Ring attention over the cp group following a :class:`BlockPlan`. Block math runs in
+    fp32 with autocast off (the trainer may run the forward under autocast)."""
 
     @staticmethod
     def forward(
@@ -392,18 +357,19 @@ class _RingAttention(torch.autograd.Function):
         group: dist.ProcessGroup,
         load_balancer: str,
         scale: float,
+        plan: BlockPlan,
     ) -> torch.Tensor:
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = _ring_forward(q, k, v, group, load_balancer, scale)
+            out, lse = _ring_forward(q, k, v, group, load_balancer, scale, plan)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout = group, load_balancer, scale
+        ctx.layout = group, load_balancer, scale, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         with torch.autocast(grad_out.device.type, enabled=False):
             grads = _ring_backward(*ctx.saved_tensors, grad_out, *ctx.layout)
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 # ---------------------------------------------------------------------------- the other methods
@@ -414,11 +380,18 @@ def _allgather_attention(
     group: dist.ProcessGroup,
     load_balancer: str,
     scale: float,
+    plan: BlockPlan | None,
 ) -> torch.Tensor:
+    """``plan`` None: the causal mask through SDPA; else the plan's blocks of every key."""
     shards = _AllGather.apply(torch.stack([k, v]), group).unbind(0)
     kv = _to_global_order(shards, -2, load_balancer)  # [2, B, H, S, D]
     q_ids = _chunk_ids(len(shards), dist.get_rank(group), load_balancer)
     size = q.shape[2] // len(q_ids)
+    if plan is not None:
+        per_chunk = size // plan.size
+        fine_q = _fine_ids(len(shards), dist.get_rank(group), load_balancer, per_chunk)
+        all_ids = list(range(kv.shape[3] // plan.size))
+        return blockwise_attention(q, kv[0], kv[1], plan, fine_q, all_ids, scale)
     outs = []
     for chunk_id, q_chunk in zip(q_ids, q.split(size, dim=2)):
         end = (chunk_id + 1) * size  # keys after this chunk's last query are all masked
@@ -439,26 +412,35 @@ def _ulysses_attention(
     group: dist.ProcessGroup,
     load_balancer: str,
     scale: float,
+    plan: BlockPlan | None,
 ) -> torch.Tensor:
+    """``plan`` None: causal SDPA over the full sequence; else the plan's blocks."""
     cp = dist.get_world_size(group)
     heads = q.shape[1]
     # [3, B, H, S_l, D] -> [cp (head group), 3, B, H/cp, S_l, D] -> sequence-complete head groups
     qkv = torch.stack([q, k, v]).unflatten(2, (cp, heads // cp)).movedim(2, 0)
     qkv = _to_global_order(_AllToAll.apply(qkv, group).unbind(0), -2, load_balancer)
-    out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True, scale=scale)
+    if plan is None:
+        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True, scale=scale)
+    else:
+        all_ids = list(range(qkv.shape[3] // plan.size))
+        out = blockwise_attention(qkv[0], qkv[1], qkv[2], plan, all_ids, all_ids, scale)
     # back to [cp (head group), B, H/cp, S_l, D] -> [B, H, S_l, D]
     out = _AllToAll.apply(_to_rank_major(out, -2, cp, load_balancer), group)
     return out.movedim(0, 1).flatten(1, 2)
 
 
 # ---------------------------------------------------------------------------- module + apply
-class ContextParallelAttention(nn.Module):
-    """Causal attention over sequences sharded across ``cp_mesh``.
+class ContextParallelAttention(AttentionKernel):
+    """Attention under ``spec`` over sequences sharded across ``cp_mesh``.
 
-    ``forward(q, k, v, scale=None)`` takes this rank's shard ``[batch, heads, S_local,
-    head_dim]`` (cut by :func:`cp_shard` with the same ``load_balancer``; k/v with as many heads
-    as q) and returns this rank's shard of the output. The global length is ``S_local * cp``;
-    ``scale`` is the softmax scale, by default ``1 / sqrt(head_dim)``.
+    ``forward(q, k, v, mask=..., scale=None)`` takes this rank's shard ``[batch, heads,
+    S_local, head_dim]`` (cut by :func:`cp_shard` with the same ``load_balancer``; k/v with as
+    many heads as q) and returns this rank's shard of the output. The global length is
+    ``S_local * cp``; ``scale`` is the softmax scale, by default ``1 / sqrt(head_dim)``.
+    ``mask`` is what :meth:`prepare` built from the document ids of the whole sequences
+    (global positions): a :class:`BlockPlan` of the blocks this rank computes, or None for
+    the plain causal mask of ``allgather`` and ``ulysses`` (SDPA kernels).
     """
 
     def __init__(
@@ -466,6 +448,7 @@ class ContextParallelAttention(nn.Module):
         cp_mesh: DeviceMesh,
         rotate_method: str = "allgather",
         load_balancer: str = "headtail",
+        spec: MaskSpec = MaskSpec(),
     ) -> None:
         super().__init__()
         if rotate_method not in get_args(RotateMethod):
@@ -477,9 +460,25 @@ class ContextParallelAttention(nn.Module):
         self.cp_mesh = cp_mesh
         self.rotate_method = rotate_method
         self.load_balancer = load_balancer
+        self.spec = spec
+
+    def prepare(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> BlockPlan | None:
+        if self.spec.causal_only and self.rotate_method != "alltoall":
+            return None
+        cp, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
+        chunk = _chunk_size(seq_len * cp, cp, self.load_balancer)
+        size = chunk_size(chunk)
+        per_chunk = chunk // size
+        q_ids = (list(range(seq_len * cp // size)) if self.rotate_method == "ulysses"
+                 else _fine_ids(cp, rank, self.load_balancer, per_chunk))
+        k_ids = list(range(seq_len * cp // size))
+        if self.spec.block_causal and document_ids is not None:
+            return build_block_plan(q_ids, k_ids, size, document_ids, self.spec.sliding_window)
+        return _position_plan(tuple(q_ids), tuple(k_ids), size, self.spec.sliding_window, device)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BlockPlan | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         if not q.shape == k.shape == v.shape:
             raise ValueError(
@@ -492,18 +491,30 @@ class ContextParallelAttention(nn.Module):
         group = self.cp_mesh.get_group()
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.rotate_method == "allgather":
-            return _allgather_attention(q, k, v, group, self.load_balancer, scale)
+            return _allgather_attention(q, k, v, group, self.load_balancer, scale, mask)
         if self.rotate_method == "alltoall":
-            return _RingAttention.apply(q, k, v, group, self.load_balancer, scale)
+            if mask is None:
+                mask = self.prepare(None, q.shape[2], q.device)
+            return _RingAttention.apply(q, k, v, group, self.load_balancer, scale, mask)
         if q.shape[1] % cp != 0:
             raise ValueError(
                 f"ulysses context parallel needs heads ({q.shape[1]}) divisible by cp ({cp})"
             )
-        return _ulysses_attention(q, k, v, group, self.load_balancer, scale)
+        return _ulysses_attention(q, k, v, group, self.load_balancer, scale, mask)
 
     def extra_repr(self) -> str:
         return (f"cp={self.cp_mesh.size()}, rotate_method={self.rotate_method!r}, "
-                f"load_balancer={self.load_balancer!r}")
+                f"load_balancer={self.load_balancer!r}, block_causal={self.spec.block_causal}, "
+                f"sliding_window={self.spec.sliding_window}")
+
+
+@functools.lru_cache(maxsize=16)
+def _position_plan(
+    q_ids: tuple[int, ...], k_ids: tuple[int, ...], size: int, window: int | None, device: torch.device
+) -> BlockPlan:
+    """Plans without documents depend on the layout only: built once."""
+    plan = build_block_plan(list(q_ids), list(k_ids), size, None, window)
+    return BlockPlan(plan.size, {key: None if m is None else m.to(device) for key, m in plan.blocks.items()})
 
 
 def apply_cp(
@@ -512,17 +523,19 @@ def apply_cp(
     rotate_method: str = "allgather",
     load_balancer: str = "headtail",
 ) -> int:
-    """Replace every ``inner_attention`` ScaledDotProductAttention in ``model`` with a
-    :class:`ContextParallelAttention`; returns how many were replaced (at least one)."""
+    """Replace every ``inner_attention`` local kernel (SDPA or FlexAttention) in ``model`` with
+    a :class:`ContextParallelAttention` of the same mask; returns how many were replaced (at
+    least one)."""
     owners = [
         m for m in model.modules()
-        if isinstance(getattr(m, "inner_attention", None), ScaledDotProductAttention)
+        if isinstance(getattr(m, "inner_attention", None), LOCAL_KERNELS)
     ]
     if not owners:
         raise ValueError(
-            "context parallel found no `inner_attention` ScaledDotProductAttention module to "
-            "replace; the model must compute attention through torchtitan.models.attention"
+            "context parallel found no `inner_attention` local attention module to replace; the "
+            "model must compute attention through torchtitan.models.attention"
         )
     for owner in owners:
-        owner.inner_attention = ContextParallelAttention(cp_mesh, rotate_method, load_balancer)
+        spec = owner.inner_attention.spec
+        owner.inner_attention = ContextParallelAttention(cp_mesh, rotate_method, load_balancer, spec)
     return len(owners)

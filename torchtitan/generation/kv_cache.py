@@ -1,7 +1,8 @@
 """A KV cache that plugs into the attention seam (``torchtitan/models/attention.py``).
 
-``kv_cache(model, max_len)`` swaps every ``ScaledDotProductAttention`` of the model for a
-``KVCacheAttention`` and restores them on exit. The model's own forward runs unchanged
+``kv_cache(model, max_len)`` swaps every local attention kernel of the model (SDPA or
+FlexAttention) for a ``KVCacheAttention`` and restores them on exit. A prompt is one
+document: the cache applies the causal mask and the model's sliding window, if any. The model's own forward runs unchanged
 (so tensor-parallel hooks and RoPE apply as in training); the caller passes each call's
 absolute ``positions`` so that RoPE rotates the new tokens at their place in the sequence.
 """
@@ -10,15 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.models.attention import LOCAL_KERNELS, AttentionKernel
+from torchtitan.models.blockwise_attention import visible
 
 
-class KVCacheAttention(nn.Module):
+class KVCacheAttention(AttentionKernel):
     """Causal attention over every key/value seen since the cache was installed.
 
     Each call appends its ``k``/``v`` (``[batch, heads, seq, head_dim]``, heads already
@@ -27,14 +30,18 @@ class KVCacheAttention(nn.Module):
     head count (smaller under tensor parallel), dtype and device are known.
     """
 
-    def __init__(self, max_len: int) -> None:
+    def __init__(self, max_len: int, sliding_window: int | None = None) -> None:
         super().__init__()
         self.max_len = max_len
+        self.sliding_window = sliding_window
         self.length = 0
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; position {end - 1} does not fit")
@@ -46,28 +53,30 @@ class KVCacheAttention(nn.Module):
         self.values[:, :, start:end] = v
         self.length = end
         keys, values = self.keys[:, :, :end], self.values[:, :, :end]
-        if q.shape[2] == 1:  # one new token sees every cached position
-            return F.scaled_dot_product_attention(q, keys, values)
-        mask = torch.ones(q.shape[2], end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if q.shape[2] == 1 and (self.sliding_window is None or end <= self.sliding_window):
+            return F.scaled_dot_product_attention(q, keys, values, scale=scale)  # sees every cached key
+        q_pos = torch.arange(start, end, device=q.device)[:, None]
+        k_pos = torch.arange(end, device=q.device)[None, :]
+        visible_keys = visible(q_pos, k_pos, None, None, self.sliding_window)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible_keys, scale=scale)
 
 
 @contextmanager
 def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[KVCacheAttention]]:
-    """Install a fresh ``KVCacheAttention`` of ``max_len`` positions in place of every
-    ``ScaledDotProductAttention`` of ``model`` for the duration of the block."""
+    """Install a fresh ``KVCacheAttention`` of ``max_len`` positions in place of every local
+    attention kernel of ``model`` for the duration of the block."""
     sites = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, ScaledDotProductAttention)
+        if isinstance(child, LOCAL_KERNELS)
     ]
     if not sites:
         raise ValueError(
-            f"{type(model).__name__} has no ScaledDotProductAttention module: the KV cache plugs "
+            f"{type(model).__name__} has no local attention kernel: the KV cache plugs "
             "into the attention seam of torchtitan/models/attention.py"
         )
-    caches = [KVCacheAttention(max_len) for _ in sites]
+    caches = [KVCacheAttention(max_len, child.spec.sliding_window) for _, _, child in sites]
     for (parent, name, _), cache in zip(sites, caches):
         setattr(parent, name, cache)
     try:

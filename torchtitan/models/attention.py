@@ -1,27 +1,191 @@
 """The single seam through which every model computes attention.
 
-Context parallelism (and any alternative kernel) replaces or wraps this one
-module type instead of patching each model.
+Every attention kernel is an :class:`AttentionKernel`: the model asks its first kernel to
+``prepare`` the mask once per forward (from the batch's document ids) and hands the result
+to every layer's kernel with ``q, k, v``. Context parallelism, the generation KV cache and any
+alternative kernel replace these modules instead of patching each model.
+
+Kernels here:
+
+- :class:`ScaledDotProductAttention` (``model.attn_type = "sdpa"``): causal SDPA, no mask
+  object.
+- :class:`FlexAttention` (``"flex"``): causal, ``block_causal`` (documents of a packed
+  sequence never see each other) and sliding-window masks. It runs the compiled FlexAttention
+  kernel with a ``BlockMask`` built once per batch, except where FlexAttention has no
+  backward (the CPU, in 2.11 - 2.13): training there runs the same mask block by block
+  (``torchtitan/models/blockwise_attention.py``), skipping fully masked blocks.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.blockwise_attention import BlockPlan, blockwise_attention, build_block_plan, visible
 
-class ScaledDotProductAttention(nn.Module):
-    """Causal scaled-dot-product attention.
+MAX_BLOCK = 512
+"""Largest chunk of the block-by-block path (a [chunk, chunk] fp32 block per step)."""
 
-    ``forward(q, k, v)`` takes ``[batch, heads, seq, head_dim]`` tensors where
-    ``k`` and ``v`` already have as many heads as ``q`` (callers expand grouped
-    KV heads first), so every SDPA backend and context-parallel implementation
-    sees plain multi-head attention. Returns a tensor shaped like ``q``. ``scale``: the
-    softmax scale, by default ``1 / sqrt(head_dim)``.
-    """
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The attention mask a model was configured with."""
+
+    block_causal: bool = False
+    sliding_window: int | None = None
+
+    @property
+    def causal_only(self) -> bool:
+        return not self.block_causal and self.sliding_window is None
+
+    @classmethod
+    def from_config(cls, attn_mask_type: str, sliding_window: int | None) -> MaskSpec:
+        return cls(block_causal=attn_mask_type == "block_causal", sliding_window=sliding_window)
+
+
+@dataclass(frozen=True)
+class PreparedMask:
+    """One batch's mask, built once per forward and shared by every layer: the document ids
+    ``[batch, seq]`` (None unless block_causal) and the kernel-specific form (a FlexAttention
+    ``BlockMask`` or a :class:`BlockPlan`)."""
+
+    document_ids: torch.Tensor | None
+    block_mask: Any = None
+    plan: BlockPlan | None = None
+
+
+class AttentionKernel(nn.Module):
+    """``forward(q, k, v, *, mask, scale)`` on ``[batch, heads, seq, head_dim]`` tensors where
+    ``k``/``v`` already have as many heads as ``q`` (callers expand grouped KV heads first);
+    returns a tensor shaped like ``q``. ``scale``: softmax scale, by default
+    ``1 / sqrt(head_dim)``. ``mask`` is what :meth:`prepare` returned for this batch."""
+
+    spec: MaskSpec = MaskSpec()
+
+    def prepare(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
+        """The mask of a batch of ``seq_len``-token (local) sequences on ``device``;
+        ``document_ids``: ``[batch, seq]`` of the whole sequences (None: one document per
+        sequence)."""
+        return None
+
+
+class ScaledDotProductAttention(AttentionKernel):
+    """Causal scaled-dot-product attention (the fused SDPA kernels)."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+@functools.cache
+def compiled_flex_attention():
+    """``flex_attention`` compiled once per process (uncompiled it materialises the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_has_backward(device: torch.device) -> bool:
+    return device.type != "cpu"
+
+
+def chunk_size(seq_len: int) -> int:
+    """The largest divisor of ``seq_len`` up to :data:`MAX_BLOCK`."""
+    return next(c for c in range(min(seq_len, MAX_BLOCK), 0, -1) if seq_len % c == 0)
+
+
+def document_block_mask(spec: MaskSpec, document_ids: torch.Tensor | None, seq_len: int, device: torch.device):
+    """The FlexAttention ``BlockMask`` of :func:`visible` for one batch."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    window = spec.sliding_window
+    if document_ids is None:
+        def mask_mod(b, h, q, k):
+            return visible(q, k, None, None, window)
+        return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
+
+    def doc_mask_mod(b, h, q, k):
+        return visible(q, k, document_ids[b, q], document_ids[b, k], window)
+
+    return create_block_mask(doc_mask_mod, document_ids.shape[0], None, seq_len, seq_len, device=device)
+
+
+def _local_plan(document_ids: torch.Tensor | None, seq_len: int, window: int | None) -> BlockPlan:
+    chunks = list(range(seq_len // chunk_size(seq_len)))
+    return build_block_plan(chunks, chunks, chunk_size(seq_len), document_ids, window)
+
+
+@functools.lru_cache(maxsize=16)
+def _position_only_mask(spec: MaskSpec, seq_len: int, device: torch.device, blockwise: bool) -> PreparedMask:
+    """Masks that depend on positions only (no documents) are built once per shape."""
+    if blockwise:
+        return PreparedMask(None, plan=_local_plan(None, seq_len, spec.sliding_window))
+    return PreparedMask(None, block_mask=document_block_mask(spec, None, seq_len, device))
+
+
+class FlexAttention(AttentionKernel):
+    """Attention under any :class:`MaskSpec` (see the module docstring for the kernels)."""
+
+    def __init__(self, spec: MaskSpec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def prepare(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> PreparedMask:
+        blockwise = torch.is_grad_enabled() and not flex_has_backward(device)
+        if not self.spec.block_causal or document_ids is None:
+            return _position_only_mask(self.spec, seq_len, device, blockwise)
+        if blockwise:
+            return PreparedMask(document_ids, plan=_local_plan(document_ids, seq_len, self.spec.sliding_window))
+        return PreparedMask(document_ids, block_mask=document_block_mask(self.spec, document_ids, seq_len, device))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: PreparedMask,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        if mask.plan is not None:
+            chunks = list(range(q.shape[2] // mask.plan.size))
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            return blockwise_attention(q, k, v, mask.plan, chunks, chunks, scale)
+        return compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, scale=scale)
+
+    def extra_repr(self) -> str:
+        return f"block_causal={self.spec.block_causal}, sliding_window={self.spec.sliding_window}"
+
+
+LOCAL_KERNELS = (ScaledDotProductAttention, FlexAttention)
+"""The kernels that attend within one process; context parallel and the KV cache replace them."""
+
+
+def build_attention(attn_type: str, spec: MaskSpec) -> AttentionKernel:
+    """The kernel a model's attention layers use (``model.attn_type``)."""
+    if attn_type == "flex":
+        return FlexAttention(spec)
+    if not spec.causal_only:
+        raise ValueError(f"attn_type {attn_type!r} supports the causal mask only; use 'flex'")
+    return ScaledDotProductAttention()
+
+
+def prepare_mask(
+    layers: nn.Module, document_ids: torch.Tensor | None, seq_len: int, device: torch.device
+) -> Any:
+    """The batch's mask from the first attention kernel under ``layers`` (all layers of a
+    model use one kernel type); None when there is none (a stage without layers)."""
+    kernel = next((m for m in layers.modules() if isinstance(m, AttentionKernel)), None)
+    return None if kernel is None else kernel.prepare(document_ids, seq_len, device)
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """RoPE positions ``[batch, seq]`` that restart at 0 at every document start."""
+    seq_len = document_ids.shape[1]
+    index = torch.arange(seq_len, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index

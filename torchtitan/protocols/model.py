@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from torchtitan.models.attention import MaskSpec
+
 if TYPE_CHECKING:
     from torchtitan.components.tokenizer import BaseTokenizer
     from torchtitan.config import JobConfig
@@ -17,16 +19,33 @@ if TYPE_CHECKING:
 
 @dataclass
 class BaseModelArgs(ABC):
-    """Arguments of one model flavor. Subclasses are plain dataclasses."""
+    """Arguments of one model flavor. Subclasses are plain dataclasses.
+
+    The attention fields come from the job config (``model.attn_type``, ``attn_mask_type``,
+    ``sliding_window``); models build their kernels from them with
+    ``torchtitan.models.attention.build_attention(args.attn_type, args.mask_spec)``.
+    """
+
+    attn_type: str = "sdpa"
+    attn_mask_type: str = "causal"
+    sliding_window: int | None = None
+
+    @property
+    def mask_spec(self) -> MaskSpec:
+        return MaskSpec.from_config(self.attn_mask_type, self.sliding_window)
 
     def update_from_config(
         self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None
     ) -> None:
-        """Adopt run-dependent values: the tokenizer's vocabulary size (when one is given)
-        and a max sequence length covering training and validation. Subclasses without
+        """Adopt run-dependent values: the tokenizer's vocabulary size (when one is given),
+        the attention kernel and mask (``model.attn_type``, ``attn_mask_type``,
+        ``sliding_window``) and a max sequence length covering training and validation. Subclasses without
         ``vocab_size``/``max_seq_len`` fields, or with more to adopt, override it."""
         if tokenizer is not None:
             self.vocab_size = tokenizer.vocab_size
+        self.attn_type = job_config.model.attn_type
+        self.attn_mask_type = job_config.model.attn_mask_type
+        self.sliding_window = job_config.model.sliding_window
         self.max_seq_len = job_config.training.seq_len
         if job_config.validation.enable:
             self.max_seq_len = max(self.max_seq_len, job_config.validation.seq_len)

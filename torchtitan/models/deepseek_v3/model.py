@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.models.attention import build_attention, prepare_mask
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
 from torchtitan.models.init import (
     InitFn,
@@ -93,7 +94,7 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(args.kv_lora_rank, kv_out, bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.softmax_scale = args.softmax_scale
-        self.inner_attention = ScaledDotProductAttention()
+        self.inner_attention = build_attention(args.attn_type, args.mask_spec)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "wq"):
@@ -101,8 +102,10 @@ class MLA(nn.Module):
         return self.wq_b(self.q_norm(self.wq_a(x)))
 
     def forward(
-        self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None
+        self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None,
+        mask: Any = None,
     ) -> torch.Tensor:
+        """``mask``: the batch's prepared attention mask (``models/attention.py``)."""
         bsz, seq_len, _ = x.shape
         q = self._queries(x).view(bsz, seq_len, -1, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -118,7 +121,7 @@ class MLA(nn.Module):
         # parallel) then sees plain equal-size multi-head attention.
         v = F.pad(v, (0, q.shape[-1] - self.v_dim))
         out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                   scale=self.softmax_scale)
+                                   mask=mask, scale=self.softmax_scale)
         out = out.transpose(1, 2)[..., : self.v_dim].reshape(bsz, seq_len, -1)
         return self.wo(out)
 
@@ -136,9 +139,10 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
 
     def forward(
-        self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None
+        self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None,
+        mask: Any = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, positions)
+        h = x + self.attention(self.attention_norm(x), rope_cache, positions, mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -169,10 +173,17 @@ class DeepSeekV3Model(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As the Llama 3 model's forward (``torchtitan/models/llama3/model.py``)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mask = prepare_mask(self.layers, document_ids, h.shape[1], h.device)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache, positions)
+            h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

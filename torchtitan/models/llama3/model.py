@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.models.attention import build_attention, prepare_mask
 from torchtitan.models.init import (
     InitFn,
     clean_fqn,
@@ -104,14 +105,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.inner_attention = ScaledDotProductAttention()
+        self.inner_attention = build_attention(args.attn_type, args.mask_spec)
 
     def forward(
         self,
         x: torch.Tensor,
         rope_cache: torch.Tensor,
         positions: torch.Tensor | None = None,
+        mask: Any = None,
     ) -> torch.Tensor:
+        """``mask``: the batch's prepared attention mask (``models/attention.py``)."""
         bsz, seq_len, _ = x.shape
         xq = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
         xk = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
@@ -119,7 +122,7 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)
         n_rep = xq.shape[2] // xk.shape[2]
         xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
-        out = self.inner_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2))
+        out = self.inner_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
@@ -149,8 +152,9 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rope_cache: torch.Tensor,
         positions: torch.Tensor | None = None,
+        mask: Any = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, positions)
+        h = x + self.attention(self.attention_norm(x), rope_cache, positions, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -191,14 +195,22 @@ class Transformer(nn.Module):
             model_args.dim, model_args.vocab_size, bias=False
         )
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``tokens`` ``[batch, seq]`` (or hidden states ``[batch, seq, dim]``
         when this stage has no embedding) -> logits ``[batch, seq, vocab]`` (or
         hidden states when it has no output). ``positions``: see
-        :func:`apply_rotary_emb`."""
+        :func:`apply_rotary_emb`. ``document_ids`` ``[batch, seq]`` (of the whole
+        sequence under context parallel): which packed document each token belongs to,
+        for the block-causal mask."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mask = prepare_mask(self.layers, document_ids, h.shape[1], h.device)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache, positions)
+            h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
