@@ -23,14 +23,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.components.loss import rescale_accumulated_loss
+from torchtitan.components.batch import InputRules, MicroBatch, model_inputs
+from torchtitan.components.loss import GlobalTokenMeanLoss, valid_tokens
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.context_parallel import shard_batch_for_cp
 from torchtitan.distributed.pipeline import BuiltPipeline
 from torchtitan.distributed.utils import clip_grad_norm_
 from torchtitan.models.moe import moe_layers
@@ -39,9 +40,8 @@ from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.compile import compile_loss
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-NextBatch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
-"""Returns the next micro-batch ``(inputs, labels)`` on the training device."""
+NextBatch = Callable[[], MicroBatch]
+"""Returns the next micro-batch on the training device."""
 
 
 class StepObserver(Protocol):
@@ -95,11 +95,13 @@ def model_args_from_config(spec: TrainSpec, job_config: JobConfig, tokenizer: An
     return model_args
 
 
-def build_loss_fn(spec: TrainSpec, job_config: JobConfig, grad_accum_steps: int) -> LossFn:
+def build_loss_fn(spec: TrainSpec, job_config: JobConfig) -> GlobalTokenMeanLoss:
+    """The spec's summed loss (compiled if asked), divided per step by the global batch's
+    valid tokens (``train_step`` sets the divisor)."""
     loss_fn = spec.build_loss_fn(job_config)
     if job_config.compile.enable and "loss" in job_config.compile.components:
         loss_fn = compile_loss(loss_fn, job_config.compile.backend)
-    return rescale_accumulated_loss(loss_fn, grad_accum_steps)
+    return GlobalTokenMeanLoss(loss_fn)
 
 
 # ---------------------------------------------------------------------------- build
@@ -112,7 +114,7 @@ class MetaModel:
     model_parts: list[nn.Module]
     pipeline: BuiltPipeline | None
     converters: ModelConvertersContainer
-    loss_fn: LossFn
+    loss_fn: GlobalTokenMeanLoss
     grad_accum_steps: int
     nparams: int
     flops_per_token: int
@@ -129,7 +131,7 @@ class Recipe:
     model_args: BaseModelArgs
     model_parts: list[nn.Module]
     pipeline: BuiltPipeline | None
-    loss_fn: LossFn
+    loss_fn: GlobalTokenMeanLoss
     grad_accum_steps: int
     optimizers: Any
     lr_schedulers: Any
@@ -157,7 +159,7 @@ def build_meta_model(
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
     accum = grad_accumulation_steps(job_config, parallel_dims)
     set_moe_aux_loss_scale(model, accum)
-    loss_fn = build_loss_fn(spec, job_config, accum)
+    loss_fn = build_loss_fn(spec, job_config)
     pipeline = None
     if parallel_dims.pp_enabled:
         if spec.pipelining_fn is None:
@@ -254,25 +256,18 @@ def train_context_factory(
 
 
 # ---------------------------------------------------------------------------- the step
-ForwardBackward = Callable[[Recipe, NextBatch, StepObserver], "torch.Tensor | None"]
+ForwardBackward = Callable[[Recipe, MicroBatch, StepObserver], "torch.Tensor | None"]
 BeforeOptimizerStep = Callable[[list, torch.Tensor], bool]
 
 
-def forward_backward(recipe: Recipe, next_batch: NextBatch, observer: StepObserver) -> torch.Tensor:
-    """One micro-batch through the whole model; returns its detached (rescaled) loss.
-    The batch is fetched here so that nothing outside holds it: under context parallel
-    the full batch is freed once this rank's share is cut out."""
-    inputs, labels = next_batch()
-    positions = None
-    if recipe.parallel_dims.cp_enabled:
-        inputs, labels, positions = shard_batch_for_cp(
-            inputs, labels, recipe.parallel_dims.world_mesh["cp"],
-            recipe.job_config.parallelism.context_parallel_load_balancer,
-        )
+def forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> torch.Tensor:
+    """One micro-batch through the whole model; returns its detached loss (its share of
+    the global-batch mean)."""
+    inputs, labels, kwargs = model_inputs(batch, recipe.parallel_dims, InputRules.from_config(recipe.job_config))
     observer.start_microbatch()
     observer.set_phase("forward")
     with recipe.train_context():
-        pred = recipe.model_parts[0](inputs, positions=positions)
+        pred = recipe.model_parts[0](inputs, **kwargs)
         observer.set_phase("loss")
         loss = recipe.loss_fn(pred, labels)
         del pred
@@ -281,10 +276,11 @@ def forward_backward(recipe: Recipe, next_batch: NextBatch, observer: StepObserv
     return loss.detach()
 
 
-def pipeline_forward_backward(recipe: Recipe, next_batch: NextBatch, observer: StepObserver) -> torch.Tensor:
+def pipeline_forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> torch.Tensor:
     """One local batch through the pipeline schedule; only the last stage has a loss (the
-    mean over micro-batches), other stages report -1."""
-    inputs, labels = next_batch()
+    sum of its micro-batches' shares), other stages report -1. Model kwargs (document ids,
+    positions) are split into pipeline micro-batches and reach every stage."""
+    inputs, labels, kwargs = model_inputs(batch, recipe.parallel_dims, InputRules.from_config(recipe.job_config))
     pipeline = recipe.pipeline
     losses: list[torch.Tensor] = []
     targets = {"target": labels, "losses": losses} if pipeline.has_last_stage else {}
@@ -293,10 +289,25 @@ def pipeline_forward_backward(recipe: Recipe, next_batch: NextBatch, observer: S
     with recipe.train_context():
         # return_outputs=False: the last stage would otherwise keep every micro-batch's
         # logits until the next step and concatenate them into a batch-sized copy.
-        pipeline.schedule.step(*args, return_outputs=False, **targets)
+        pipeline.schedule.step(*args, return_outputs=False, **targets, **kwargs)
     if not pipeline.has_last_stage:
         return torch.tensor(-1.0, device=recipe.device)
-    return torch.mean(torch.stack([loss.detach() for loss in losses]))
+    return torch.sum(torch.stack([loss.detach() for loss in losses]))
+
+
+def data_ranks(parallel_dims: ParallelDims) -> int:
+    """Ranks holding different tokens of a global batch: gradients are averaged over them."""
+    return parallel_dims.dp_degree * parallel_dims.cp
+
+
+def global_valid_tokens(recipe: Recipe, batches: list[MicroBatch]) -> torch.Tensor:
+    """Valid labels of the whole global batch: this rank's micro-batches, summed over the
+    data-parallel ranks (cp ranks share their sequences). An all-reduce of one scalar with
+    no host sync."""
+    tokens = torch.stack([valid_tokens(batch.labels) for batch in batches]).sum()
+    if recipe.parallel_dims.dp_enabled:
+        dist.all_reduce(tokens, group=recipe.parallel_dims.world_mesh["dp"].get_group())
+    return tokens
 
 
 def _always(losses: list, grad_norm: torch.Tensor) -> bool:
@@ -311,27 +322,35 @@ def train_step(
     observer: StepObserver = UNOBSERVED,
     before_optimizer_step: BeforeOptimizerStep = _always,
     run_microbatch: ForwardBackward | None = None,
-) -> None:
-    """One optimizer step over ``micro_batches`` (default: the gradient-accumulation steps).
+) -> torch.Tensor:
+    """One optimizer step over ``micro_batches`` (default: the gradient-accumulation steps);
+    returns the global batch's number of valid tokens (a device tensor).
 
-    ``before_optimizer_step(losses, grad_norm)`` sees the micro-batch losses and the
-    pre-clip gradient norm and returns whether to apply the step (the trainer's non-finite
-    and stop checks). Unless it keeps ``grad_norm``, the norm is freed before the optimizer
-    runs (the estimator's traced peaks rely on that). ``run_microbatch`` replaces the
-    forward/backward of a micro-batch (the estimator's pipeline replay).
+    The step's micro-batches are fetched first: the loss divides by the valid tokens of the
+    whole global batch. ``before_optimizer_step(losses, grad_norm)`` sees the micro-batch
+    losses (their sum is this rank's share of the global mean) and the pre-clip gradient
+    norm and returns whether to apply the step (the trainer's non-finite and stop checks).
+    Unless it keeps ``grad_norm``, the norm is freed before the optimizer runs (the
+    estimator's traced peaks rely on that). ``run_microbatch`` replaces the forward/backward
+    of a micro-batch (the estimator's pipeline replay).
     """
     if run_microbatch is None:
         run_microbatch = pipeline_forward_backward if recipe.pipeline is not None else forward_backward
     observer.set_phase("zero_grad")
     recipe.optimizers.zero_grad()
-    losses = [run_microbatch(recipe, next_batch, observer)
-              for _ in range(micro_batches or recipe.grad_accum_steps)]
+    batches = [next_batch() for _ in range(micro_batches or recipe.grad_accum_steps)]
+    tokens = global_valid_tokens(recipe, batches)
+    recipe.loss_fn.set_global_tokens(tokens, data_ranks(recipe.parallel_dims))
+    losses = []
+    while batches:
+        losses.append(run_microbatch(recipe, batches.pop(0), observer))
     observer.set_phase("clip_grad_norm")
     params = [p for part in recipe.model_parts for p in part.parameters()]
     grad_norm = clip_grad_norm_(params, recipe.job_config.training.max_norm, foreach=True, pp_mesh=recipe.pp_mesh)
     if not before_optimizer_step(losses, grad_norm):
-        return
+        return tokens
     del grad_norm
     observer.set_phase("optimizer_step")
     recipe.optimizers.step()
     recipe.lr_schedulers.step()
+    return tokens

@@ -38,7 +38,7 @@ from torchtitan.distributed.utils import (
 from torchtitan.models.moe import moe_load_metrics
 from torchtitan.preflight import preflight
 from torchtitan.protocols import get_train_spec
-from torchtitan.recipe import build_recipe, mixed_precision_summary, model_args_from_config, train_step
+from torchtitan.recipe import MicroBatch, build_recipe, mixed_precision_summary, model_args_from_config, train_step
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
 from torchtitan.tools.profiling import exit_after_profiled_run, maybe_enable_profiling, maybe_memory_snapshotter
@@ -59,14 +59,17 @@ class DeviceBatches:
         self.tokens = 0
         self.seconds = 0.0
 
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self) -> MicroBatch:
         start = time.perf_counter()
         input_dict, labels = next(self.data_iterator)
         inputs = input_dict["input"].to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
+        document_ids = input_dict.get("document_ids")
+        if document_ids is not None:
+            document_ids = document_ids.to(self.device, non_blocking=True)
         self.tokens += labels.numel()
         self.seconds += time.perf_counter() - start
-        return inputs, labels
+        return MicroBatch(inputs, labels, document_ids)
 
 
 @dataclass
@@ -152,7 +155,7 @@ class Trainer:
         if pipeline is None:
             return None
         return PipelineEval(pipeline.schedule, pipeline.has_first_stage, pipeline.has_last_stage,
-                            loss_scale=self.recipe.grad_accum_steps)
+                            self.recipe.loss_fn)
 
     def _install_preemption_handlers(self) -> None:
         """A preemption signal only sets a flag; the per-step flag all-reduce makes every
@@ -176,7 +179,7 @@ class Trainer:
         logs afterwards."""
         batches = DeviceBatches(data_iterator, self.device)
         self.applied_step = None
-        train_step(self.recipe, batches, before_optimizer_step=self._before_optimizer_step)
+        valid_tokens = train_step(self.recipe, batches, before_optimizer_step=self._before_optimizer_step)
         self.metrics.record_step(batches.tokens, batches.seconds)
         applied = self.applied_step
         if applied is None or not self.metrics.should_log(self.step):
@@ -188,7 +191,8 @@ class Trainer:
             loss_max=dist_reduce(applied.loss, "max", loss_mesh),
             grad_norm=applied.grad_norm.item(),
             lr=applied.lr,
-            extra=moe_load_metrics(self.model_parts),  # {} for dense models
+            extra={"valid_tokens": int(valid_tokens.item()),
+                   **moe_load_metrics(self.model_parts)},  # no MoE metrics for dense models
         )
 
     def _before_optimizer_step(self, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> bool:

@@ -117,7 +117,7 @@ def test_flex_kernel_matches_the_block_kernel_without_grad():
     document_ids = _document_ids(DOC_LENGTHS)
     tokens = torch.randint(0, model.model_args.vocab_size, document_ids.shape)
     with torch.no_grad():
-        mask = prepare_mask(model.layers, document_ids, 32, tokens.device)
+        mask = prepare_mask(model.layers, document_ids, tokens.device)
         assert mask.block_mask is not None
         flex = model(tokens, document_ids=document_ids)
     blockwise = model(tokens, document_ids=document_ids)
@@ -127,5 +127,5 @@ def test_flex_kernel_matches_the_block_kernel_without_grad():
 def test_sliding_window_kernel_masks_keys_beyond_the_window():
     kernel = FlexAttention(MaskSpec(sliding_window=4))
     q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
-    out = kernel(q, k, v, mask=kernel.prepare(None, 16, q.device))
+    out = kernel(q, k, v)
     torch.testing.assert_close(out, _dense_reference(q, k, v, None, 4))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.layouts import single_process_dims
-from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.metrics import build_metrics_processor
 from torchtitan.components.tokenizer import ByteTokenizer
 from torchtitan.components.validate import build_validator
@@ -53,7 +53,7 @@ def _validator(tmp_path, steps: int = -1, metrics_processor=None):
         job_config=_job_config(tmp_path, steps),
         parallel_dims=single_process_dims(),
         tokenizer=ByteTokenizer(),
-        loss_fn=cross_entropy_loss,
+        loss_fn=cross_entropy_sum,
         train_context=contextlib.nullcontext,
         metrics_processor=metrics_processor,
     )

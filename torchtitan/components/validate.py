@@ -23,11 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.batch import InputRules, MicroBatch, model_inputs
 from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.loss import LossFn
+from torchtitan.components.loss import GlobalTokenMeanLoss, LossFn, valid_tokens
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.context_parallel import shard_batch_for_cp
 from torchtitan.tools.logging import logger
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -35,15 +35,13 @@ Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 @dataclass
 class PipelineEval:
-    """The trainer's pipeline schedule, run forward only (``schedule.eval``).
-
-    ``loss_scale`` undoes the schedule loss's division by the gradient-accumulation steps.
-    """
+    """The trainer's pipeline schedule, run forward only (``schedule.eval``), and the
+    schedule's loss, switched to a plain sum while validating."""
 
     schedule: Any
     has_first_stage: bool
     has_last_stage: bool
-    loss_scale: float = 1.0
+    loss: GlobalTokenMeanLoss
 
 
 class Validator:
@@ -59,17 +57,17 @@ class Validator:
         freq: int,
         steps: int,
         parallel_dims: ParallelDims,
-        cp_load_balancer: str = "headtail",
         pipeline: PipelineEval | None = None,
         metrics_processor: MetricsProcessor | None = None,
+        input_rules: InputRules = InputRules(),
     ) -> None:
         self.dataloader = dataloader
+        self.input_rules = input_rules
         self.loss_fn = loss_fn
         self.train_context = train_context
         self.freq = freq
         self.steps = steps
         self.parallel_dims = parallel_dims
-        self.cp_load_balancer = cp_load_balancer
         self.pipeline = pipeline
         self.metrics_processor = metrics_processor
 
@@ -93,30 +91,32 @@ class Validator:
 
     @torch.no_grad()
     def _loss_sum_and_tokens(self, model_parts: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum over batches of mean loss x tokens, tokens), summed over the ranks that
-        hold different data (``dp_cp``) and, under PP, brought from the last stage to every
-        stage."""
+        """(summed loss, valid tokens), summed over the ranks that hold different data
+        (``dp_cp``) and, under PP, brought from the last stage to every stage."""
         device = _buffer_device(model_parts[0])
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         for index, (input_dict, labels) in enumerate(self.dataloader):
             if index == self.steps:
                 break
             inputs, labels = input_dict["input"].to(device), labels.to(device)
+            document_ids = input_dict.get("document_ids")
+            batch = MicroBatch(inputs, labels, None if document_ids is None else document_ids.to(device))
+            inputs, labels, kwargs = model_inputs(batch, self.parallel_dims, self.input_rules)
             with self.train_context():
                 if self.pipeline is not None:
-                    loss = self._pipeline_loss(inputs, labels)
+                    loss = self._pipeline_loss(inputs, labels, kwargs)
                 else:
-                    loss, labels = self._model_loss(model_parts[0], inputs, labels)
+                    loss = self.loss_fn(model_parts[0](inputs, **kwargs), labels)
             if loss is None:  # a pipeline stage without the loss
                 continue
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
-            totals[0] += loss.double() * labels.numel()
-            totals[1] += labels.numel()
+            totals[0] += loss.double()
+            totals[1] += valid_tokens(labels)
         for mesh in self._reduce_meshes():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=mesh.get_group())
         if totals[1] == 0:
-            raise ValueError("validation.dataset: the validation split produced no batches")
+            raise ValueError("validation.dataset: the validation split produced no batches with valid labels")
         return totals[0], totals[1]
 
     def _reduce_meshes(self) -> list[DeviceMesh]:
@@ -124,27 +124,19 @@ class Validator:
         names = (["dp_cp"] if parallel_dims.dp_cp_enabled else []) + (["pp"] if parallel_dims.pp_enabled else [])
         return [parallel_dims.world_mesh[name] for name in names]
 
-    def _model_loss(self, model: nn.Module, inputs: torch.Tensor,
-                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loss over this rank's tokens (its share of each sequence under CP) and the
-        labels it scored."""
-        positions = None
-        if self.parallel_dims.cp_enabled:
-            cp_mesh = self.parallel_dims.world_mesh["cp"]
-            inputs, labels, positions = shard_batch_for_cp(inputs, labels, cp_mesh, self.cp_load_balancer)
-        return self.loss_fn(model(inputs, positions=positions), labels), labels
-
-    def _pipeline_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """The batch's mean loss on the last stage (equal-sized micro-batches), else None."""
+    def _pipeline_loss(self, inputs: torch.Tensor, labels: torch.Tensor,
+                       kwargs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The batch's summed loss on the last stage, else None."""
         pipeline = self.pipeline
         losses: list[torch.Tensor] = []
         targets = {"target": labels, "losses": losses} if pipeline.has_last_stage else {}
         args = (inputs,) if pipeline.has_first_stage else ()
-        pipeline.schedule.eval(*args, return_outputs=False, **targets)  # logits are not needed
+        pipeline.loss.set_global_tokens(None)  # sum; the next training step sets its divisor
+        pipeline.schedule.eval(*args, return_outputs=False, **targets, **kwargs)  # logits are not needed
         if not pipeline.has_last_stage:
             return None
         losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
-        return torch.stack(losses).mean() * pipeline.loss_scale
+        return torch.stack(losses).sum()
 
     def _log(self, record: dict[str, float], tokens: int) -> None:
         step, loss, perplexity = record["step"], record["validation_loss"], record["validation_perplexity"]
@@ -197,8 +189,8 @@ def build_validator(
         freq=config.freq,
         steps=config.steps,
         parallel_dims=parallel_dims,
-        cp_load_balancer=job_config.parallelism.context_parallel_load_balancer,
         pipeline=pipeline if parallel_dims.pp_enabled else None,
         metrics_processor=metrics_processor,
+        input_rules=InputRules.from_config(job_config),
     )
 

@@ -462,17 +462,22 @@ class ContextParallelAttention(AttentionKernel):
         self.load_balancer = load_balancer
         self.spec = spec
 
-    def prepare(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> BlockPlan | None:
-        if self.spec.causal_only and self.rotate_method != "alltoall":
-            return None
+    def prepare(self, document_ids: torch.Tensor | None, device: torch.device) -> BlockPlan | None:
+        if document_ids is None or self.spec.causal_only:
+            return None  # built from the shapes in forward, where needed
+        docs = document_ids if self.spec.block_causal else None
+        return self._plan(document_ids.shape[1] // self.cp_mesh.size(), docs, device)
+
+    def _plan(self, local_len: int, document_ids: torch.Tensor | None, device: torch.device) -> BlockPlan:
+        """The blocks this rank computes: its queries (all of them under ulysses) against
+        every key, in chunks that divide the load balancer's chunks."""
         cp, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
-        chunk = _chunk_size(seq_len * cp, cp, self.load_balancer)
+        chunk = _chunk_size(local_len * cp, cp, self.load_balancer)
         size = chunk_size(chunk)
-        per_chunk = chunk // size
-        q_ids = (list(range(seq_len * cp // size)) if self.rotate_method == "ulysses"
-                 else _fine_ids(cp, rank, self.load_balancer, per_chunk))
-        k_ids = list(range(seq_len * cp // size))
-        if self.spec.block_causal and document_ids is not None:
+        q_ids = (list(range(local_len * cp // size)) if self.rotate_method == "ulysses"
+                 else _fine_ids(cp, rank, self.load_balancer, chunk // size))
+        k_ids = list(range(local_len * cp // size))
+        if document_ids is not None:
             return build_block_plan(q_ids, k_ids, size, document_ids, self.spec.sliding_window)
         return _position_plan(tuple(q_ids), tuple(k_ids), size, self.spec.sliding_window, device)
 
@@ -490,11 +495,11 @@ class ContextParallelAttention(AttentionKernel):
         _chunk_size(q.shape[2] * cp, cp, self.load_balancer)
         group = self.cp_mesh.get_group()
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if mask is None and (self.rotate_method == "alltoall" or not self.spec.causal_only):
+            mask = self._plan(q.shape[2], None, q.device)
         if self.rotate_method == "allgather":
             return _allgather_attention(q, k, v, group, self.load_balancer, scale, mask)
         if self.rotate_method == "alltoall":
-            if mask is None:
-                mask = self.prepare(None, q.shape[2], q.device)
             return _RingAttention.apply(q, k, v, group, self.load_balancer, scale, mask)
         if q.shape[1] % cp != 0:
             raise ValueError(

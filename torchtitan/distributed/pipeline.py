@@ -213,10 +213,12 @@ def pipeline_llm(
     p = job_config.parallelism
     cls = schedule_class(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
     n_micro = microbatches(job_config, plan.num_stages)
+    # scale_grads=False: each micro-batch's loss is already its share of the global-batch
+    # mean (the recipe's GlobalTokenMeanLoss), so the gradients are summed as they are.
     if issubclass(cls, PipelineScheduleSingle):
-        schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
+        schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
     else:
-        schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss_fn)
+        schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
     if p.pipeline_parallel_schedule_csv:
         schedule._load_csv(p.pipeline_parallel_schedule_csv)
     logger.info(f"pipeline schedule {cls.__name__}: {plan.num_stages} stages, {n_micro} micro-batches")

@@ -32,7 +32,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from torchtitan.config import ConfigError
 from torchtitan.distributed.pipeline import microbatches
-from torchtitan.recipe import ForwardBackward, NextBatch, Recipe, StepObserver
+from torchtitan.components.batch import MicroBatch
+from torchtitan.recipe import ForwardBackward, Recipe, StepObserver
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
 # Schedule action kinds (torch's _ComputationType values, a str enum).
@@ -154,9 +155,8 @@ class PipelineReplay:
 
     def microbatch_runner(self, iteration: int) -> ForwardBackward:
         """The recipe's ``run_microbatch`` for one iteration: the replay instead of the schedule."""
-        def run(recipe: Recipe, next_batch: NextBatch, observer: StepObserver) -> None:
-            inputs, labels = next_batch()
-            self.step(inputs, labels, observer, iteration)
+        def run(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> None:
+            self.step(batch.inputs, batch.labels, observer, iteration)
 
         return run
 

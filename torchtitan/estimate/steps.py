@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from torchtitan.components.batch import MicroBatch
 from torchtitan.estimate.pipeline_replay import PipelineReplay
 from torchtitan.recipe import Recipe, train_step
 
@@ -46,13 +47,15 @@ class IterationObserver:
         self.observer.set_phase(self.iteration, phase)
 
 
-def random_batch(setup: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+def random_batch(setup: Recipe) -> MicroBatch:
+    """Random tokens, one document per sequence: a document mask's blocks depend on where
+    documents start, which a fake tensor cannot tell, so the estimate assumes no boundaries."""
     training = setup.job_config.training
     shape = (training.local_batch_size, training.seq_len)
     vocab_size = setup.model_args.vocab_size
     inputs = torch.randint(0, vocab_size, shape, device=setup.device)
     labels = torch.randint(0, vocab_size, shape, device=setup.device)
-    return inputs, labels
+    return MicroBatch(inputs, labels)
 
 
 def run_training_steps(

@@ -67,10 +67,11 @@ class AttentionKernel(nn.Module):
 
     spec: MaskSpec = MaskSpec()
 
-    def prepare(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
-        """The mask of a batch of ``seq_len``-token (local) sequences on ``device``;
-        ``document_ids``: ``[batch, seq]`` of the whole sequences (None: one document per
-        sequence)."""
+    def prepare(self, document_ids: torch.Tensor | None, device: torch.device) -> Any:
+        """The mask of a batch on ``device`` from ``document_ids`` ``[batch, seq]`` of the
+        whole sequences (under context parallel, of every rank's tokens). None: no document
+        ids given; the kernel then masks by position only, the mask built from the shapes it
+        sees (and cached)."""
         return None
 
 
@@ -94,6 +95,11 @@ def compiled_flex_attention():
 
 def flex_has_backward(device: torch.device) -> bool:
     return device.type != "cpu"
+
+
+def _blockwise(device: torch.device) -> bool:
+    """Whether this forward needs the block-by-block kernel (a backward FlexAttention lacks)."""
+    return torch.is_grad_enabled() and not flex_has_backward(device)
 
 
 def chunk_size(seq_len: int) -> int:
@@ -137,18 +143,22 @@ class FlexAttention(AttentionKernel):
         super().__init__()
         self.spec = spec
 
-    def prepare(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> PreparedMask:
-        blockwise = torch.is_grad_enabled() and not flex_has_backward(device)
-        if not self.spec.block_causal or document_ids is None:
+    def prepare(self, document_ids: torch.Tensor | None, device: torch.device) -> PreparedMask | None:
+        if document_ids is None:
+            return None
+        seq_len, blockwise = document_ids.shape[1], _blockwise(device)
+        if not self.spec.block_causal:
             return _position_only_mask(self.spec, seq_len, device, blockwise)
         if blockwise:
             return PreparedMask(document_ids, plan=_local_plan(document_ids, seq_len, self.spec.sliding_window))
         return PreparedMask(document_ids, block_mask=document_block_mask(self.spec, document_ids, seq_len, device))
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: PreparedMask,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: PreparedMask | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
+        if mask is None:
+            mask = _position_only_mask(self.spec, q.shape[2], q.device, _blockwise(q.device))
         if mask.plan is not None:
             chunks = list(range(q.shape[2] // mask.plan.size))
             scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -172,13 +182,11 @@ def build_attention(attn_type: str, spec: MaskSpec) -> AttentionKernel:
     return ScaledDotProductAttention()
 
 
-def prepare_mask(
-    layers: nn.Module, document_ids: torch.Tensor | None, seq_len: int, device: torch.device
-) -> Any:
+def prepare_mask(layers: nn.Module, document_ids: torch.Tensor | None, device: torch.device) -> Any:
     """The batch's mask from the first attention kernel under ``layers`` (all layers of a
     model use one kernel type); None when there is none (a stage without layers)."""
     kernel = next((m for m in layers.modules() if isinstance(m, AttentionKernel)), None)
-    return None if kernel is None else kernel.prepare(document_ids, seq_len, device)
+    return None if kernel is None else kernel.prepare(document_ids, device)
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,8 @@ LRSchedulersBuilder: TypeAlias = Callable[..., Any]
 DataLoaderBuilder: TypeAlias = Callable[..., Any]
 # build_tokenizer_fn(job_config) -> BaseTokenizer
 TokenizerBuilder: TypeAlias = Callable[..., Any]
-# build_loss_fn(job_config) -> loss_fn(pred, labels) -> scalar tensor
+# build_loss_fn(job_config) -> loss_fn(pred, labels) -> scalar tensor: the SUM of the per-token
+# losses over labels != IGNORE_INDEX (the recipe divides by the global batch's valid tokens)
 LossFunctionBuilder: TypeAlias = Callable[..., Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 # build_validator_fn(job_config, parallel_dims, tokenizer, loss_fn, ...) -> Validator
 ValidatorBuilder: TypeAlias = Callable[..., Any]

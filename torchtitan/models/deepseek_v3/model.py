@@ -142,7 +142,7 @@ class TransformerBlock(nn.Module):
         self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None,
         mask: Any = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, positions, mask)
+        h = x + self.attention(self.attention_norm(x), rope_cache, positions, mask=mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -181,7 +181,7 @@ class DeepSeekV3Model(nn.Module):
     ) -> torch.Tensor:
         """As the Llama 3 model's forward (``torchtitan/models/llama3/model.py``)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        mask = prepare_mask(self.layers, document_ids, h.shape[1], h.device)
+        mask = prepare_mask(self.layers, document_ids, h.device)
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:

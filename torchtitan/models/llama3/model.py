@@ -154,7 +154,7 @@ class TransformerBlock(nn.Module):
         positions: torch.Tensor | None = None,
         mask: Any = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, positions, mask)
+        h = x + self.attention(self.attention_norm(x), rope_cache, positions, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -208,7 +208,7 @@ class Transformer(nn.Module):
         sequence under context parallel): which packed document each token belongs to,
         for the block-causal mask."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        mask = prepare_mask(self.layers, document_ids, h.shape[1], h.device)
+        mask = prepare_mask(self.layers, document_ids, h.device)
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:

@@ -1,0 +1,60 @@
+"""A micro-batch and what the model receives from it on this rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.context_parallel import cp_shard, shard_batch_for_cp
+from torchtitan.models.attention import document_positions
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the training device: token ids and labels ``[batch, seq]``
+    (labels may hold IGNORE_INDEX) and which packed document each token belongs to (None:
+    one document per sequence)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    document_ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class InputRules:
+    """How a batch becomes model inputs (from the job config)."""
+
+    reset_positions: bool = False
+    cp_load_balancer: str = "headtail"
+
+    @classmethod
+    def from_config(cls, job_config) -> InputRules:
+        return cls(
+            reset_positions=job_config.training.reset_position_ids_per_document,
+            cp_load_balancer=job_config.parallelism.context_parallel_load_balancer,
+        )
+
+
+def model_inputs(
+    batch: MicroBatch, parallel_dims: ParallelDims, rules: InputRules
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``(inputs, labels, model kwargs)`` of this rank: under context parallel its share of
+    the sequences with their global positions; the document ids of the whole sequences (the
+    attention kernels read the sequence length from them and mask documents under
+    block_causal), and positions restarting at each document when asked."""
+    inputs, labels, document_ids = batch.inputs, batch.labels, batch.document_ids
+    kwargs: dict[str, torch.Tensor] = {}
+    positions = None
+    if document_ids is not None and rules.reset_positions:
+        positions = document_positions(document_ids)
+    if parallel_dims.cp_enabled:
+        cp_mesh = parallel_dims.world_mesh["cp"]
+        inputs, labels, cp_positions = shard_batch_for_cp(inputs, labels, cp_mesh, rules.cp_load_balancer)
+        positions = cp_positions if positions is None else cp_shard(positions, 1, cp_mesh, rules.cp_load_balancer)
+    if positions is not None:
+        kwargs["positions"] = positions
+    if document_ids is not None:
+        kwargs["document_ids"] = document_ids
+    return inputs, labels, kwargs
