@@ -1,6 +1,7 @@
 """Run by test_context_parallel.py under torchrun (4 ranks, gloo). Compares every CP attention
-configuration (cp 2 and 4) with unsharded causal SDPA, and a small Llama 3 with ``apply_cp``
-(alone, and after TP 2 x CP 2) with the same model unsharded; writes the errors to
+configuration (cp 2 and 4) with unsharded SDPA (causal, and document / window masks as a
+dense bool mask), and a small Llama 3 with ``apply_cp`` (alone, and after TP 2 x CP 2; causal
+and block-causal) with the same model unsharded; writes the errors to
 ``{OUT_DIR}/rank{r}.json``."""
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from torchtitan.distributed.utils import leave_together
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import apply_tp
+from torchtitan.models.attention import MaskSpec
+from torchtitan.models.blockwise_attention import visible
 
 METHODS = ("allgather", "alltoall", "ulysses")
 BALANCERS = ("headtail", "none")
@@ -94,9 +97,60 @@ def attention_cases(meshes: dict[int, DeviceMesh]) -> list[dict]:
     return results
 
 
-def tiny_llama(seq_len: int) -> Transformer:
+# Document ids of the masked cases: three documents in the first sequence (boundaries inside
+# CP chunks and on one), one in the second.
+DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 12, [0] * 24])
+MASKS = {"block_causal": MaskSpec(block_causal=True), "window": MaskSpec(sliding_window=7),
+         "block_causal_window": MaskSpec(block_causal=True, sliding_window=7)}
+
+
+def masked_attention_errors(cp_mesh: DeviceMesh, method: str, balancer: str, spec: MaskSpec,
+                            plant_shift: bool = False) -> dict[str, float]:
+    """As :func:`attention_errors` for a document / window mask against SDPA with the dense
+    mask; ``plant_shift`` gives the CP kernel document ids one token late."""
+    shape = (2, 4, 24, 8)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(shape, generator=gen) for _ in range(4))
+    docs = DOCUMENTS if spec.block_causal else None
+    pos = torch.arange(24)
+    dense = visible(pos[:, None], pos[None, :], None if docs is None else docs[:, :, None],
+                    None if docs is None else docs[:, None, :], spec.sliding_window)
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(*ref, attn_mask=dense.unsqueeze(1) if dense.dim() == 3 else dense)
+    ref_out.backward(dout)
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return cp_shard(t, 2, cp_mesh, balancer)
+
+    kernel = ContextParallelAttention(cp_mesh, method, balancer, spec)
+    given = DOCUMENTS if not plant_shift else torch.cat([DOCUMENTS[:, :1], DOCUMENTS[:, :-1]], 1)
+    mask = kernel.prepare(given, q.device)
+    local = [shard(t).requires_grad_() for t in (q, k, v)]
+    out = kernel(*local, mask=mask)
+    out.backward(shard(dout))
+    pairs = {"out": (out, ref_out)}
+    pairs.update({f"d{n}": (t.grad, r.grad) for n, t, r in zip("qkv", local, ref)})
+    return {name: (a - shard(b)).abs().max().item() for name, (a, b) in pairs.items()}
+
+
+def masked_cases(meshes: dict[int, DeviceMesh]) -> list[dict]:
+    results = []
+    for cp, mesh in meshes.items():
+        for method in METHODS:
+            for balancer in BALANCERS:
+                for name, spec in MASKS.items():
+                    results.append(dict(kind="masked_attention", cp=cp, method=method, balancer=balancer,
+                                        mask=name, errors=masked_attention_errors(mesh, method, balancer, spec)))
+            results.append(dict(kind="masked_attention_shifted", cp=cp, method=method, errors=masked_attention_errors(
+                mesh, method, "headtail", MASKS["block_causal"], plant_shift=True)))
+    return results
+
+
+def tiny_llama(seq_len: int, spec: MaskSpec = MaskSpec()) -> Transformer:
     args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
-                                multiple_of=16, max_seq_len=seq_len)
+                                multiple_of=16, max_seq_len=seq_len, attn_type="flex" if not spec.causal_only else "sdpa",
+                                attn_mask_type="block_causal" if spec.block_causal else "causal",
+                                sliding_window=spec.sliding_window)
     model = Transformer(args)
     model.init_weights(seed=0)
     with torch.no_grad():  # sharpen attention, so that positions and masks matter
@@ -112,6 +166,7 @@ def model_errors(
     balancer: str,
     pass_positions: bool = True,
     tp_mesh: DeviceMesh | None = None,
+    spec: MaskSpec = MaskSpec(),
 ) -> dict[str, float]:
     """A CP model's loss and gradients, averaged over cp ranks as the trainer (loss over
     dp_cp) and FSDP (gradients over dp_shard_cp) do, against the unsharded model's. With
@@ -119,8 +174,9 @@ def model_errors(
     seq_len = 32
     tokens = torch.randint(0, 64, (2, seq_len + 1), generator=torch.Generator().manual_seed(1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    ref = tiny_llama(seq_len)
-    ref_loss = cross_entropy_loss(ref(inputs), labels)
+    documents = torch.tensor([[0] * 7 + [1] * 13 + [2] * 12, [0] * 32]) if spec.block_causal else None
+    ref = tiny_llama(seq_len, spec)
+    ref_loss = cross_entropy_loss(ref(inputs, document_ids=documents), labels)
     ref_loss.backward()
 
     model = copy.deepcopy(ref)
@@ -129,7 +185,7 @@ def model_errors(
         apply_tp(model, tp_mesh, loss_parallel=False)
     apply_cp(model, cp_mesh, method, balancer)
     x, y, positions = shard_batch_for_cp(inputs, labels, cp_mesh, balancer)
-    loss = cross_entropy_loss(model(x, positions=positions if pass_positions else None), y)
+    loss = cross_entropy_loss(model(x, positions=positions if pass_positions else None, document_ids=documents), y)
     loss.backward()
 
     group, cp = cp_mesh.get_group(), cp_mesh.size()
@@ -149,11 +205,16 @@ def model_cases(meshes: dict[int, DeviceMesh], cp_tp: DeviceMesh) -> list[dict]:
         errors = model_errors(cp_tp["cp"], method, "headtail", tp_mesh=cp_tp["tp"])
         results.append(dict(kind="model_tp", cp=cp_tp["cp"].size(), method=method,
                             balancer="headtail", errors=errors))
+    for method in METHODS:
+        errors = model_errors(cp_tp["cp"], method, "headtail", tp_mesh=cp_tp["tp"], spec=MASKS["block_causal"])
+        results.append(dict(kind="model_tp_block_causal", method=method, errors=errors))
     for cp, mesh in meshes.items():
         for method in METHODS:
             for balancer in BALANCERS:
                 results.append(dict(kind="model", cp=cp, method=method, balancer=balancer,
                                     errors=model_errors(mesh, method, balancer)))
+            results.append(dict(kind="model_block_causal", cp=cp, method=method, errors=model_errors(
+                mesh, method, "headtail", spec=MASKS["block_causal_window"])))
         # Negative control: local positions (0..S_local-1) for RoPE must change the loss.
         results.append(dict(kind="model_no_positions", cp=cp, method="allgather",
                             errors=model_errors(mesh, "allgather", "headtail", False)))
@@ -170,7 +231,7 @@ def main() -> None:
     }
     timings = {}
     start = time.perf_counter()
-    results = attention_cases(meshes)
+    results = attention_cases(meshes) + masked_cases(meshes)
     timings["attention_s"] = time.perf_counter() - start
     start = time.perf_counter()
     cp_tp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "tp"))

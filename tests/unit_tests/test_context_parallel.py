@@ -135,10 +135,25 @@ def test_cp_attention_matches_sdpa_output_and_grads(probe_results):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
+def test_cp_attention_with_document_and_window_masks_matches_dense_masks(probe_results):
+    cases = _cases(probe_results, "masked_attention")
+    assert {(c["cp"], c["method"], c["balancer"], c["mask"]) for c in cases} == {
+        (cp, m, b, mask) for cp in (2, 4) for m in ("allgather", "alltoall", "ulysses")
+        for b in ("headtail", "none") for mask in ("block_causal", "window", "block_causal_window")
+    }
+    bad = [c for c in cases if max(c["errors"].values()) > 1e-5]
+    assert not bad, bad
+    for case in _cases(probe_results, "masked_attention_shifted"):  # boundaries one token late
+        assert case["errors"]["out"] > 1e-2, case
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
 def test_cp_llama_matches_unsharded_loss_and_grads(probe_results):
     cases = _cases(probe_results, "model")
     assert len(cases) == 2 * 3 * 2 * 4
     cases += _cases(probe_results, "model_tp")  # TP 2 x CP 2, CP applied after TP
+    cases += _cases(probe_results, "model_block_causal") + _cases(probe_results, "model_tp_block_causal")
     bad = [c for c in cases if c["errors"]["loss"] > 1e-5 or c["errors"]["grads"] > 1e-5]
     assert not bad, bad
 

@@ -22,6 +22,7 @@ _ALWAYS_SAVE = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.higher_order.flex_attention,
 }
 _MATMUL = torch.ops.aten.mm.default
 
