@@ -16,7 +16,7 @@ part id 0; padding has its own id). Documents are what the packer concatenates, 
 from EOS tokens in the text.
 
 Labels: a document may mark which of its tokens are trained (a chat sample's assistant turns);
-the label of every other token, and of padding, is ``IGNORE_INDEX``.
+the label that predicts any other token, or padding, is ``IGNORE_INDEX``.
 
 Global stream: position ``p`` is the ``(p // S)``-th sequence of shard ``p % S``; global batch
 ``k`` of ``G`` sequences is positions ``[k*G, (k+1)*G)``. Data-parallel rank ``r`` of ``dp``
