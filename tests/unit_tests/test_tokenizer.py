@@ -158,3 +158,44 @@ def test_download_hf_assets_patterns():
     patterns = download.allow_patterns(["tokenizer", "safetensors"])
     assert "tokenizer.json" in patterns and "*.safetensors" in patterns and "config.json" not in patterns
     assert download.default_local_dir("meta-llama/Llama-3.1-8B") == "assets/hf/Llama-3.1-8B"
+
+
+# ---- chat templates
+
+
+def test_byte_chat_template_and_rendered_specials():
+    tok = ByteTokenizer()
+    assert tok.special_tokens() == {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+    assert tok.encode_rendered("<|bos|>hi<|eos|><|pad|>") == [256, 104, 105, 257, *b"<|pad|>"]
+    assert tok.encode("<|bos|>", add_bos=False, add_eos=False) == list(b"<|bos|>")  # plain text stays bytes
+    assert "messages" in tok.chat_template()
+
+
+def _copy_tokenizer(bpe_dir: Path, out: Path, config: dict) -> Path:
+    out.mkdir()
+    (out / "tokenizer.json").write_text((bpe_dir / "tokenizer.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_hf_chat_template_sources(bpe_dir, tmp_path):
+    plain = _copy_tokenizer(bpe_dir, tmp_path / "plain", {"chat_template": "{{ messages }}"})
+    tok = HuggingFaceTokenizer(plain)
+    assert tok.chat_template() == "{{ messages }}"
+    assert tok.special_tokens() == {}  # no bos/eos/pad named, none inferred
+    (plain / "chat_template.jinja").write_text("from the jinja file")
+    assert HuggingFaceTokenizer(plain).chat_template() == "from the jinja file"
+    named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "chat"}]
+    named_dir = _copy_tokenizer(bpe_dir, tmp_path / "named", {"chat_template": named})
+    assert HuggingFaceTokenizer(named_dir).chat_template() == "chat"
+    with pytest.raises(ValueError, match=r"model.tokenizer_path: chat_template in tokenizer_config.json must be"):
+        HuggingFaceTokenizer(_copy_tokenizer(bpe_dir, tmp_path / "bad", {"chat_template": 3}))
+
+
+def test_hf_without_chat_template(bpe_dir):
+    tok = HuggingFaceTokenizer(bpe_dir)
+    specials = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}
+    assert tok.special_tokens() == specials
+    assert tok.encode_rendered("<|begin_of_text|>a") == [0, *tok.encode("a", add_bos=False, add_eos=False)]
+    with pytest.raises(ValueError, match=r"^model.tokenizer_path: the tokenizer in .* has no chat template"):
+        tok.chat_template()

@@ -3,7 +3,11 @@
 See ``torchtitan/datasets/packing.py`` for the order and the state. Batches are
 ``({"input": LongTensor[B, seq_len], "document_ids": IntTensor[B, seq_len]}, labels LongTensor[B, seq_len])``:
 ``document_ids[b, p]`` numbers the documents of sample ``b`` from 0 along the sequence, so two
-positions share an id exactly when they come from the same document.
+positions share an id exactly when they come from the same document. Labels hold
+``IGNORE_INDEX`` where nothing is trained (prompt tokens and padding of chat data).
+
+Errors in the data or its config fields reach ``build_dataloader``'s caller as ``ConfigError``
+(one line, exit 2 at the entry point).
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.tokenizer import BaseTokenizer
-from torchtitan.datasets import ShardedTextDataset, load_documents
-from torchtitan.datasets.packing import Sample
+from torchtitan.config.errors import ConfigError
+from torchtitan.datasets import DatasetConfig, ShardedTextDataset, load_documents
+from torchtitan.datasets.chat_template import ChatEncoder
+from torchtitan.datasets.packing import EncodedDocument, Encoder, Sample
 
 if TYPE_CHECKING:
     from torchtitan.config import JobConfig
@@ -53,6 +59,19 @@ class TextDataLoader(StatefulDataLoader):
             return
         self.dataset.load_state_dict(state_dict)
         super().load_state_dict({})  # drops any live iterator; the next iter() resumes from the dataset
+
+
+def _encoding(config: DatasetConfig, tokenizer: BaseTokenizer, section: str) -> tuple[Encoder, int | None]:
+    """(document encoder, pad id): chat samples are packed whole, padded with the tokenizer's pad
+    token, else its EOS (any id would do: padding is neither trained nor attended to)."""
+    if config.chat:
+        pad_id = next((i for i in (tokenizer.pad_id, tokenizer.eos_id) if i is not None), 0)
+        return ChatEncoder(tokenizer, section), pad_id
+
+    def encode_text(document: Any) -> EncodedDocument:
+        return EncodedDocument(tokenizer.encode(config.text_processor(document)))
+
+    return encode_text, None
 
 
 def _check_positive(section: str, **values: int) -> None:
@@ -96,16 +115,17 @@ def build_text_dataloader(
             f"{section}.data_shards ({data_shards}) must be divisible by the data-parallel degree ({dp_degree})"
         )
     config, documents = load_documents(dataset, dataset_path, section)
+    encode, pad_id = _encoding(config, tokenizer, section)
     text_dataset = ShardedTextDataset(
         name=dataset,
         documents=documents,
-        text_processor=config.text_processor,
-        tokenizer=tokenizer,
+        encode=encode,
         seq_len=seq_len,
         dp_rank=dp_rank,
         dp_degree=dp_degree,
         data_shards=data_shards,
         infinite=infinite,
+        pad_id=pad_id,
         global_min=global_min,
         section=section,
     )
@@ -134,7 +154,8 @@ def build_dataloader(
 ) -> TextDataLoader:
     """The train loader (infinite) or the validation loader (finite) of ``job_config``.
 
-    Both use ``training.dataloader``'s ``num_workers`` and ``pin_memory``.
+    Both use ``training.dataloader``'s ``num_workers`` and ``pin_memory``. Bad data or data
+    fields raise ``ConfigError``.
     """
     dp_rank, dp_degree, mesh = _dp_layout(parallel_dims)
     options = job_config.training.dataloader
@@ -148,18 +169,21 @@ def build_dataloader(
         infinite, global_min = False, None if mesh is None else _mesh_global_min(mesh)
     else:
         raise ValueError(f"unknown data split {split!r}; expected 'train' or 'validation'")
-    return build_text_dataloader(
-        dataset=config.dataset,
-        dataset_path=config.dataset_path,
-        tokenizer=tokenizer,
-        seq_len=config.seq_len,
-        local_batch_size=config.local_batch_size,
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        data_shards=data_shards,
-        infinite=infinite,
-        global_min=global_min,
-        num_workers=options.num_workers,
-        section=section,
-        pin_memory=options.pin_memory,
-    )
+    try:
+        return build_text_dataloader(
+            dataset=config.dataset,
+            dataset_path=config.dataset_path,
+            tokenizer=tokenizer,
+            seq_len=config.seq_len,
+            local_batch_size=config.local_batch_size,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
+            data_shards=data_shards,
+            infinite=infinite,
+            global_min=global_min,
+            num_workers=options.num_workers,
+            section=section,
+            pin_memory=options.pin_memory,
+        )
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
+        raise ConfigError(str(e)) from None

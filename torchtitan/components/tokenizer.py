@@ -1,8 +1,14 @@
-"""Tokenizers: a file-free byte tokenizer and a wrapper around HuggingFace ``tokenizer.json``."""
+"""Tokenizers: a file-free byte tokenizer and a wrapper around HuggingFace ``tokenizer.json``.
+
+Both carry a chat template (Jinja2 source, rendered in a sandbox by ``torchtitan.datasets``)
+for fine-tuning on chat data: the byte tokenizer a small built-in one, a HuggingFace tokenizer
+the one it ships (``chat_template.jinja``, else ``chat_template`` in ``tokenizer_config.json``).
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,7 +18,12 @@ if TYPE_CHECKING:
 
 
 class BaseTokenizer(ABC):
-    """Text <-> token ids, with optional BOS/EOS framing of each encoded text."""
+    """Text <-> token ids, with optional BOS/EOS framing of each encoded text.
+
+    ``field`` is the config field the tokenizer came from; errors name it.
+    """
+
+    field = "model.tokenizer_path"
 
     @abstractmethod
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]: ...
@@ -36,16 +47,44 @@ class BaseTokenizer(ABC):
     @abstractmethod
     def pad_id(self) -> int | None: ...
 
+    def chat_template(self) -> str:
+        """Jinja2 source of the template that renders chat ``messages``; a ValueError naming
+        ``field`` when the tokenizer has none."""
+        raise ValueError(f"{self.field}: {type(self).__name__} has no chat template; use one that has")
+
+    def special_tokens(self) -> dict[str, str]:
+        """The text of the special tokens a chat template refers to (``bos_token``, ``eos_token``)."""
+        return {}
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of text a chat template rendered: special-token texts in it become their ids;
+        no BOS/EOS is added around it."""
+        return self.encode(text, add_bos=False, add_eos=False)
+
+
+_BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
 
 class ByteTokenizer(BaseTokenizer):
     """UTF-8 bytes as ids 0..255, then BOS=256, EOS=257, PAD=258.
 
     Ids 259..263 are reserved and never produced: they round the vocabulary up to 264,
     a multiple of 8, which tensor-parallel vocabulary sharding wants.
+
+    Chat template: ``<|role|>`` and a newline before each message's content, EOS after an assistant
+    message, a newline after any other; BOS first. ``encode`` never produces BOS/EOS from text;
+    only ``encode_rendered`` reads ``<|bos|>``/``<|eos|>`` in rendered chat text as BOS/EOS.
     """
 
     _BOS, _EOS, _PAD = 256, 257, 258
     _VOCAB_SIZE = 264
+    _SPECIAL_TEXT = {"<|bos|>": _BOS, "<|eos|>": _EOS}
+    _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(text) for text in _SPECIAL_TEXT) + ")")
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -57,6 +96,19 @@ class ByteTokenizer(BaseTokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str:
+        return _BYTE_CHAT_TEMPLATE
+
+    def special_tokens(self) -> dict[str, str]:
+        return {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+
+    def encode_rendered(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for part in self._SPECIAL_SPLIT.split(text):
+            special = self._SPECIAL_TEXT.get(part)
+            ids.extend([special] if special is not None else part.encode("utf-8"))
+        return ids
 
     @property
     def vocab_size(self) -> int:
@@ -82,7 +134,7 @@ class HuggingFaceTokenizer(BaseTokenizer):
     dicts with ``"content"``); when it does not name them, they are inferred from the special
     tokens the tokenizer's post-processor puts around a text. Encoding always bypasses the
     post-processor and adds BOS/EOS itself, so a post-processor that adds BOS never leads to a
-    doubled BOS.
+    doubled BOS. Special tokens written in a text (``<|im_start|>``, say) encode to their ids.
 
     ``field`` is the config field the path came from; it is named in errors.
     """
@@ -90,6 +142,7 @@ class HuggingFaceTokenizer(BaseTokenizer):
     def __init__(self, path: str | Path, field: str = "model.tokenizer_path") -> None:
         from tokenizers import Tokenizer
 
+        self.field = field
         tokenizer_file, config_file = _locate_tokenizer_files(Path(path), field)
         try:
             self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
@@ -100,6 +153,8 @@ class HuggingFaceTokenizer(BaseTokenizer):
         self._bos = self._special_id(config, "bos_token", field, inferred_bos)
         self._eos = self._special_id(config, "eos_token", field, inferred_eos)
         self._pad = self._special_id(config, "pad_token", field, None)
+        self._folder = tokenizer_file.parent
+        self._chat_template = _find_chat_template(self._folder, config, field)
 
     def _special_id(self, config: dict[str, Any], key: str, field: str, default: int | None) -> int | None:
         token = config.get(key)
@@ -132,6 +187,19 @@ class HuggingFaceTokenizer(BaseTokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_template(self) -> str:
+        if self._chat_template is None:
+            raise ValueError(
+                f"{self.field}: the tokenizer in {self._folder} has no chat template (no chat_template.jinja, "
+                f"no chat_template in tokenizer_config.json); chat data needs one: add it there or use a "
+                f"tokenizer that ships one"
+            )
+        return self._chat_template
+
+    def special_tokens(self) -> dict[str, str]:
+        ids = {"bos_token": self._bos, "eos_token": self._eos, "pad_token": self._pad}
+        return {name: self._tokenizer.id_to_token(i) for name, i in ids.items() if i is not None}
 
     @property
     def vocab_size(self) -> int:
@@ -174,6 +242,25 @@ def _read_tokenizer_config(config_file: Path | None, field: str) -> dict[str, An
     if not isinstance(config, dict):
         raise ValueError(f"{field}: {config_file} must hold a JSON object")
     return config
+
+
+def _find_chat_template(folder: Path, config: dict[str, Any], field: str) -> str | None:
+    """``chat_template.jinja`` next to tokenizer.json, else the config's ``chat_template``: a
+    string, or a list of ``{"name", "template"}`` of which the one named ``default`` is used."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise ValueError(
+        f"{field}: chat_template in tokenizer_config.json must be a string or a list of "
+        f"{{\"name\", \"template\"}} with one named \"default\""
+    )
 
 
 def build_tokenizer(job_config: JobConfig) -> BaseTokenizer:

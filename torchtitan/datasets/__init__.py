@@ -3,12 +3,12 @@ HuggingFace-backed datasets, and dp-layout-independent packing/sharding.
 
 Built-in datasets: ``python_stdlib`` / ``python_stdlib_validation`` (embedded, no download),
 ``c4`` / ``c4_validation`` (needs internet), ``json``, ``jsonl``, ``parquet``, ``txt`` (local
-files at ``dataset_path``).
+files at ``dataset_path``), ``sft`` / ``chat`` (chat fine-tuning samples in local jsonl).
 """
 
 from functools import partial
 
-from torchtitan.datasets import hf, stdlib
+from torchtitan.datasets import hf, sft, stdlib
 from torchtitan.datasets.packing import ShardCursor, ShardedTextDataset, merge_data_states
 from torchtitan.datasets.registry import (
     DatasetConfig,
@@ -44,6 +44,8 @@ def _register_builtins() -> None:
     parquet = partial(hf.load_table_files, kind="parquet")
     register_dataset("parquet", DatasetConfig("parquet", parquet, hf.row_text, True))
     register_dataset("txt", DatasetConfig("txt", hf.load_text_files, hf.row_text, True))
+    for name in ("sft", "chat"):
+        register_dataset(name, DatasetConfig(name, sft.load_sft_files, uses_path=True, chat=True))
 
 
 _register_builtins()

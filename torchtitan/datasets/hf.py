@@ -20,6 +20,7 @@ _SUFFIXES = {
     "json": (".json", ".jsonl", ".json.gz", ".jsonl.gz"),
     "parquet": (".parquet",),
     "txt": (".txt",),
+    "sft": (".jsonl",),
 }
 
 
@@ -33,7 +34,7 @@ def load_c4(split: str) -> Any:
     return datasets.load_dataset("allenai/c4", name="en", split=split, streaming=True)
 
 
-def _data_files(path: str, kind: str) -> tuple[list[str], bool]:
+def data_files(path: str, kind: str) -> tuple[list[str], bool]:
     """(sorted data files, whether ``path`` is a directory) for a file or directory path."""
     root = Path(path)
     if not root.exists():
@@ -74,7 +75,7 @@ def _explain(error: BaseException) -> str:
 def load_table_files(path: str | None, kind: str) -> Any:
     """json/jsonl/parquet rows restricted to the text column."""
     assert path is not None  # load_documents enforces it for path datasets
-    files, _ = _data_files(path, kind)
+    files, _ = data_files(path, kind)
     _check_not_empty(path, files)
     table = _load_local(kind, files)
     if TEXT_COLUMN not in table.column_names:
@@ -88,7 +89,7 @@ def _keep_non_blank(texts: list[str]) -> list[bool]:
 
 def load_text_files(path: str | None) -> Any:
     assert path is not None
-    files, is_directory = _data_files(path, "txt")
+    files, is_directory = data_files(path, "txt")
     _check_not_empty(path, files)
     if is_directory:
         return _load_local("text", files, sample_by="document")

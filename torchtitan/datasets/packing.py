@@ -6,9 +6,17 @@ documents are encoded with BOS/EOS, concatenated, and cut into non-overlapping w
 ``seq_len + 1`` tokens (input = window[:-1], label = window[1:]). A shard that runs out starts
 its next epoch over its own documents; the partial window carries over the epoch boundary.
 
+Whole documents (chat samples, ``pad_id`` set): a document that does not fit the rest of a
+window starts the next one, and the rest of the window is padding; a document longer than a
+window fills one window alone and loses its tail (logged once with the count).
+
 Document ids: every sample carries, per input position, the index of the document the token
 comes from, counted from 0 within the sample (a window that starts inside a document gives that
-part id 0). Documents are what the packer concatenates, never found from EOS tokens in the text.
+part id 0; padding has its own id). Documents are what the packer concatenates, never found
+from EOS tokens in the text.
+
+Labels: a document may mark which of its tokens are trained (a chat sample's assistant turns);
+the label that predicts any other token, or padding, is ``IGNORE_INDEX``.
 
 Global stream: position ``p`` is the ``(p // S)``-th sequence of shard ``p % S``; global batch
 ``k`` of ``G`` sequences is positions ``[k*G, (k+1)*G)``. Data-parallel rank ``r`` of ``dp``
@@ -28,6 +36,7 @@ document and skips the consumed tokens; no token buffer is stored.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, field
 from typing import Any
@@ -35,12 +44,26 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.config.errors import ConfigError
 from torchtitan.datasets.registry import Documents, is_indexable
 from torchtitan.datasets.sources import IndexedDocuments, ShardedDocuments, StreamedDocuments
 
+logger = logging.getLogger("torchtitan")
+
 Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(input_ids, labels, document_ids), each of ``seq_len`` tokens."""
+
+
+@dataclass(frozen=True)
+class EncodedDocument:
+    """A document's tokens and, per token, whether it is trained (``targets``; None: all are)."""
+
+    tokens: list[int]
+    targets: list[bool] | None = None
+
+
+Encoder = Callable[[Any], EncodedDocument]
 
 
 @dataclass
@@ -48,19 +71,23 @@ class Window:
     """The tokens of one packed sequence (``seq_len + 1`` of them) and where its documents start."""
 
     tokens: list[int] = field(default_factory=list)
+    targets: list[bool] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # positions where a document (or its rest) begins
+    truncated: bool = False  # a whole document lost its tail to fit
 
-    def add(self, tokens: list[int]) -> None:
+    def add(self, tokens: list[int], targets: list[bool] | None) -> None:
         self.starts.append(len(self.tokens))
         self.tokens.extend(tokens)
+        self.targets.extend([True] * len(tokens) if targets is None else targets)
 
     def sample(self) -> Sample:
         """Input and labels shifted by one token; the document id of every input position."""
         tokens = torch.tensor(self.tokens, dtype=torch.long)
+        labels = torch.where(torch.tensor(self.targets[1:]), tokens[1:], IGNORE_INDEX)
         seq_len = len(self.tokens) - 1
         boundaries = torch.zeros(seq_len, dtype=torch.int32)
         boundaries[[start for start in self.starts if start < seq_len]] = 1
-        return tokens[:-1], tokens[1:], boundaries.cumsum(0, dtype=torch.int32) - 1
+        return tokens[:-1], labels, boundaries.cumsum(0, dtype=torch.int32) - 1
 
 
 @dataclass
@@ -74,7 +101,8 @@ class ShardCursor:
 
 
 class ShardReader:
-    """Cuts one shard's token stream into windows of ``window`` tokens.
+    """Cuts one shard's token stream into windows of ``window`` tokens, or packs its documents
+    whole into windows padded with ``pad_id`` when that is set.
 
     ``describe`` starts the error raised for a shard without tokens (it names the config field).
     """
@@ -83,10 +111,11 @@ class ShardReader:
         self,
         shard: int,
         documents: ShardedDocuments,
-        encode: Callable[[Any], list[int]],
+        encode: Encoder,
         window: int,
         describe: str,
         cursor: ShardCursor | None = None,
+        pad_id: int | None = None,
     ) -> None:
         self.shard = shard
         self.cursor = cursor or ShardCursor()
@@ -94,40 +123,57 @@ class ShardReader:
         self._encode = encode
         self._window = window
         self._describe = describe
-        self._tokens: list[int] | None = None  # encoded document at the cursor
+        self._pad_id = pad_id
+        self._encoded: EncodedDocument | None = None  # the document at the cursor
         self._epoch_has_tokens = self.cursor.doc > 0 or self.cursor.offset > 0
         documents.seek(shard, self.cursor.epoch, self.cursor.doc)
 
     def next_window(self) -> Window:
         out = Window()
         while len(out.tokens) < self._window:
-            tokens = self._current_tokens()
-            taken = tokens[self.cursor.offset : self.cursor.offset + self._window - len(out.tokens)]
-            out.add(taken)
-            self.cursor.offset += len(taken)
-            if self.cursor.offset == len(tokens):
-                self.cursor.doc, self.cursor.offset, self._tokens = self.cursor.doc + 1, 0, None
+            document = self._current_document()
+            room = self._window - len(out.tokens)
+            if self._pad_id is None:
+                self._take(out, document, room)
+            elif len(document.tokens) <= room or not out.tokens:
+                out.truncated |= len(document.tokens) > room
+                out.add(document.tokens[:room], document.targets and document.targets[:room])
+                self._next_document()
+            else:
+                out.add([self._pad_id] * room, [False] * room)
         self.cursor.sequences += 1
         return out
 
-    def _current_tokens(self) -> list[int]:
-        """Tokens of the document at the cursor, moving on past empty documents and epoch ends."""
-        while self._tokens is None:
+    def _take(self, out: Window, document: EncodedDocument, room: int) -> None:
+        """Up to ``room`` tokens of the document from the cursor on."""
+        start = self.cursor.offset
+        end = min(start + room, len(document.tokens))
+        out.add(document.tokens[start:end], document.targets and document.targets[start:end])
+        self.cursor.offset = end
+        if end == len(document.tokens):
+            self._next_document()
+
+    def _next_document(self) -> None:
+        self.cursor.doc, self.cursor.offset, self._encoded = self.cursor.doc + 1, 0, None
+
+    def _current_document(self) -> EncodedDocument:
+        """The document at the cursor, moving on past empty documents and epoch ends."""
+        while self._encoded is None:
             cursor = self.cursor
             document = self._documents.get(self.shard, cursor.epoch, cursor.doc)
             if document is None:
                 self._start_next_epoch()
                 continue
-            tokens = self._encode(document)
-            if len(tokens) > cursor.offset:
-                self._tokens, self._epoch_has_tokens = tokens, True
+            encoded = self._encode(document)
+            if len(encoded.tokens) > cursor.offset:
+                self._encoded, self._epoch_has_tokens = encoded, True
             else:
-                cursor.doc, cursor.offset = cursor.doc + 1, 0
-        return self._tokens
+                self._next_document()
+        return self._encoded
 
     def _start_next_epoch(self) -> None:
         if not self._epoch_has_tokens:
-            raise ValueError(
+            raise ConfigError(
                 f"{self._describe}: data shard {self.shard} yields no tokens (the dataset has fewer "
                 f"non-empty documents than data shards)"
             )
@@ -169,11 +215,26 @@ def _sequences_before(position: int, shard: int, num_shards: int) -> int:
     return max(0, -(-(position - shard) // num_shards))
 
 
+def _whole_windows(lengths: list[int], window: int) -> int:
+    """Windows that documents of these lengths fill completely when packed whole (the last,
+    partly filled one would take documents of the next epoch)."""
+    closed, used = 0, 0
+    for length in lengths:
+        length = min(length, window)
+        if used + length > window:
+            closed, used = closed + 1, 0
+        used += length
+        if used == window:
+            closed, used = closed + 1, 0
+    return closed
+
+
 class ShardedTextDataset(IterableDataset):
     """One dp rank's view of the global stream of packed sequences (see the module docstring).
 
     Yields ``(input_ids, labels, document_ids)``: LongTensors of ``seq_len`` and an IntTensor of
-    ``seq_len`` (see the module docstring). Infinite datasets continue
+    ``seq_len`` (see the module docstring). ``encode`` turns a document into its tokens;
+    ``pad_id`` set packs documents whole. Infinite datasets continue
     from their current state on every ``iter()``. Finite ones start from the beginning on every
     ``iter()`` unless a state was loaded since the last one.
 
@@ -187,13 +248,13 @@ class ShardedTextDataset(IterableDataset):
         *,
         name: str,
         documents: Documents,
-        text_processor: Callable[[Any], str],
-        tokenizer: BaseTokenizer,
+        encode: Encoder,
         seq_len: int,
         dp_rank: int,
         dp_degree: int,
         data_shards: int,
         infinite: bool,
+        pad_id: int | None = None,
         global_min: Callable[[int], int] | None = None,
         section: str = "training",
     ) -> None:
@@ -207,7 +268,9 @@ class ShardedTextDataset(IterableDataset):
         self._global_min = global_min or (lambda x: x)
         self._section = section
         self._shards = list(range(dp_rank, data_shards, dp_degree))
-        self._encode = lambda document: tokenizer.encode(text_processor(document))
+        self._encode = encode
+        self._pad_id = pad_id
+        self._truncation_logged = False
         self._documents = self._shard_documents(documents)
         self._shard_windows: dict[int, int] | None = None  # finite: windows per shard, once counted
         self._resume_pending = False
@@ -225,7 +288,7 @@ class ShardedTextDataset(IterableDataset):
 
     def _reader(self, shard: int, cursor: ShardCursor | None = None) -> ShardReader:
         describe = f"{self._section}.data_shards ({self._num_shards}) with dataset {self._name!r}"
-        return ShardReader(shard, self._documents, self._encode, self._window, describe, cursor)
+        return ShardReader(shard, self._documents, self._encode, self._window, describe, cursor, self._pad_id)
 
     def _restart(self) -> None:
         self._position = self._dp_rank
@@ -240,6 +303,8 @@ class ShardedTextDataset(IterableDataset):
             position = self._position
             window = self._readers[position % self._num_shards].next_window()
             self._position = position + self._dp_degree
+            if window.truncated and not self._truncation_logged:
+                self._log_truncation()
             yield window.sample()
         self._restart()
 
@@ -256,11 +321,29 @@ class ShardedTextDataset(IterableDataset):
             )
         return end
 
-    def _count_windows(self) -> dict[int, int]:
-        tokens = dict.fromkeys(self._shards, 0)
+    def _epoch_lengths(self) -> dict[int, list[int]]:
+        """Per shard of this rank: the token counts of one epoch's documents."""
+        lengths: dict[int, list[int]] = {shard: [] for shard in self._shards}
         for shard, document in self._documents.iter_epoch(self._shards):
-            tokens[shard] += len(self._encode(document))
-        return {shard: count // self._window for shard, count in tokens.items()}
+            lengths[shard].append(len(self._encode(document).tokens))
+        return lengths
+
+    def _count_windows(self) -> dict[int, int]:
+        lengths = self._epoch_lengths()
+        if self._pad_id is not None:
+            return {shard: _whole_windows(counts, self._window) for shard, counts in lengths.items()}
+        return {shard: sum(counts) // self._window for shard, counts in lengths.items()}
+
+    def _log_truncation(self) -> None:
+        """Warn once, with the count over one epoch of this rank's shards."""
+        self._truncation_logged = True
+        lengths = [length for counts in self._epoch_lengths().values() for length in counts]
+        too_long = sum(length > self._window for length in lengths)
+        logger.warning(
+            "%s.seq_len: %d of the %d samples of dataset %r on this rank are longer than %s.seq_len + 1 = %d "
+            "tokens and lose their tail; raise %s.seq_len to train on them whole",
+            self._section, too_long, len(lengths), self._name, self._section, self._window, self._section,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

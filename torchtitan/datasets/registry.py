@@ -7,7 +7,8 @@ A dataset's loader returns its documents in a fixed order, in one of two forms:
 - streamed: a re-iterable (every ``iter()`` starts again at the first document, like a streaming
   HuggingFace ``IterableDataset``); document ``i`` is the ``i``-th one iterated.
 
-``text_processor`` turns one raw document (a row dict, say) into its text.
+``text_processor`` turns one raw document (a row dict, say) into its text. Chat datasets
+(``chat=True``) hold ``ChatSample``s instead, rendered with the tokenizer's chat template.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ class DatasetConfig:
 
     ``uses_path``: the loader reads the config's ``dataset_path`` (required then); datasets that
     do not use it reject a set path rather than silently ignore it.
+    ``chat``: the documents are chat samples (``torchtitan.datasets.sft.ChatSample``): only
+    their assistant turns are trained, and each is packed whole into a sequence.
     """
 
     name: str
     loader: Callable[[str | None], Documents]
     text_processor: Callable[[Any], str] = _identity
     uses_path: bool = False
+    chat: bool = False
 
 
 _DATASETS: dict[str, DatasetConfig] = {}
@@ -74,7 +78,7 @@ def load_documents(name: str, path: str | None, section: str = "training") -> tu
     if path and not config.uses_path:
         raise ValueError(
             f"{section}.dataset_path: dataset {name!r} does not read a path (got {path!r}); "
-            f"unset it, or use one of the file datasets json, jsonl, parquet, txt"
+            f"unset it, or use one of the file datasets json, jsonl, parquet, txt, sft"
         )
     field = f"{section}.dataset_path" if config.uses_path else f"{section}.dataset"
     try:
