@@ -10,6 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.launcher import run_command
+from tests.layouts import single_process_dims
+from torchtitan.components.batch import InputRules, MicroBatch, model_inputs
+from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.models.attention import FlexAttention, MaskSpec, document_positions, prepare_mask
 from torchtitan.models.blockwise_attention import blockwise_attention, build_block_plan, visible
 from torchtitan.models.llama3.flavors import llama3_flavors
@@ -129,3 +133,35 @@ def test_sliding_window_kernel_masks_keys_beyond_the_window():
     q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
     out = kernel(q, k, v)
     torch.testing.assert_close(out, _dense_reference(q, k, v, None, 4))
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--model.attn_mask_type", "block_causal"], "model.attn_mask_type 'block_causal' needs model.attn_type 'flex'"),
+    (["--model.sliding_window", "64"], "model.sliding_window needs model.attn_type 'flex'"),
+    (["--model.attn_type", "flex", "--model.sliding_window", "4096", "--training.seq_len", "2048"],
+     r"model.sliding_window: must be between 1 and training.seq_len \(2048\), got 4096"),
+    (["--training.reset_position_ids_per_document"], "needs model.attn_mask_type 'block_causal'"),
+])
+def test_attention_config_errors_are_one_line(args, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        ConfigManager().parse_args(args)
+    assert "\n" not in str(info.value)
+
+
+def test_model_inputs_carry_document_ids_and_per_document_positions():
+    ids = _document_ids([[2, 3, 3]])
+    batch = MicroBatch(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long), ids)
+    dims = single_process_dims()
+    _, _, kwargs = model_inputs(batch, dims, InputRules(reset_positions=True))
+    assert kwargs["document_ids"] is ids and kwargs["positions"].tolist() == [[0, 1, 0, 1, 2, 0, 1, 2]]
+    _, _, plain = model_inputs(batch, dims, InputRules())
+    assert "positions" not in plain
+
+
+def test_block_causal_with_sdpa_stops_run_train_with_one_line():
+    result = run_command(["./run_train.sh", "--model.attn_mask_type", "block_causal", "--training.steps", "1"],
+                         env={"NGPU": "1"}, timeout=120)
+    assert result.returncode == 2, result.stdout
+    errors = [line for line in result.stdout.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "--model.attn_type flex" in errors[0], result.stdout
+    assert "Traceback" not in result.stdout
