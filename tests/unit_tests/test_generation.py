@@ -126,3 +126,18 @@ def test_command_line_refuses_a_missing_checkpoint_in_one_line(tmp_path, capsys)
         load_cli().main(["--config", str(DEBUG_TOML), "--checkpoint", str(tmp_path)])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().startswith("error: --checkpoint:")
+
+
+def test_sliding_window_flex_model_generates_the_same_with_and_without_cache(prompt) -> None:
+    """A prompt is one document; the KV cache applies the model's window."""
+    args = dataclasses.replace(llama3_flavors[TINY], max_seq_len=64, attn_type="flex", sliding_window=4)
+    flex_model = Transformer(args)
+    with torch.no_grad():
+        flex_model.init_weights(seed=0)
+    kwargs = dict(max_new_tokens=12, temperature=0.0)
+    cached = generate(flex_model.eval(), prompt, use_kv_cache=True, **kwargs)
+    assert torch.equal(cached, generate(flex_model, prompt, use_kv_cache=False, **kwargs))
+    with torch.no_grad():  # the window matters from position 4 on
+        windowed, causal = flex_model(cached), build(max_seq_len=64)(cached)
+    torch.testing.assert_close(windowed[:, :4], causal[:, :4], rtol=1e-5, atol=1e-5)
+    assert (windowed[:, 4:] - causal[:, 4:]).abs().max() > 1e-3

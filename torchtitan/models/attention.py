@@ -157,8 +157,10 @@ class FlexAttention(AttentionKernel):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: PreparedMask | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        if mask is None:
-            mask = _position_only_mask(self.spec, q.shape[2], q.device, _blockwise(q.device))
+        if mask is None:  # no document ids (generation, direct calls): any length, so on the
+            # CPU the eager block kernel rather than a compilation per length
+            blockwise = _blockwise(q.device) or not flex_has_backward(q.device)
+            mask = _position_only_mask(self.spec, q.shape[2], q.device, blockwise)
         if mask.plan is not None:
             chunks = list(range(q.shape[2] // mask.plan.size))
             scale = q.shape[-1] ** -0.5 if scale is None else scale
