@@ -36,7 +36,6 @@ on gloo (CPU) and NCCL (CUDA).
 
 from __future__ import annotations
 
-import functools
 from typing import Literal, get_args
 
 import torch
@@ -463,8 +462,8 @@ class ContextParallelAttention(AttentionKernel):
         self.spec = spec
 
     def prepare(self, document_ids: torch.Tensor | None, device: torch.device) -> BlockPlan | None:
-        if document_ids is None or self.spec.causal_only:
-            return None  # built from the shapes in forward, where needed
+        if document_ids is None or (self.spec.causal_only and self.rotate_method != "alltoall"):
+            return None  # causal SDPA, or a plan built from the shapes in forward
         docs = document_ids if self.spec.block_causal else None
         return self._plan(document_ids.shape[1] // self.cp_mesh.size(), docs, device)
 
@@ -477,9 +476,7 @@ class ContextParallelAttention(AttentionKernel):
         q_ids = (list(range(local_len * cp // size)) if self.rotate_method == "ulysses"
                  else _fine_ids(cp, rank, self.load_balancer, chunk // size))
         k_ids = list(range(local_len * cp // size))
-        if document_ids is not None:
-            return build_block_plan(q_ids, k_ids, size, document_ids, self.spec.sliding_window)
-        return _position_plan(tuple(q_ids), tuple(k_ids), size, self.spec.sliding_window, device)
+        return build_block_plan(q_ids, k_ids, size, document_ids, self.spec.sliding_window, device)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BlockPlan | None = None,
@@ -511,15 +508,6 @@ class ContextParallelAttention(AttentionKernel):
         return (f"cp={self.cp_mesh.size()}, rotate_method={self.rotate_method!r}, "
                 f"load_balancer={self.load_balancer!r}, block_causal={self.spec.block_causal}, "
                 f"sliding_window={self.spec.sliding_window}")
-
-
-@functools.lru_cache(maxsize=16)
-def _position_plan(
-    q_ids: tuple[int, ...], k_ids: tuple[int, ...], size: int, window: int | None, device: torch.device
-) -> BlockPlan:
-    """Plans without documents depend on the layout only: built once."""
-    plan = build_block_plan(list(q_ids), list(k_ids), size, None, window)
-    return BlockPlan(plan.size, {key: None if m is None else m.to(device) for key, m in plan.blocks.items()})
 
 
 def apply_cp(

@@ -123,16 +123,17 @@ def document_block_mask(spec: MaskSpec, document_ids: torch.Tensor | None, seq_l
     return create_block_mask(doc_mask_mod, document_ids.shape[0], None, seq_len, seq_len, device=device)
 
 
-def _local_plan(document_ids: torch.Tensor | None, seq_len: int, window: int | None) -> BlockPlan:
+def _local_plan(document_ids: torch.Tensor | None, seq_len: int, window: int | None,
+                device: torch.device) -> BlockPlan:
     chunks = list(range(seq_len // chunk_size(seq_len)))
-    return build_block_plan(chunks, chunks, chunk_size(seq_len), document_ids, window)
+    return build_block_plan(chunks, chunks, chunk_size(seq_len), document_ids, window, device)
 
 
-@functools.lru_cache(maxsize=16)
 def _position_only_mask(spec: MaskSpec, seq_len: int, device: torch.device, blockwise: bool) -> PreparedMask:
-    """Masks that depend on positions only (no documents) are built once per shape."""
+    """A mask that depends on positions only (no documents). Built per forward, not cached
+    across calls: a cache would carry tensors between real runs and fake-tensor traces."""
     if blockwise:
-        return PreparedMask(None, plan=_local_plan(None, seq_len, spec.sliding_window))
+        return PreparedMask(None, plan=_local_plan(None, seq_len, spec.sliding_window, device))
     return PreparedMask(None, block_mask=document_block_mask(spec, None, seq_len, device))
 
 
@@ -150,7 +151,7 @@ class FlexAttention(AttentionKernel):
         if not self.spec.block_causal:
             return _position_only_mask(self.spec, seq_len, device, blockwise)
         if blockwise:
-            return PreparedMask(document_ids, plan=_local_plan(document_ids, seq_len, self.spec.sliding_window))
+            return PreparedMask(document_ids, plan=_local_plan(document_ids, seq_len, self.spec.sliding_window, device))
         return PreparedMask(document_ids, block_mask=document_block_mask(self.spec, document_ids, seq_len, device))
 
     def forward(

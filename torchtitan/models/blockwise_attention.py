@@ -65,14 +65,16 @@ def build_block_plan(
     size: int,
     document_ids: torch.Tensor | None,
     window: int | None,
+    device: torch.device | None = None,
 ) -> BlockPlan:
-    """The plan for queries in ``q_chunks`` against keys in ``k_chunks``.
+    """The plan for queries in ``q_chunks`` against keys in ``k_chunks``; masks on the
+    document ids' device (else ``device``).
 
     ``document_ids`` ``[batch, seq]`` covers the whole (global) sequence. Deciding which blocks
     to skip reads each chunk's first and last document id on the host: one device-to-host
     copy of ``[batch, chunks]`` ints per plan (per micro-batch, shared by every layer).
     """
-    device = document_ids.device if document_ids is not None else None
+    device = document_ids.device if document_ids is not None else device
     first = last = None
     if document_ids is not None:
         by_chunk = document_ids.unflatten(1, (-1, size))
