@@ -2,20 +2,24 @@
 Llama 3 fine-tuned on the packed SFT jsonl (several samples per sequence, prompt tokens
 labelled IGNORE_INDEX, so micro-batches hold different numbers of valid tokens) gives the
 1-process losses and grad norms under FSDP, TP, each CP method, PP, FSDP x TP and gradient
-accumulation; the MoE model does under EP. A per-micro-batch mean must fail the check."""
+accumulation, with the same validation losses; the MoE model does under EP. A per-micro-batch
+mean must fail the check."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from tests.launcher import REPO_ROOT
-from tests.parity import ParityError, assert_loss_falls, assert_parity, train
+from tests.parity import RTOL, ParityError, assert_loss_falls, assert_parity, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
+SFT_FILE = str(REPO_ROOT / "tests" / "assets" / "sft_tiny.jsonl")
 SFT = [
     "--training.dataset", "sft",
-    "--training.dataset_path", str(REPO_ROOT / "tests" / "assets" / "sft_tiny.jsonl"),
+    "--training.dataset_path", SFT_FILE,
     "--model.attn_type", "flex",
     "--model.attn_mask_type", "block_causal",
     "--training.steps", "6",
@@ -38,27 +42,42 @@ CASES = {
 }
 
 
+def validation(dp: int) -> list[str]:
+    """Two validation passes (steps 3 and 6) over the same 16 sequences on any dp degree."""
+    return ["--validation.enable", "--validation.dataset", "sft", "--validation.dataset_path", SFT_FILE,
+            "--validation.freq", "3", "--validation.seq_len", "64", "--validation.data_shards", "4",
+            "--validation.local_batch_size", str(8 // dp), "--validation.steps", "2"]
+
+
+def validation_losses(folder) -> list[float]:
+    with open(folder / "validation.jsonl") as f:
+        return [json.loads(line)["validation_loss"] for line in f]
+
+
 @pytest.fixture(scope="module")
 def sft_reference(tmp_path_factory):
-    records = train(1, tmp_path_factory.mktemp("sft_reference"), SFT)
+    folder = tmp_path_factory.mktemp("sft_reference")
+    records = train(1, folder, SFT + validation(1))
     assert_loss_falls(records)
     assert len({r["valid_tokens"] for r in records}) > 1, "steps should differ in valid tokens"
-    return records
+    return records, validation_losses(folder)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_with_one_process(case, sft_reference, tmp_path):
     nproc, dp, overrides = CASES[case]
-    records = train(nproc, tmp_path, SFT + overrides, dp=dp)
-    assert_parity(sft_reference, records)
-    assert [r["valid_tokens"] for r in records] == [r["valid_tokens"] for r in sft_reference]
+    reference, reference_validation = sft_reference
+    records = train(nproc, tmp_path, SFT + validation(dp) + overrides, dp=dp)
+    assert_parity(reference, records)
+    assert [r["valid_tokens"] for r in records] == [r["valid_tokens"] for r in reference]
+    assert validation_losses(tmp_path) == pytest.approx(reference_validation, rel=RTOL)
 
 
 def test_negative_control_per_microbatch_mean_is_detected(sft_reference, tmp_path):
     planted = ["--training.local_batch_size", "2",
                "--experimental.custom_import", "tests.integration_tests.per_microbatch_mean"]
     with pytest.raises(ParityError):
-        assert_parity(sft_reference, train(1, tmp_path, SFT + planted))
+        assert_parity(sft_reference[0], train(1, tmp_path, SFT + planted))
 
 
 MOE = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--debug.moe_force_load_balance"]
