@@ -1,15 +1,17 @@
 """Test-only hook (loaded with ``--experimental.custom_import``): rank 0 pauses with a
 finished but unpublished ``step-N.tmp`` on disk, so that a test can kill the run in the
-middle of a save."""
+middle of a save. Importing this module installs the hook: never import it from a test (the
+pytest process would then pause on every asynchronous save); the line it logs lives in
+``pause_line.py``."""
 
 from __future__ import annotations
 
 import time
 
 from torchtitan.components.checkpoint import CheckpointManager
+from tests.integration_tests.pause_line import PAUSE_LINE
 from torchtitan.tools.logging import logger
 
-PAUSE_LINE = "test hook: pausing before publishing"
 PAUSE_SECONDS = 120
 
 _publish_when_written = CheckpointManager._finish

@@ -19,7 +19,7 @@ import pytest
 from tests.launcher import read_metrics, run_torchrun, start_torchrun
 from tests.layouts import DDP_2, HSDP_2X2
 from tests.parity import train_args
-from tests.integration_tests.pause_checkpoint_publish import PAUSE_LINE
+from tests.integration_tests.pause_line import PAUSE_LINE
 from torchtitan.components.checkpoint import MANIFEST
 from torchtitan.components.safe_loading import read_dcp_metadata
 

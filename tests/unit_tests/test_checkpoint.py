@@ -134,6 +134,12 @@ def assert_same(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
             assert a[key] == b[key], key
 
 
+def test_no_test_hook_is_installed_in_the_test_process():
+    """A hook module imported by a test patches the pytest process for every later test (the
+    pause hook made each asynchronous save here wait two minutes)."""
+    assert CheckpointManager._finish.__module__ == "torchtitan.components.checkpoint"
+
+
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
 def test_round_trip_restores_every_state(tmp_path, mode, caplog):
     run = Run(tmp_path, "--checkpoint.async_mode", mode)
