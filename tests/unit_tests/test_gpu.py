@@ -40,3 +40,24 @@ def test_fused_adamw_is_used_on_cuda():
     model = torch.nn.Linear(4, 4).cuda()
     optimizers = build_optimizers([model], ConfigManager().parse_args([]), None)
     assert optimizers.optimizers[0].defaults["fused"] is True
+
+
+def test_flex_block_causal_forward_and_backward_on_cuda_match_a_dense_mask():
+    """The compiled FlexAttention kernel (with its backward) under documents and a window."""
+    from torchtitan.models.attention import FlexAttention, MaskSpec
+    from torchtitan.models.blockwise_attention import visible
+
+    docs = torch.tensor([[0] * 40 + [1] * 70 + [2] * 146, [0] * 256]).cuda()
+    kernel = FlexAttention(MaskSpec(block_causal=True, sliding_window=96))
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", requires_grad=True) for _ in range(3))
+    out = kernel(q, k, v, mask=kernel.prepare(docs, q.device))
+    assert kernel.prepare(docs, q.device).block_mask is not None, "CUDA must use compiled flex"
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    pos = torch.arange(256, device="cuda")
+    dense = visible(pos[:, None], pos[None, :], docs[:, :, None], docs[:, None, :], 96).unsqueeze(1)
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, attn_mask=dense)
+    ref_grads = torch.autograd.grad(ref.square().sum(), ref_in)
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=2e-3, atol=2e-3)

@@ -71,7 +71,7 @@ class AttentionKernel(nn.Module):
         """The mask of a batch on ``device`` from ``document_ids`` ``[batch, seq]`` of the
         whole sequences (under context parallel, of every rank's tokens). None: no document
         ids given; the kernel then masks by position only, the mask built from the shapes it
-        sees (and cached)."""
+        sees."""
         return None
 
 
