@@ -2,7 +2,8 @@
 # GPU checks for a machine with one CUDA GPU. Installs nothing from the network: it uses the
 # torch already installed there, plus wheels carried along in .whl/ (if any) for the other
 # dependencies. Prints: the gpu-marked tests, bf16 tokens/s, MFU and peak memory of a short
-# Llama 3 1B training run, and (when the estimator is present) estimate vs measured memory.
+# Llama 3 1B training run, flex block_causal vs SDPA attention, and (when the estimator is
+# present) estimate vs measured memory.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,6 +32,9 @@ last = rows[-1]
 print(f"steady state (step {last['step']}): {last['tps']:.0f} tokens/s, {last['tflops']:.1f} TFLOP/s, "
       f"MFU {last['mfu']:.1f}%, peak memory {last['memory_gib']:.2f} GiB, loss {rows[0]['loss']:.3f} -> {last['loss']:.3f}")
 PYEOF
+
+echo "== flex block_causal vs sdpa causal: one attention layer, seq 2048 and 8192"
+"$PY" scripts/bench/attention_masks.py --seq-lens 2048,8192 2>&1 | tail -9
 
 if [ -f scripts/estimate/estimation.py ]; then
   echo "== memory estimate vs measured (same 1B layout, 1 GPU)"
