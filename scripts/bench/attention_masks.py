@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -136,7 +137,7 @@ def main() -> None:
     lines = [
         f"# Attention masks: {device.type}, {args.heads} heads x {args.head_dim}, batch 1, {dtype}",
         "",
-        f"- command: `python scripts/bench/attention_masks.py --seq-lens {args.seq_lens}`",
+        f"- command: `python scripts/bench/attention_masks.py {' '.join(sys.argv[1:])}`",
         f"- torch {torch.__version__}, Python {platform.python_version()}, {torch.get_num_threads()} threads",
         f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; documents of mean length {args.mean_doc_len}",
         "",

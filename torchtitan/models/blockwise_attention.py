@@ -183,51 +183,73 @@ def _accumulation_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def _fused(q: torch.Tensor) -> bool:
-    """Blocks run through the CPU's fused flash-attention kernels (with a log-sum-exp out and
-    a backward that takes the final lse), several times faster than the math below."""
+    """On the CPU each query chunk runs through the fused flash-attention kernels over its
+    visible key range in one call (a ``[chunk, range]`` mask, rebuilt in the backward rather
+    than saved), several times faster than the block math below."""
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
 
 
-def _additive(mask: Mask, dtype: torch.dtype) -> torch.Tensor | None:
-    """The fused kernels take a float mask of the query's dtype (0 visible, -inf not)."""
-    if mask is None:
+def _row_spans(plan: BlockPlan, q_chunks: list[int], k_chunks: list[int]) -> list[tuple[int, int, int, list[Mask]]]:
+    """Per local query chunk with visible keys: (q index, first k index, end k index, the
+    masks of the k chunks in between, a skipped one as all False). The fused kernels then
+    run once per query chunk over one contiguous key range instead of once per block."""
+    by_row: dict[int, dict[int, Mask]] = {}
+    for a, b, mask in plan.pairs(q_chunks, k_chunks):
+        by_row.setdefault(a, {})[b] = mask
+    spans = []
+    for a, row in sorted(by_row.items()):
+        first, end = min(row), max(row) + 1
+        spans.append((a, first, end, [row.get(b, False) for b in range(first, end)]))
+    return spans
+
+
+def _span_mask(masks: list, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The additive mask (0 visible, -inf not) of one query chunk over its key range; None
+    when every key is visible."""
+    if all(m is None for m in masks):
         return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    batch = max((m.shape[0] for m in masks if isinstance(m, torch.Tensor)), default=1)
+    parts = []
+    for m in masks:
+        if m is None:
+            parts.append(torch.ones(batch, 1, size, size, dtype=torch.bool, device=device))
+        elif m is False:
+            parts.append(torch.zeros(batch, 1, size, size, dtype=torch.bool, device=device))
+        else:
+            parts.append(m.expand(batch, -1, -1, -1))
+    seen = torch.cat(parts, dim=-1)
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
 
 
 def _fused_forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -> tuple[torch.Tensor, torch.Tensor]:
     size = plan.size
-    qs, ks, vs = (t.split(size, dim=2) for t in (q, k, v))
-    outs: list = [None] * len(q_chunks)
-    lses: list = [None] * len(q_chunks)
-    for a, b, mask in plan.pairs(q_chunks, k_chunks):
-        out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qs[a], ks[b], vs[b], 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for a, first, end, masks in _row_spans(plan, q_chunks, k_chunks):
+        rows, keys = slice(a * size, (a + 1) * size), slice(first * size, end * size)
+        out_a, lse_a = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, False,
+            attn_mask=_span_mask(masks, size, q.dtype, q.device), scale=scale,
         )
-        lse_b, out_b = lse_b.float(), out_b.float()
-        if mask is not None:  # the kernel reports lse 0 for a row that sees nothing
-            blind = ~mask.any(-1)
-            lse_b = lse_b.masked_fill(blind, float("-inf"))
-            out_b.masked_fill_(blind.unsqueeze(-1), 0.0)
-        outs[a], lses[a] = merge_blocks(outs[a], lses[a], out_b, lse_b)
-    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+        out[:, :, rows], lse[:, :, rows] = out_a, lse_a
+    return out, lse
 
 
 def _fused_backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunks, k_chunks, scale):
     size = plan.size
-    qs, ks, vs, outs, douts = (t.split(size, dim=2) for t in (q, k, v, out, grad_out.to(q.dtype)))
-    lses = lse.split(size, dim=2)
-    dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
-    dqs, dks, dvs = (t.split(size, dim=2) for t in (dq, dk, dv))
-    for a, b, mask in plan.pairs(q_chunks, k_chunks):
-        dq_ab, dk_ab, dv_ab = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], 0.0, False,
-            attn_mask=_additive(mask, q.dtype), scale=scale,
+    grad_out = grad_out.to(q.dtype)
+    dq = torch.zeros_like(q)
+    dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v))
+    for a, first, end, masks in _row_spans(plan, q_chunks, k_chunks):
+        rows, keys = slice(a * size, (a + 1) * size), slice(first * size, end * size)
+        dq_a, dk_a, dv_a = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+            lse[:, :, rows], 0.0, False, attn_mask=_span_mask(masks, size, q.dtype, q.device), scale=scale,
         )
-        dqs[a].add_(dq_ab)
-        dks[b].add_(dk_ab)
-        dvs[b].add_(dv_ab)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dq[:, :, rows] = dq_a
+        dk[:, :, keys] += dk_a
+        dv[:, :, keys] += dv_a
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -> tuple[torch.Tensor, torch.Tensor]:
