@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.rope import yarn_mscale
 from torchtitan.models.moe import GroupedExperts, MoEArgs
 from torchtitan.protocols.model import BaseModelArgs
 
@@ -16,10 +16,6 @@ if TYPE_CHECKING:
     from torchtitan.components.tokenizer import BaseTokenizer
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 @dataclass
