@@ -55,20 +55,34 @@ _HF_EXPERT_KEY = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)
 class DecoderStateDictAdapter(StateDictAdapter):
     """``to_hf``/``from_hf`` by key tables. Subclasses set ``family`` (for error messages)
     and ``per_layer`` (our key under ``layers.N.`` -> theirs under ``model.layers.N.``), and
-    may transform values (:meth:`value_to_hf` / :meth:`value_from_hf`) or skip Hugging Face
-    layers (:meth:`skips_hf_layer`). A key with no counterpart raises ``ValueError``, and so
+    may name the tensors to permute for RoPE (:meth:`rope_heads`) or skip Hugging Face layers
+    (:meth:`skips_hf_layer`). A key with no counterpart raises ``ValueError``, and so
     does an incomplete set of per-expert tensors."""
 
     family: str
     per_layer: dict[str, str]
 
+    def rope_heads(self, key: str) -> int | None:
+        """How many heads of ``model_args.head_dim`` channels the RoPE layout permutation
+        reorders in block key ``key`` (after ``layers.N.``), or None: models whose Hugging Face
+        counterpart rotates "half" channels (Llama, Qwen3) permute their q/k weights."""
+        return None
+
     def value_to_hf(self, key: str, value: torch.Tensor) -> torch.Tensor:
-        """Our tensor of block key ``key`` (after ``layers.N.``) as Hugging Face stores it."""
-        return value
+        """Our tensor of block key ``key`` as Hugging Face stores it."""
+        n_heads = self.rope_heads(key)
+        if n_heads is None:
+            return value
+        check_rows(key, value, n_heads, self.model_args.head_dim)
+        return interleaved_to_rotate_half(value, n_heads, self.model_args.head_dim)
 
     def value_from_hf(self, key: str, value: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`value_to_hf`."""
-        return value
+        n_heads = self.rope_heads(key)
+        if n_heads is None:
+            return value
+        check_rows(key, value, n_heads, self.model_args.head_dim)
+        return rotate_half_to_interleaved(value, n_heads, self.model_args.head_dim)
 
     def skips_hf_layer(self, layer: int) -> bool:
         """Whether a Hugging Face layer has no counterpart here and is ignored."""

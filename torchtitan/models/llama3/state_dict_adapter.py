@@ -11,17 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from torchtitan.models.common.hf import (
     DENSE_BLOCK,
     GQA,
     DecoderStateDictAdapter,
-    check_rows,
     check_same_fields,
-    interleaved_to_rotate_half,
     rope_settings,
-    rotate_half_to_interleaved,
 )
 from torchtitan.models.llama3.args import TransformerModelArgs
 
@@ -44,24 +39,10 @@ class Llama3StateDictAdapter(DecoderStateDictAdapter):
         check_same_fields({f: getattr(theirs, f) for f in _COMPARED},
                           {f: getattr(self.model_args, f) for f in _COMPARED})
 
-    def _rope_heads(self, key: str) -> int | None:
+    def rope_heads(self, key: str) -> int | None:
         """Number of heads whose rows need the RoPE permutation, or None."""
         return {"attention.wq.weight": self.model_args.n_heads,
                 "attention.wk.weight": self.model_args.kv_heads}.get(key)
-
-    def value_to_hf(self, key: str, value: torch.Tensor) -> torch.Tensor:
-        n_heads = self._rope_heads(key)
-        if n_heads is None:
-            return value
-        check_rows(key, value, n_heads, self.model_args.head_dim)
-        return interleaved_to_rotate_half(value, n_heads, self.model_args.head_dim)
-
-    def value_from_hf(self, key: str, value: torch.Tensor) -> torch.Tensor:
-        n_heads = self._rope_heads(key)
-        if n_heads is None:
-            return value
-        check_rows(key, value, n_heads, self.model_args.head_dim)
-        return rotate_half_to_interleaved(value, n_heads, self.model_args.head_dim)
 
 
 def to_hf_config(model_args: TransformerModelArgs) -> dict[str, Any]:
