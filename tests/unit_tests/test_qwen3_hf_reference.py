@@ -181,3 +181,19 @@ def test_aux_loss_free_flavors_do_not_export():
     args = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, load_balance_coeff=1e-3))
     with pytest.raises(ValueError, match="expert bias .* has no Hugging Face equivalent"):
         Qwen3StateDictAdapter(args).hf_config()
+
+
+def test_initial_load_and_last_save_in_hf_go_through_the_adapter(case, tmp_path):
+    """What ``checkpoint.initial_load_in_hf`` / ``last_save_in_hf`` run (one process here;
+    the layouts are covered for every model by the Llama 3 and DeepSeek-V3 interop tests)."""
+    from torchtitan.components.hf_checkpoint import load_hf_weights, save_hf_weights
+
+    args, hf, _, folder = case
+    loaded = our_model(args)
+    load_hf_weights([loaded], folder, Qwen3StateDictAdapter(args))
+    assert max_logit_error(loaded, hf, tokens()) < TOLERANCE
+    save_hf_weights([loaded], tmp_path, Qwen3StateDictAdapter(args), torch.float32, None)
+    on_disk, saved = load_file(folder / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert saved.keys() == on_disk.keys() and all(torch.equal(saved[k], on_disk[k]) for k in on_disk)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert max_logit_error(loaded, reloaded.eval(), tokens()) < TOLERANCE

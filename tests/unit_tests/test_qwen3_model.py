@@ -86,3 +86,41 @@ def test_impossible_layouts_give_one_line(world, flavor, args, message):
     with pytest.raises(ConfigError) as e:
         check(world, flavor, *args)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture
+def fake_tp2_mesh():
+    """A fake 2-rank process group (this process is rank 1) and its 1-D mesh."""
+    import torch.distributed as dist
+
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
+    try:
+        yield dist.device_mesh.init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_and_fsdp_keep_tied_embeddings_tied(fake_tp2_mesh):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from torchtitan.models.common.parallelize import apply_tp
+
+    args = dataclasses.replace(qwen3_flavors["debugmodel"], tie_word_embeddings=True, max_seq_len=32)
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    apply_tp(model, fake_tp2_mesh, loss_parallel=True)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.placements == (Shard(0),)
+    q_norm = model.layers["0"].attention.q_norm.weight  # replicated, gradient summed over tp
+    assert type(q_norm).__name__ == "DTensor"
+
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    fully_shard(model, mesh=fake_tp2_mesh)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    assert model.output.weight is model.tok_embeddings.weight
