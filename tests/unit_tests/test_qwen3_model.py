@@ -13,6 +13,7 @@ from torchtitan.models.moe import GroupedExperts
 from torchtitan.models.qwen3.flavors import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.preflight import preflight
+from tests.unit_tests.test_llama3_model import fake_rank1_of_2  # noqa: F401  (fixture: a fake 2-rank group)
 
 # Published totals, activated parameters (MoE) and non-embedding parameters (without the
 # embedding and the output layer), in billions, as the model cards give them.
@@ -88,22 +89,7 @@ def test_impossible_layouts_give_one_line(world, flavor, args, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.fixture
-def fake_tp2_mesh():
-    """A fake 2-rank process group (this process is rank 1) and its 1-D mesh."""
-    import torch.distributed as dist
-
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
-    try:
-        yield dist.device_mesh.init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_tensor_parallel_and_fsdp_keep_tied_embeddings_tied(fake_tp2_mesh):
+def test_tensor_parallel_and_fsdp_keep_tied_embeddings_tied(fake_rank1_of_2):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
@@ -112,7 +98,7 @@ def test_tensor_parallel_and_fsdp_keep_tied_embeddings_tied(fake_tp2_mesh):
     args = dataclasses.replace(qwen3_flavors["debugmodel"], tie_word_embeddings=True, max_seq_len=32)
     with torch.device("meta"):
         model = Qwen3Model(args)
-    apply_tp(model, fake_tp2_mesh, loss_parallel=True)
+    apply_tp(model, fake_rank1_of_2, loss_parallel=True)
     assert model.output.weight is model.tok_embeddings.weight
     assert model.output.weight.placements == (Shard(0),)
     q_norm = model.layers["0"].attention.q_norm.weight  # replicated, gradient summed over tp
@@ -120,7 +106,7 @@ def test_tensor_parallel_and_fsdp_keep_tied_embeddings_tied(fake_tp2_mesh):
 
     with torch.device("meta"):
         model = Qwen3Model(args)
-    fully_shard(model, mesh=fake_tp2_mesh)
+    fully_shard(model, mesh=fake_rank1_of_2)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     assert model.output.weight is model.tok_embeddings.weight
