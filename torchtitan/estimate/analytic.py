@@ -29,7 +29,9 @@ class Geometry:
 
     @classmethod
     def from_model_args(cls, args) -> Geometry | None:
-        """None for model args without Llama-style fields."""
+        """None for model args without Llama-style fields or with MoE layers."""
+        if getattr(args, "moe", None) is not None:
+            return None
         try:
             return cls(
                 dim=args.dim,

@@ -55,7 +55,7 @@ def header_lines(job_config: JobConfig, setup: Recipe, world_size: int, target: 
         f"  vocabulary {setup.model_args.vocab_size:,} (from the {vocab_source}); target device {target}"
         + (": CUDA-kernel emulation (rms_norm) and 512-byte block rounding" if target == "cuda" else ""),
     ]
-    if hasattr(setup.model_args, "moe"):
+    if getattr(setup.model_args, "moe", None) is not None:
         lines.append("  MoE routing assumed perfectly balanced (every expert gets tokens x top_k / experts); "
                      "real imbalance adds to the expert activations")
     return lines

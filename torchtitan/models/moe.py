@@ -219,7 +219,10 @@ class MoE(nn.Module):
             SharedExperts(dim, hidden_dim * args.num_shared_experts)
             if args.num_shared_experts > 0 else None
         )
-        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        # Only with aux-loss-free balancing (else no state-dict entry, as in checkpoints of
+        # models routed without one, e.g. Hugging Face's Qwen3-MoE).
+        balanced = args.load_balance_coeff is not None
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts) if balanced else None)
         # Tokens routed to each expert since the last optimizer step (this rank's tokens).
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         # Global counts of the last step, for metrics (set by the optimizer pre-step hook).
@@ -228,14 +231,14 @@ class MoE(nn.Module):
         self.aux_loss_scale = 1.0
 
     def reset_buffers(self) -> None:
-        self.expert_bias.zero_()
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, dim = x.shape
         tokens = x.reshape(-1, dim)
-        bias = self.expert_bias if self.args.load_balance_coeff is not None else None
-        weights, chosen, scores = self.router(tokens, bias, seq_len)
+        weights, chosen, scores = self.router(tokens, self.expert_bias, seq_len)
 
         flat = chosen.flatten()
         order = flat.argsort(stable=True)

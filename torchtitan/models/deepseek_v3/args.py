@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from torch import nn
 
-from torchtitan.config.errors import ConfigError
-from torchtitan.models.moe import GroupedExperts, MoEArgs
+from torchtitan.models.common.rope import yarn_mscale
+from torchtitan.models.common.args import check_expert_layout, check_tp_divides_heads, nparams_and_flops, require
+from torchtitan.models.moe import MoEArgs
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
     from torchtitan.components.tokenizer import BaseTokenizer
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 @dataclass
@@ -65,37 +61,18 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
         self.moe = replace(self.moe, force_load_balance=job_config.debug.moe_force_load_balance)
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
-        tp, ep, etp = parallel_dims.tp, parallel_dims.ep, parallel_dims.etp
-        _require(self.n_heads % tp == 0, f"parallelism.tensor_parallel_degree ({tp}) must divide "
-                 f"the model's n_heads ({self.n_heads})")
-        _require(self.inter_dim % tp == 0, f"parallelism.tensor_parallel_degree ({tp}) must "
-                 f"divide the model's inter_dim ({self.inter_dim})")
-        _require(self.moe.num_experts % ep == 0, f"parallelism.expert_parallel_degree ({ep}) "
-                 f"must divide the model's number of routed experts ({self.moe.num_experts})")
-        if etp > 1:
-            shared = self.moe_inter_dim * self.moe.num_shared_experts
-            _require(self.moe_inter_dim % etp == 0 and shared % etp == 0,
-                     f"parallelism.expert_tensor_parallel_degree ({etp}) must divide the "
-                     f"experts' hidden sizes (moe_inter_dim {self.moe_inter_dim}, shared {shared})")
+        check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, inter_dim=self.inter_dim)
+        check_expert_layout(parallel_dims, self.moe, {
+            "moe_inter_dim": self.moe_inter_dim,
+            "shared": self.moe_inter_dim * self.moe.num_shared_experts,
+        })
         if self.moe.num_expert_groups:
-            _require(self.moe.num_experts % self.moe.num_expert_groups == 0,
-                     f"model: num_expert_groups ({self.moe.num_expert_groups}) must divide "
-                     f"num_experts ({self.moe.num_experts})")
+            require(self.moe.num_experts % self.moe.num_expert_groups == 0,
+                    f"model: num_expert_groups ({self.moe.num_expert_groups}) must divide "
+                    f"num_experts ({self.moe.num_experts})")
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Parameter count and training FLOPs per token. Only ``top_k`` of the routed
-        experts run per token, so they count ``top_k / num_experts`` of their weights;
-        attention adds ``6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len``."""
-        nparams = sum(p.numel() for p in model.parameters())
-        embedding = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
-                        for p in m.parameters())
-        routed = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts)
-                     for p in m.parameters())
-        inactive = routed * (1 - self.moe.top_k / self.moe.num_experts)
+        """Parameter count and training FLOPs per token (``common/args.py``); attention adds
+        ``6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len``."""
         attention = 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
-        return nparams, int(6 * (nparams - embedding - inactive) + attention)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+        return nparams_and_flops(model, attention, self.moe)

@@ -1,6 +1,7 @@
-"""Applies parallelisms to a DeepSeek-V3 model in a fixed order: tensor parallel (attention
-and dense FFNs), context parallel (attention), expert / expert-tensor parallel (MoE layers),
-activation checkpointing, then FSDP/HSDP (experts over ``efsdp`` first) or DDP."""
+"""Applies parallelisms to a DeepSeek-V3 model: the shared decoder order
+(``models/common/parallelize.py``: TP, CP, expert / expert-tensor parallel, activation
+checkpointing, then FSDP/HSDP with experts over ``efsdp`` first, or DDP) with the MLA block
+plan below. Compile is refused for now."""
 
 from __future__ import annotations
 
@@ -9,71 +10,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.context_parallel import apply_cp
-from torchtitan.distributed.data_parallel import (
-    apply_ddp,
-    apply_fsdp,
-    reshard_after_forward_policy,
+from torchtitan.models.common.decoder import TransformerBlock
+from torchtitan.models.common.parallelize import (
+    attention_input_plan,
+    ffn_tp_plan,
+    parallelize_decoder,
+    refuse_moe_compile,
 )
-from torchtitan.distributed.expert_parallel import apply_expert_fsdp, parallelize_moe
-from torchtitan.tools.dtypes import TORCH_DTYPES
-from torchtitan.tools.logging import logger
 
 
 def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
-    if job_config.compile.enable:
-        raise ConfigError(
-            "compile.enable: not supported for deepseek_v3 yet (MoE routing and expert "
-            "parallel sync with the host); run without --compile.enable"
-        )
-    if job_config.parallelism.enable_async_tensor_parallel:
-        raise ConfigError("parallelism.enable_async_tensor_parallel: not supported for deepseek_v3")
-    if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.world_mesh["tp"],
-                 loss_parallel=not job_config.parallelism.disable_loss_parallel)
-    if parallel_dims.cp_enabled:
-        p = job_config.parallelism
-        apply_cp(model, parallel_dims.world_mesh["cp"], p.context_parallel_rotate_method,
-                 p.context_parallel_load_balancer)
-    moes = [block.moe for block in model.layers.values() if block.moe_enabled]
-    for moe in moes:
-        parallelize_moe(moe, parallel_dims)
-    if parallel_dims.ep_enabled:
-        logger.info(f"applied expert parallel over {parallel_dims.ep} ranks "
-                    f"(expert tensor parallel {parallel_dims.etp})")
-
-    ac = job_config.activation_checkpoint
-    apply_ac(model.layers, ac.mode, ac.selective_ac_option)
-
-    if parallel_dims.fsdp_enabled:
-        training = job_config.training
-        fsdp_kwargs = {
-            "param_dtype": TORCH_DTYPES[training.mixed_precision_param],
-            "reduce_dtype": TORCH_DTYPES[training.mixed_precision_reduce],
-            "reshard_after_forward": reshard_after_forward_policy(
-                job_config.parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled
-            ),
-            "cpu_offload": training.enable_cpu_offload,
-        }
-        if parallel_dims.ep_enabled:
-            for moe in moes:
-                apply_expert_fsdp(moe, parallel_dims, **fsdp_kwargs)
-        apply_fsdp(model, parallel_dims.fsdp_mesh, list(model.layers.values()), **fsdp_kwargs)
-    elif parallel_dims.dp_replicate_enabled:
-        apply_ddp(model, parallel_dims.world_mesh["dp_replicate"])
-    return model
+    refuse_moe_compile(job_config, "deepseek_v3")
+    return parallelize_decoder(model, parallel_dims, job_config, block_plan=mla_block_tp_plan)
 
 
 class _SumGradFrom(torch.autograd.Function):
@@ -119,50 +70,19 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, None, self._to_dtensor, self._to_local)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    """Megatron-style TP with sequence parallel, as for Llama 3: activations between
-    blocks are sharded on the sequence; MLA heads are sharded (``wq``/``wq_b``/``wkv_b``
-    column-wise, ``wo`` row-wise) while the latent projections and norms are replicated;
-    dense FFNs as in Llama 3. MoE layers are handled by ``parallelize_moe``."""
-    root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
+def mla_block_tp_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
+    """MLA heads sharded (``wq``/``wq_b``/``wkv_b`` column-wise, ``wo`` row-wise) while the
+    latent projections and norms are replicated; the feed-forward as in the shared plan."""
+    attention = block.attention
+    plan: dict[str, ParallelStyle] = attention_input_plan() | {
+        "attention.wkv_a": ReplicateParallel(sum_grad_from=attention.kv_lora_rank),
+        "attention.kv_norm": ReplicateParallel(),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
     }
-    present = {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None}
-    parallelize_module(model, tp_mesh, present)
-    for block in model.layers.values():
-        attention = block.attention
-        plan: dict[str, ParallelStyle] = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wkv_a": ReplicateParallel(sum_grad_from=attention.kv_lora_rank),
-            "attention.kv_norm": ReplicateParallel(),
-            "attention.wkv_b": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-        }
-        if hasattr(attention, "wq"):
-            plan["attention.wq"] = ColwiseParallel()
-        else:
-            plan |= {"attention.wq_a": ReplicateParallel(), "attention.q_norm": ReplicateParallel(),
-                     "attention.wq_b": ColwiseParallel()}
-        if not block.moe_enabled:
-            plan |= {
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            }
-        parallelize_module(block, tp_mesh, plan)
-    logger.info(f"applied tensor + sequence parallel over {tp_mesh.size()} ranks "
-                f"(loss parallel {'on' if loss_parallel else 'off'})")
-
+    if hasattr(attention, "wq"):
+        plan["attention.wq"] = ColwiseParallel()
+    else:
+        plan |= {"attention.wq_a": ReplicateParallel(), "attention.q_norm": ReplicateParallel(),
+                 "attention.wq_b": ColwiseParallel()}
+    return plan | ffn_tp_plan(block)

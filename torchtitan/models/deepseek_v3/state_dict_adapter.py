@@ -1,4 +1,5 @@
-"""Conversion between our DeepSeek-V3 checkpoints and Hugging Face ``DeepseekV3ForCausalLM``.
+"""Conversion between our DeepSeek-V3 checkpoints and Hugging Face ``DeepseekV3ForCausalLM``
+(key tables: ``models/common/hf.py``).
 
 ``to_hf`` writes the layout of the published safetensors files (and of transformers'
 ``save_pretrained``): one ``mlp.experts.{e}.{gate,up,down}_proj.weight`` per expert.
@@ -15,26 +16,22 @@ DeepSeek-V2-Lite-sized "16B") have no Hugging Face DeepseekV3 equivalent.
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
+from torchtitan.models.common.hf import (
+    DENSE_BLOCK,
+    ROUTER,
+    DecoderStateDictAdapter,
+    check_same_fields,
+    require,
+    rope_settings,
+)
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.moe import MoEArgs
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.logging import logger
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_PER_LAYER = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+_MLA = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wq_a.weight": "self_attn.q_a_proj.weight",
     "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -43,104 +40,37 @@ _PER_LAYER = {
     "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "moe.router.gate.weight": "mlp.gate.weight",
+}
+_MOE = ROUTER | {
     "moe.expert_bias": "mlp.gate.e_score_correction_bias",
     "moe.shared_experts.w1": "mlp.shared_experts.gate_proj.weight",
     "moe.shared_experts.w2": "mlp.shared_experts.down_proj.weight",
     "moe.shared_experts.w3": "mlp.shared_experts.up_proj.weight",
 }
-_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
-_TO_OURS_TOP = {hf: ours for ours, hf in _TOP_LEVEL.items()}
-_TO_OURS_LAYER = {hf: ours for ours, hf in _PER_LAYER.items()}
-_TO_OURS_EXPERT = {hf: ours for ours, hf in _EXPERTS.items()}
-_OURS_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_EXPERT_KEY = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-class DeepSeekV3StateDictAdapter(StateDictAdapter):
-    """``to_hf``/``from_hf`` for :class:`~torchtitan.models.deepseek_v3.model.DeepSeekV3Model`.
-
-    Works on partial state dicts (one pipeline stage's, one parameter's); a key with no
-    counterpart raises ``ValueError``, and so does an incomplete set of per-expert tensors.
-    """
+class DeepSeekV3StateDictAdapter(DecoderStateDictAdapter):
+    """``to_hf``/``from_hf`` for :class:`~torchtitan.models.deepseek_v3.model.DeepSeekV3Model`."""
 
     model_args: DeepSeekV3ModelArgs
+    family = "DeepSeek-V3"
+    per_layer = _MLA | DENSE_BLOCK | _MOE
 
     def hf_config(self) -> dict[str, Any]:
         return to_hf_config(self.model_args)
 
     def check_hf_config(self, config: dict[str, Any]) -> None:
         self.require_architecture(config, "DeepseekV3ForCausalLM", "DeepSeek-V3")
-        theirs, ours = _compared_fields(from_hf_config(config)), _compared_fields(self.model_args)
-        mismatches = [f"{name} = {theirs[name]} but model.flavor gives {ours[name]}"
-                      for name in ours if name in theirs and theirs[name] != ours[name]]
-        if mismatches:
-            raise ValueError(
-                f"config.json has {', '.join(mismatches)}; choose the flavor (or tokenizer) that "
-                "matches"
-            )
+        check_same_fields(_compared_fields(from_hf_config(config)), _compared_fields(self.model_args))
         if self.model_args.moe.load_balance_coeff is None:
             logger.warning(
                 "model.flavor has moe.load_balance_coeff = None, so the routers ignore the "
                 "checkpoint's e_score_correction_bias (Hugging Face always adds it)"
             )
 
-    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        out = {}
-        for key, value in state_dict.items():
-            if key in _TOP_LEVEL:
-                out[_TOP_LEVEL[key]] = value
-                continue
-            layer, rest = _split_layer_key(_OURS_LAYER_KEY, key)
-            if rest in _EXPERTS:
-                for e, expert in enumerate(value.unbind(0)):
-                    out[f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[rest]}.weight"] = expert
-            elif rest in _PER_LAYER:
-                out[f"model.layers.{layer}.{_PER_LAYER[rest]}"] = value
-            else:
-                raise ValueError(f"no Hugging Face counterpart for key {key!r}")
-        return out
-
-    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        out = {}
-        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = defaultdict(dict)
-        for hf_key, value in hf_state_dict.items():
-            if hf_key in _TO_OURS_TOP:
-                out[_TO_OURS_TOP[hf_key]] = value
-                continue
-            layer, rest = _split_layer_key(_HF_LAYER_KEY, hf_key)
-            if int(layer) >= self.model_args.n_layers:
-                continue
-            prefix = f"layers.{layer}."
-            if expert := _HF_EXPERT_KEY.fullmatch(rest):
-                experts[(layer, _TO_OURS_EXPERT[expert.group(2)])][int(expert.group(1))] = value
-            elif rest == "mlp.experts.gate_up_proj":
-                out[prefix + "moe.experts.w1"], out[prefix + "moe.experts.w3"] = value.chunk(2, dim=1)
-            elif rest == "mlp.experts.down_proj":
-                out[prefix + "moe.experts.w2"] = value
-            elif rest in _TO_OURS_LAYER:
-                out[prefix + _TO_OURS_LAYER[rest]] = value
-            else:
-                raise ValueError(f"unknown Hugging Face DeepSeek-V3 key {hf_key!r}")
-        for (layer, name), by_index in experts.items():
-            n = self.model_args.moe.num_experts
-            if sorted(by_index) != list(range(n)):
-                raise ValueError(
-                    f"layer {layer}: expected experts 0..{n - 1} for {name}, got {sorted(by_index)}"
-                )
-            out[f"layers.{layer}.{name}"] = torch.stack([by_index[e] for e in range(n)])
-        return out
-
-
-def _split_layer_key(pattern: re.Pattern, key: str) -> tuple[str, str]:
-    match = pattern.fullmatch(key)
-    if match is None:
-        raise ValueError(f"unknown key {key!r}")
-    return match.group(1), match.group(2)
+    def skips_hf_layer(self, layer: int) -> bool:
+        """The multi-token-prediction module of the 671B checkpoint (layers beyond ours)."""
+        return layer >= self.model_args.n_layers
 
 
 def to_hf_config(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
@@ -195,22 +125,6 @@ def to_hf_config(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
     }
 
 
-def _rope_settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Merge transformers 5.x ``rope_parameters`` and 4.x (and the published checkpoints')
-    ``rope_theta``/``rope_scaling`` forms."""
-    settings: dict[str, Any] = {"rope_theta": config.get("rope_theta", 10000.0)}
-    settings.update(config.get("rope_scaling") or {})
-    settings.update(config.get("rope_parameters") or {})
-    settings.setdefault("rope_type", settings.get("type", "default"))
-    return settings
-
-
-def _require(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise ValueError(f"config.json lacks {key!r}")
-    return config[key]
-
-
 def from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3ModelArgs:
     """Model args equivalent to a Hugging Face DeepSeek-V3 config dict (``max_seq_len`` is
     left at its default: the trainer sets it from ``training.seq_len``)."""
@@ -220,38 +134,38 @@ def from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3ModelArgs:
         raise ValueError("config.json: attention biases are not supported")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: unsupported hidden_act {config['hidden_act']!r}")
-    rope = _rope_settings(config)
+    rope = rope_settings(config)
     if rope["rope_type"] not in ("default", "yarn"):
         raise ValueError(f"config.json: unsupported rope_type {rope['rope_type']!r}")
-    groups = _require(config, "n_group")
-    limited = _require(config, "topk_group")
+    groups = require(config, "n_group")
+    limited = require(config, "topk_group")
     if groups == 1:  # one group: no group-limited routing
         groups = limited = None
     moe = MoEArgs(
-        num_experts=_require(config, "n_routed_experts"),
-        num_shared_experts=_require(config, "n_shared_experts"),
-        top_k=_require(config, "num_experts_per_tok"),
+        num_experts=require(config, "n_routed_experts"),
+        num_shared_experts=require(config, "n_shared_experts"),
+        top_k=require(config, "num_experts_per_tok"),
         score_func=config.get("scoring_func", "sigmoid"),
-        route_norm=bool(_require(config, "norm_topk_prob")),
-        route_scale=float(_require(config, "routed_scaling_factor")),
+        route_norm=bool(require(config, "norm_topk_prob")),
+        route_scale=float(require(config, "routed_scaling_factor")),
         num_expert_groups=groups,
         num_limited_groups=limited,
     )
     args = DeepSeekV3ModelArgs(
-        vocab_size=_require(config, "vocab_size"),
-        dim=_require(config, "hidden_size"),
-        inter_dim=_require(config, "intermediate_size"),
-        moe_inter_dim=_require(config, "moe_intermediate_size"),
-        n_layers=_require(config, "num_hidden_layers"),
-        n_dense_layers=_require(config, "first_k_dense_replace"),
-        n_heads=_require(config, "num_attention_heads"),
+        vocab_size=require(config, "vocab_size"),
+        dim=require(config, "hidden_size"),
+        inter_dim=require(config, "intermediate_size"),
+        moe_inter_dim=require(config, "moe_intermediate_size"),
+        n_layers=require(config, "num_hidden_layers"),
+        n_dense_layers=require(config, "first_k_dense_replace"),
+        n_heads=require(config, "num_attention_heads"),
         norm_eps=config.get("rms_norm_eps", 1e-6),
         moe=moe,
         q_lora_rank=config.get("q_lora_rank") or 0,  # null: full-rank queries
-        kv_lora_rank=_require(config, "kv_lora_rank"),
-        qk_nope_head_dim=_require(config, "qk_nope_head_dim"),
-        qk_rope_head_dim=_require(config, "qk_rope_head_dim"),
-        v_head_dim=_require(config, "v_head_dim"),
+        kv_lora_rank=require(config, "kv_lora_rank"),
+        qk_nope_head_dim=require(config, "qk_nope_head_dim"),
+        qk_rope_head_dim=require(config, "qk_rope_head_dim"),
+        v_head_dim=require(config, "v_head_dim"),
         rope_theta=float(rope["rope_theta"]),
     )
     if rope["rope_type"] == "yarn":

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.args import check_no_experts, check_tp_divides_heads, nparams_and_flops
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
@@ -52,32 +52,10 @@ class TransformerModelArgs(BaseModelArgs):
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
-        if parallel_dims.ep > 1 or parallel_dims.etp > 1:
-            raise ConfigError(
-                "parallelism.expert_parallel_degree / expert_tensor_parallel_degree: llama3 has "
-                "no experts; leave them at 1 (or train a MoE model such as deepseek_v3)"
-            )
-        tp = parallel_dims.tp
-        for name, heads in (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads)):
-            if heads % tp != 0:
-                raise ConfigError(
-                    f"parallelism.tensor_parallel_degree ({tp}) must divide the model's "
-                    f"{name} ({heads}); choose a tensor_parallel_degree that divides it"
-                )
+        check_no_experts(parallel_dims, "llama3")
+        check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, n_kv_heads=self.kv_heads)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Parameter count and training FLOPs per token.
-
-        Every non-embedding weight costs 6 FLOPs per token (forward + backward
-        matmuls); attention scores and their application add
-        ``12 * n_layers * n_heads * head_dim * seq_len``. Works on meta models.
-        """
-        nparams = sum(p.numel() for p in model.parameters())
-        nparams_embedding = sum(
-            p.numel()
-            for m in model.modules()
-            if isinstance(m, nn.Embedding)
-            for p in m.parameters()
-        )
-        attention_flops = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        return nparams, 6 * (nparams - nparams_embedding) + attention_flops
+        """Parameter count and training FLOPs per token (``common/args.py``); attention adds
+        ``12 * n_layers * n_heads * head_dim * seq_len``."""
+        return nparams_and_flops(model, 12 * self.n_layers * self.n_heads * self.head_dim * seq_len)

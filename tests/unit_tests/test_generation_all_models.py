@@ -1,0 +1,60 @@
+"""Every registered model generates through the KV cache exactly what it generates without
+one, and its logits equal the training forward's (the cache plugs into the attention seam:
+GQA, MLA with its softmax scale, MoE)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from torchtitan.generation import generate, kv_cache
+from torchtitan.protocols.train_spec import get_train_spec, registered_train_specs
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+DEBUG_FLAVORS = [(name, flavor) for name in registered_train_specs()
+                 for flavor in get_train_spec(name).model_args if flavor.startswith("debugmodel")]
+# MLA with YaRN: its softmax scale is not 1 / sqrt(head_dim), so a cache that dropped the
+# scale would give other logits.
+CASES = [(name, flavor, {}) for name, flavor in DEBUG_FLAVORS] + [
+    ("deepseek_v3", "debugmodel", {"rope_factor": 40.0, "rope_original_seq_len": 16}),
+]
+
+
+def build(name: str, flavor: str, overrides: dict) -> torch.nn.Module:
+    spec = get_train_spec(name)
+    args = dataclasses.replace(spec.flavor_args(flavor), max_seq_len=64, **overrides)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(seed=0)
+    return model.eval()
+
+
+def test_every_registered_model_has_a_debug_flavor():
+    assert {name for name, _ in DEBUG_FLAVORS} == set(registered_train_specs())
+
+
+@pytest.mark.parametrize("name, flavor, overrides", CASES)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kv_cache_gives_the_no_cache_tokens(name, flavor, overrides, temperature):
+    model = build(name, flavor, overrides)
+    prompt = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=8, temperature=temperature, seed=3)
+    cached = generate(model, prompt, use_kv_cache=True, **kwargs)
+    assert cached.shape == (2, 7 + 8)
+    assert torch.equal(cached, generate(model, prompt, use_kv_cache=False, **kwargs))
+
+
+@pytest.mark.parametrize("name, flavor, overrides", CASES)
+@torch.no_grad()
+def test_kv_cache_logits_equal_the_training_forward(name, flavor, overrides):
+    model = build(name, flavor, overrides)
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with kv_cache(model, max_len=9):
+        pieces = [model(tokens[:, :5], positions=torch.arange(5))]
+        pieces += [model(tokens[:, p : p + 1], positions=torch.arange(p, p + 1)) for p in range(5, 9)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), model(tokens), rtol=1e-5, atol=1e-5)

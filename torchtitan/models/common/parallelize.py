@@ -1,0 +1,190 @@
+"""Parallelisms for the shared decoder (``common/decoder.py``), applied in one fixed order:
+tensor parallel (+ sequence and loss parallel), context parallel, expert / expert-tensor
+parallel for MoE layers, activation checkpointing, per-block compile, then FSDP/HSDP
+(routed experts over ``efsdp`` first) or DDP. A model supplies the tensor-parallel plan of
+its blocks, composed from the plans of the shared blocks below. Reads
+``parallel_dims.world_mesh`` itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.context_parallel import apply_cp
+from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward_policy
+from torchtitan.distributed.expert_parallel import apply_expert_fsdp, parallelize_moe
+from torchtitan.models.common.decoder import Decoder, TransformerBlock
+from torchtitan.models.common.gqa import GQAttention
+from torchtitan.tools.compile import compile_blocks
+from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.logging import logger
+
+BlockPlan = Callable[[TransformerBlock], dict[str, ParallelStyle]]
+"""A block -> its tensor-parallel plan (module path under the block -> style)."""
+
+
+# ---------------------------------------------------------------------------- TP plans
+def root_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """Embedding row-wise (vocab-sharded) producing sequence-sharded activations, final norm
+    sequence-parallel, output column-wise with logits left vocab-sharded for loss parallel."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def attention_input_plan() -> dict[str, ParallelStyle]:
+    """The block's first norm on sequence shards; attention gathers the whole sequence."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+    }
+
+
+def gqa_tp_plan(attention: GQAttention) -> dict[str, ParallelStyle]:
+    """Heads sharded: q/k/v column-wise, ``wo`` row-wise back to sequence shards. Per-head
+    q/k norms see the local heads as shards of dim 2, so their replicated weights' gradients
+    are summed over the tp ranks."""
+    plan: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if attention.qk_norm:
+        for name in ("attention.q_norm", "attention.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def feed_forward_tp_plan() -> dict[str, ParallelStyle]:
+    """A dense SwiGLU: w1/w3 column-wise, w2 row-wise back to sequence shards."""
+    return {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def ffn_tp_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
+    """``ffn_norm`` on sequence shards, then the dense plan (MoE layers are handled by
+    ``parallelize_moe``)."""
+    plan: dict[str, ParallelStyle] = {"ffn_norm": SequenceParallel()}
+    return plan if block.moe_enabled else plan | feed_forward_tp_plan()
+
+
+def gqa_block_tp_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
+    """A block of grouped-query attention and a dense or MoE feed-forward."""
+    return attention_input_plan() | gqa_tp_plan(block.attention) | ffn_tp_plan(block)
+
+
+def apply_tp(model: Decoder, tp_mesh: DeviceMesh, loss_parallel: bool,
+             block_plan: BlockPlan = gqa_block_tp_plan) -> None:
+    """Megatron-style TP with sequence parallel: activations between blocks are sharded on
+    the sequence dim; each block by ``block_plan``; tied embeddings tied again."""
+    present = {k: v for k, v in root_tp_plan(loss_parallel).items() if getattr(model, k, None) is not None}
+    parallelize_module(model, tp_mesh, present)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(block))
+    model.tie_embeddings()  # both weights are Shard(0) over tp (the vocab)
+    logger.info(f"applied tensor + sequence parallel over {tp_mesh.size()} ranks "
+                f"(loss parallel {'on' if loss_parallel else 'off'})")
+
+
+def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
+    """Overlap TP collectives with matmuls (inductor micro-pipelining over symmetric memory)."""
+    if tp_mesh.device_type != "cuda" or not compiled:
+        raise ValueError(
+            "parallelism.enable_async_tensor_parallel needs CUDA and compile.enable; "
+            f"this run has device {tp_mesh.device_type!r} and compile.enable={compiled}"
+        )
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    logger.info("async tensor parallel enabled")
+
+
+# ---------------------------------------------------------------------------- the order
+def refuse_moe_compile(job_config: Any, model_name: str) -> None:
+    """MoE routing and expert parallel sync with the host, which compile and async TP (which
+    needs compile) do not support yet."""
+    if job_config.compile.enable:
+        raise ConfigError(
+            f"compile.enable: not supported for {model_name} yet (MoE routing and expert "
+            "parallel sync with the host); run without --compile.enable"
+        )
+    if job_config.parallelism.enable_async_tensor_parallel:
+        raise ConfigError(f"parallelism.enable_async_tensor_parallel: not supported for {model_name}")
+
+
+def fsdp_settings(job_config: Any, parallel_dims: ParallelDims) -> dict[str, Any]:
+    """The keyword arguments of ``apply_fsdp`` / ``apply_expert_fsdp`` from the config."""
+    training = job_config.training
+    return {
+        "param_dtype": TORCH_DTYPES[training.mixed_precision_param],
+        "reduce_dtype": TORCH_DTYPES[training.mixed_precision_reduce],
+        "reshard_after_forward": reshard_after_forward_policy(
+            job_config.parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled
+        ),
+        "cpu_offload": training.enable_cpu_offload,
+    }
+
+
+def parallelize_decoder(model: Decoder, parallel_dims: ParallelDims, job_config: Any,
+                        block_plan: BlockPlan = gqa_block_tp_plan) -> Decoder:
+    """Apply every enabled parallelism to ``model`` (or one pipeline stage of it) in place."""
+    p = job_config.parallelism
+    if parallel_dims.tp_enabled:
+        tp_mesh = parallel_dims.world_mesh["tp"]
+        apply_tp(model, tp_mesh, loss_parallel=not p.disable_loss_parallel, block_plan=block_plan)
+        if p.enable_async_tensor_parallel:
+            enable_async_tp(tp_mesh, compiled=job_config.compile.enable)
+    if parallel_dims.cp_enabled:
+        apply_cp(model, parallel_dims.world_mesh["cp"], p.context_parallel_rotate_method,
+                 p.context_parallel_load_balancer)
+    moes = [block.moe for block in model.layers.values() if block.moe_enabled]
+    for moe in moes:
+        parallelize_moe(moe, parallel_dims)
+    if moes and parallel_dims.ep_enabled:
+        logger.info(f"applied expert parallel over {parallel_dims.ep} ranks "
+                    f"(expert tensor parallel {parallel_dims.etp})")
+
+    ac = job_config.activation_checkpoint
+    apply_ac(model.layers, ac.mode, ac.selective_ac_option)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        compile_blocks(model.layers, job_config.compile.backend)
+
+    if parallel_dims.fsdp_enabled:
+        settings = fsdp_settings(job_config, parallel_dims)
+        if parallel_dims.ep_enabled:
+            for moe in moes:
+                apply_expert_fsdp(moe, parallel_dims, **settings)
+        apply_fsdp(model, parallel_dims.fsdp_mesh, list(model.layers.values()), **settings)
+    elif parallel_dims.dp_replicate_enabled:
+        apply_ddp(model, parallel_dims.world_mesh["dp_replicate"])
+    return model

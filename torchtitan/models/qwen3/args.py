@@ -1,0 +1,73 @@
+"""Arguments of the Qwen3 model family: dense (``moe`` None) and Qwen3-MoE (every block's
+feed-forward a MoE layer of ``moe.num_experts`` routed experts, no shared experts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from torchtitan.models.common.args import (
+    check_expert_layout,
+    check_no_experts,
+    check_tp_divides_heads,
+    nparams_and_flops,
+    require,
+)
+from torchtitan.models.moe import MoEArgs
+from torchtitan.protocols.model import BaseModelArgs
+
+if TYPE_CHECKING:
+    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+
+
+@dataclass
+class Qwen3ModelArgs(BaseModelArgs):
+    vocab_size: int = 151936
+    dim: int = 4096
+    n_layers: int = 36
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    # Set on its own: n_heads * head_dim need not equal dim (Qwen3-0.6B: 16 x 128 vs 1024).
+    head_dim: int = 128
+    ffn_hidden_dim: int = 12288  # dense SwiGLU hidden size (Hugging Face intermediate_size)
+    norm_eps: float = 1e-6  # every RMSNorm, the per-head q/k norms included
+    rope_theta: float = 1_000_000.0
+    max_seq_len: int = 4096
+    # The output layer uses the embedding's weight (the published 0.6B, 1.7B and 4B).
+    tie_word_embeddings: bool = False
+    # Qwen3-MoE: softmax top-k routing with renormalised top-k weights (route_norm);
+    # load_balance_coeff None routes as the published models (no expert bias).
+    moe: MoEArgs | None = None
+    moe_hidden_dim: int = 768  # one expert's hidden size (moe_intermediate_size)
+    # Scale the std of output projections by layer depth (else by n_layers).
+    depth_init: bool = True
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    def update_from_config(self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None) -> None:
+        super().update_from_config(job_config, tokenizer)
+        if self.moe is not None:  # a fresh MoEArgs: the flavor's own is shared by its copies
+            self.moe = replace(self.moe, force_load_balance=job_config.debug.moe_force_load_balance)
+
+    def check_parallelism(self, parallel_dims: ParallelDims) -> None:
+        check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)
+        if self.moe is None:
+            check_no_experts(parallel_dims, "this qwen3 flavor (dense)")
+        else:
+            check_expert_layout(parallel_dims, self.moe, {"moe_hidden_dim": self.moe_hidden_dim})
+        require(not (self.tie_word_embeddings and parallel_dims.pp > 1),
+                "parallelism.pipeline_parallel_degree: this qwen3 flavor ties the output layer to the "
+                "embedding, which sit on different pipeline stages; use pipeline_parallel_degree 1 "
+                "or an untied flavor (8B and larger)")
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """Parameter count and training FLOPs per token (``common/args.py``); attention adds
+        ``12 * n_layers * n_heads * head_dim * seq_len``."""
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return nparams_and_flops(model, attention, self.moe, self.tie_word_embeddings)
