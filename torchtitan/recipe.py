@@ -244,6 +244,8 @@ def _autocast_dtype(job_config: JobConfig, parallel_dims: ParallelDims) -> torch
 
 def mixed_precision_summary(job_config: JobConfig, parallel_dims: ParallelDims, device_type: str) -> str:
     training = job_config.training
+    if training.dtype == "bfloat16":
+        return "full bf16 training: parameters, gradients and optimizer states in bfloat16"
     autocast_dtype = _autocast_dtype(job_config, parallel_dims)
     if autocast_dtype is not None:
         return f"mixed precision: autocast to {autocast_dtype} on {device_type}"
