@@ -71,7 +71,8 @@ _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
 # Upstream settings of features this code base does not have: accepted at upstream's default
 # (so upstream TOMLs load), refused otherwise.
 _UPSTREAM_ONLY: dict[str, str] = {
-    "parallelism.module_fqns_per_model_part": "pipeline stages by module lists (use pipeline_parallel_split_points)",
+    "parallelism.module_fqns_per_model_part":
+        "pipeline stages by module lists (use pipeline_parallel_split_points)",
     "parallelism.pipeline_parallel_expert_parallel_overlap": "the DualPipeV EP/PP overlap",
     "parallelism.expert_parallel_comm_backend": "DeepEP dispatch",
     "checkpoint.initial_load_in_hf_quantized": "loading quantized Hugging Face checkpoints",
@@ -82,7 +83,7 @@ _UPSTREAM_ONLY: dict[str, str] = {
     "activation_checkpoint.visualize_memory_budget_pareto": "memory-budget activation checkpointing",
     "activation_checkpoint.determinism_check": "recomputation determinism checks",
     "activation_checkpoint.debug": "activation-checkpoint debug mode",
-    "comm.mode": "fake-backend dry runs (use python -m torchtitan.config --world-size N)",
+    "comm.mode": "fake-backend dry runs (python -m torchtitan.config --world-size N checks a layout)",
 }
 
 
@@ -140,8 +141,8 @@ def _check_upstream_only(config: Any) -> None:
         value, default = get_field(config, path), get_field(defaults, path)
         if value != default:
             raise ConfigError(
-                f"{path}={value!r}: {feature} does not exist in this version; remove the key "
-                f"or leave it at {default!r}"
+                f"{path}={value!r}: this version has no {feature}; remove the key or leave "
+                f"it at {default!r}"
             )
 
 
