@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
@@ -79,12 +80,16 @@ class LRSchedulersContainer(Stateful):
             s.load_state_dict(dict(state_dict))
 
 
-def build_lr_schedulers(optimizers, job_config) -> LRSchedulersContainer:
+def configured_lr_factor(job_config) -> Callable[[int], float]:
+    """step index -> learning-rate factor, for the schedule ``job_config`` describes."""
     cfg = job_config.lr_scheduler
     total = cfg.total_steps or job_config.training.steps
     warmup, decay = schedule_lengths(total, cfg.warmup_steps, cfg.decay_ratio)
-    factor_fn = functools.partial(
+    return functools.partial(
         lr_factor, warmup_steps=warmup, decay_steps=decay, total_steps=total,
         decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor,
     )
-    return LRSchedulersContainer(optimizers, factor_fn)
+
+
+def build_lr_schedulers(optimizers, job_config) -> LRSchedulersContainer:
+    return LRSchedulersContainer(optimizers, configured_lr_factor(job_config))
