@@ -1,7 +1,8 @@
 """Upstream torchtitan's own Llama 3 debug configs (2025-07 and v0.2.2) train here with only the
 dataset and tokenizer pointed at ours (and a small batch, for time); full bf16 training
-(training.dtype) keeps parameters, gradients and optimizer states in bf16. All runs share one
-process (one torch import)."""
+(training.dtype) keeps parameters, gradients and optimizer states in bf16. The configs'
+data_parallel_shard_degree -1 makes every run FSDP over the 2 ranks of one launch, which runs
+them one after another in one process group."""
 
 from __future__ import annotations
 
@@ -20,26 +21,28 @@ OURS = ["--model.tokenizer_path", "byte", "--training.dataset", "python_stdlib"]
 SMALL = ["--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2"]
 
 PROBE = """
-import json, os, sys
-import torch
+import json, os
 from torchtitan.config import ConfigManager
-from torchtitan.train import Trainer, main
 from torchtitan.tools.logging import init_logger
+from torchtitan.train import Trainer, main
+
+def train(argv):
+    trainer = Trainer(ConfigManager().parse_args(argv))
+    trainer.train()
+    trainer.close()
+    return trainer
 
 runs = json.load(open(os.path.join(os.environ["PROBE_DIR"], "runs.args")))
-for argv in runs["main"]:
-    main(argv)
 init_logger()
-trainer = Trainer(ConfigManager().parse_args(runs["bf16"]))
-trainer.train()
+trainer = train(runs["bf16"])
 params = list(trainer.model_parts[0].parameters())
 states = [t for s in trainer.optimizers.optimizers[0].state.values() for t in s.values() if t.dim() > 0]
 dtypes = {"params": sorted({str(p.dtype) for p in params}),
           "grads": sorted({str(p.grad.dtype) for p in params if p.grad is not None}),
           "states": sorted({str(t.dtype) for t in states})}
-trainer.close()
-torch.distributed.destroy_process_group()
-with open(os.path.join(os.environ["PROBE_DIR"], "0.json"), "w") as f:
+train(runs["new"])
+main(runs["old"])  # the entry point itself (job.save_config_file); it ends the process group
+with open(os.path.join(os.environ["PROBE_DIR"], os.environ["RANK"] + ".json"), "w") as f:
     json.dump(dtypes, f)
 """
 
@@ -61,16 +64,14 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     old = _without_float8_sections(UPSTREAM_CONFIGS / "llama3_debug_2025_07.toml", folder / "old.toml")
     new = _without_float8_sections(UPSTREAM_CONFIGS / "llama3_debug_v0_2_2.toml", folder / "new.toml")
     run_args = {
-        "main": [
-            ["--job.config_file", str(old), *OURS, *SMALL, "--job.dump_folder", str(folder / "old"),
-             "--job.save_config_file", "config.json"],
-            ["--job.config_file", str(new), *OURS, *SMALL, "--job.dump_folder", str(folder / "new")],
-        ],
+        "old": ["--job.config_file", str(old), *OURS, *SMALL, "--job.dump_folder", str(folder / "old"),
+                "--job.save_config_file", "config.json"],
+        "new": ["--job.config_file", str(new), *OURS, *SMALL, "--job.dump_folder", str(folder / "new")],
         "bf16": ["--job.config_file", str(new), *OURS, *SMALL, "--job.dump_folder",
                  str(folder / "bf16"), "--training.dtype", "bfloat16"],
     }
     (folder / "runs.args").write_text(json.dumps(run_args))
-    return folder, run_probe(1, PROBE, folder, timeout=240)[0]
+    return folder, run_probe(2, PROBE, folder, timeout=240)
 
 
 @pytest.mark.parametrize("generation", ["old", "new", "bf16"])
@@ -87,7 +88,7 @@ def test_save_config_file_holds_the_merged_config(runs) -> None:
     assert saved["training"]["dataset"] == "python_stdlib"
 
 
-def test_full_bf16_training_keeps_no_float32_copy(runs) -> None:
-    _, dtypes = runs
-    assert dtypes == {"params": ["torch.bfloat16"], "grads": ["torch.bfloat16"],
-                      "states": ["torch.bfloat16"]}
+def test_full_bf16_training_under_fsdp_keeps_no_float32_copy(runs) -> None:
+    _, dtypes_by_rank = runs
+    bf16_only = {"params": ["torch.bfloat16"], "grads": ["torch.bfloat16"], "states": ["torch.bfloat16"]}
+    assert dtypes_by_rank == {0: bf16_only, 1: bf16_only}
