@@ -21,9 +21,9 @@ OURS = ["--model.tokenizer_path", "byte", "--training.dataset", "python_stdlib"]
 SMALL = ["--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2"]
 
 PROBE = """
-import json, os
+import json, logging, os
 from torchtitan.config import ConfigManager
-from torchtitan.tools.logging import init_logger
+from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer, main
 
 def train(argv):
@@ -34,6 +34,10 @@ def train(argv):
 
 runs = json.load(open(os.path.join(os.environ["PROBE_DIR"], "runs.args")))
 init_logger()
+messages = []
+handler = logging.Handler()
+handler.emit = lambda record: messages.append(record.getMessage())
+logger.addHandler(handler)
 trainer = train(runs["bf16"])
 params = list(trainer.model_parts[0].parameters())
 states = [t for s in trainer.optimizers.optimizers[0].state.values() for t in s.values() if t.dim() > 0]
@@ -41,6 +45,7 @@ dtypes = {"params": sorted({str(p.dtype) for p in params}),
           "grads": sorted({str(p.grad.dtype) for p in params if p.grad is not None}),
           "states": sorted({str(t.dtype) for t in states})}
 train(runs["new"])
+dtypes["printed_model"] = any(m.startswith("model after the converters:") for m in messages)
 main(runs["old"])  # the entry point itself (job.save_config_file); it ends the process group
 with open(os.path.join(os.environ["PROBE_DIR"], os.environ["RANK"] + ".json"), "w") as f:
     json.dump(dtypes, f)
@@ -66,7 +71,8 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     run_args = {
         "old": ["--job.config_file", str(old), *OURS, *SMALL, "--job.dump_folder", str(folder / "old"),
                 "--job.save_config_file", "config.json"],
-        "new": ["--job.config_file", str(new), *OURS, *SMALL, "--job.dump_folder", str(folder / "new")],
+        "new": ["--job.config_file", str(new), *OURS, *SMALL, "--job.dump_folder", str(folder / "new"),
+                "--model.print_after_conversion"],
         "bf16": ["--job.config_file", str(new), *OURS, *SMALL, "--job.dump_folder",
                  str(folder / "bf16"), "--training.dtype", "bfloat16"],
     }
@@ -89,6 +95,11 @@ def test_save_config_file_holds_the_merged_config(runs) -> None:
 
 
 def test_full_bf16_training_under_fsdp_keeps_no_float32_copy(runs) -> None:
-    _, dtypes_by_rank = runs
+    _, found = runs
     bf16_only = {"params": ["torch.bfloat16"], "grads": ["torch.bfloat16"], "states": ["torch.bfloat16"]}
-    assert dtypes_by_rank == {0: bf16_only, 1: bf16_only}
+    assert [{k: found[rank][k] for k in bf16_only} for rank in (0, 1)] == [bf16_only, bf16_only]
+
+
+def test_print_after_conversion_logs_the_model(runs) -> None:
+    _, found = runs
+    assert found[0]["printed_model"] and found[1]["printed_model"]
