@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import sys
 import time
@@ -29,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 from torchtitan.components.dataloader import build_dataloader  # noqa: E402
-from torchtitan.components.lr_scheduler import lr_factor, schedule_lengths  # noqa: E402
+from torchtitan.components.lr_scheduler import configured_lr_factor  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
@@ -62,11 +61,7 @@ def build(job_config, device: torch.device):
 
 
 def _lr_schedule(optimizer: torch.optim.Optimizer, job_config) -> torch.optim.lr_scheduler.LambdaLR:
-    cfg, total = job_config.lr_scheduler, job_config.training.steps
-    warmup, decay = schedule_lengths(total, cfg.warmup_steps, cfg.decay_ratio)
-    factor = functools.partial(lr_factor, warmup_steps=warmup, decay_steps=decay, total_steps=total,
-                               decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, configured_lr_factor(job_config))
 
 
 def prefetch(job_config, tokenizer, steps: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

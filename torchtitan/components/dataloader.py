@@ -105,7 +105,7 @@ def build_text_dataloader(
     _check_positive(section, seq_len=seq_len, local_batch_size=local_batch_size, data_shards=data_shards)
     if num_workers != 0:
         raise ValueError(
-            f"training.dataloader.num_workers: the text dataloader keeps its state in the training "
+            f"{section}.dataloader.num_workers: the text dataloader keeps its state in the training "
             f"process and supports num_workers=0 only, got {num_workers}"
         )
     if not 0 <= dp_rank < dp_degree:
@@ -154,11 +154,11 @@ def build_dataloader(
 ) -> TextDataLoader:
     """The train loader (infinite) or the validation loader (finite) of ``job_config``.
 
-    Both use ``training.dataloader``'s ``num_workers`` and ``pin_memory``. Bad data or data
-    fields raise ``ConfigError``.
+    Each uses its section's ``dataloader`` options (``training.dataloader`` or
+    ``validation.dataloader``): ``num_workers`` and ``pin_memory``. Bad data or data fields
+    raise ``ConfigError``.
     """
     dp_rank, dp_degree, mesh = _dp_layout(parallel_dims)
-    options = job_config.training.dataloader
     if split == "train":
         section, config = "training", job_config.training
         data_shards = config.data_shards
@@ -181,9 +181,9 @@ def build_dataloader(
             data_shards=data_shards,
             infinite=infinite,
             global_min=global_min,
-            num_workers=options.num_workers,
+            num_workers=config.dataloader.num_workers,
             section=section,
-            pin_memory=options.pin_memory,
+            pin_memory=config.dataloader.pin_memory,
         )
     except (ValueError, FileNotFoundError, ConnectionError) as e:
         raise ConfigError(str(e)) from None

@@ -58,9 +58,12 @@ def _op_level_context():
     return create_selective_checkpoint_contexts(_op_level_policy())
 
 
-def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
+def apply_ac(
+    blocks: nn.ModuleDict, mode: str, selective_option: str, preserve_rng_state: bool = False
+) -> None:
     """Wrap the blocks of one model part in place (FQNs gain no prefix in state dicts:
-    checkpoint_wrapper's prefix is stripped by torch's state-dict hooks)."""
+    checkpoint_wrapper's prefix is stripped by torch's state-dict hooks).
+    ``preserve_rng_state`` restores the forward's RNG state for the recomputation."""
     if mode == "none":
         return
     if mode == "full":
@@ -75,7 +78,7 @@ def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
         kwargs = {}
     for name in chosen:
         blocks.register_module(
-            name, checkpoint_wrapper(blocks[name], preserve_rng_state=False, **kwargs)
+            name, checkpoint_wrapper(blocks[name], preserve_rng_state=preserve_rng_state, **kwargs)
         )
     detail = f" ({selective_option})" if mode == "selective" else ""
     logger.info(f"activation checkpointing {mode}{detail} on {len(chosen)}/{len(blocks)} blocks")
