@@ -339,6 +339,11 @@ class ActivationCheckpoint:
     selective_ac_option: str = "2"
     """For selective: N = every N-th block, or "op" = per-op policy."""
 
+    save_attention_output: bool = False
+    """Blocks recomputed whole (full, or selective every N-th) keep their attention output
+    (one [tokens, heads x head_dim] tensor and the log-sum-exp per block) instead of
+    recomputing attention in backward: faster, more memory. The "op" policy always keeps it."""
+
 
 @dataclass
 class Compile:
