@@ -1,7 +1,8 @@
 """The bare PyTorch training loop the trainer is measured against: one process, the same
 model class and flavor, the same batches, AdamW with the same settings and learning-rate
-schedule (a LambdaLR of the same factors), autocast to the same dtype, clip_grad_norm_ and
-one host sync per step (the loss) -- and nothing else. Same inputs, same numbers: its losses
+schedule (a LambdaLR of the same factors), autocast to the same dtype, the same blocks under
+torch's activation checkpointing, clip_grad_norm_ and one host sync per step (the loss) --
+and nothing else. Same inputs, same numbers: its losses
 follow the trainer's step by step.
 
     python scripts/bench/bare_loop.py --job.config_file F.toml --training.steps 40 [--trace T.json]
@@ -30,6 +31,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from torchtitan.components.dataloader import build_dataloader  # noqa: E402
 from torchtitan.components.lr_scheduler import configured_lr_factor  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import apply_ac  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
 from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: E402
@@ -51,6 +53,8 @@ def build(job_config, device: torch.device):
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(seed=job_config.debug.seed or 0)
+    ac = job_config.activation_checkpoint
+    apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.save_attention_output)
     cfg = job_config.optimizer
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

@@ -398,6 +398,12 @@ class ActivationCheckpoint:
     debug: bool = False
     """Not supported here; only the default is accepted."""
 
+    save_attention_output: bool = False
+    """Blocks recomputed whole (full, or selective every N-th) keep their attention output
+    (one [tokens, heads x head_dim] tensor and the log-sum-exp per block) instead of
+    recomputing attention in backward: faster, at most one such tensor more per block. The "op"
+    policy always keeps it."""
+
 
 @dataclass
 class Compile:
