@@ -98,6 +98,7 @@ def validate_job_config(config: Any) -> None:
             "the overlapped collectives)"
         )
     _check_checkpoint(config.checkpoint)
+    _check_quantize(config.model.converters, config.quantize)
     _check_attention(config.model, config.training)
     etp, tp = config.parallelism.expert_tensor_parallel_degree, config.parallelism.tensor_parallel_degree
     if etp not in (1, tp):
@@ -154,4 +155,32 @@ def _check_attention(model: Any, training: Any) -> None:
         raise ConfigError(
             "training.reset_position_ids_per_document: needs model.attn_mask_type 'block_causal' "
             "(positions restart per document only when documents do not attend to each other)"
+        )
+
+
+_LINEAR_CONVERTERS = {"float8": "float8", "quantize.linear.float8": "float8",
+                      "mx": "mx", "quantize.linear.mx": "mx"}
+
+
+def _check_quantize(converters: list[str], quantize: Any) -> None:
+    """One converter per nn.Linear; the float8 FSDP settings only with what they need. Checked
+    only while a float8 converter is on (its settings may sit in a config unused)."""
+    linear = [name for name in converters if name in _LINEAR_CONVERTERS]
+    if len(linear) > 1:
+        raise ConfigError(
+            f"model.converters: {' and '.join(linear)} both convert nn.Linear modules; keep one"
+        )
+    if not linear or _LINEAR_CONVERTERS[linear[0]] != "float8":
+        return
+    float8 = quantize.linear.float8
+    if float8.enable_fsdp_float8_all_gather and float8.recipe_name != "tensorwise":
+        raise ConfigError(
+            "quantize.linear.float8.enable_fsdp_float8_all_gather: needs "
+            f"quantize.linear.float8.recipe_name 'tensorwise', got {float8.recipe_name!r}; "
+            "turn one of them off"
+        )
+    if float8.precompute_float8_dynamic_scale_for_fsdp and not float8.enable_fsdp_float8_all_gather:
+        raise ConfigError(
+            "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp: needs "
+            "quantize.linear.float8.enable_fsdp_float8_all_gather"
         )
