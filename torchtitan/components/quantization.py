@@ -13,7 +13,6 @@ part: hardware, model and layout checks that fail with one line before any proce
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
