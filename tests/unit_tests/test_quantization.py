@@ -177,3 +177,13 @@ def test_tensorwise_tp_plan_takes_torchao_float8_styles():
     assert plan["attention.wo"].output_layouts == gqa_block_tp_plan(block)["attention.wo"].output_layouts
     root = with_float8_styles(model, root_tp_plan(loss_parallel=True))
     assert type(root["output"]).__name__ == "ColwiseParallel"  # output stays nn.Linear
+
+
+def test_memory_estimator_says_converters_are_not_covered():
+    from torchtitan.estimate.coverage import check_covered
+
+    # no emulate: the estimator's message comes before the preflight's CPU hardware check
+    config = ConfigManager().parse_args(TINY + ["--model.converters", "float8"])
+    with pytest.raises(ConfigError, match=r"^model.converters=\['float8'\]: low-precision training "
+                                          r"\(float8 / MX weights and all-gather buffers\) is not covered"):
+        check_covered(config, 1)
