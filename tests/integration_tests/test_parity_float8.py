@@ -2,9 +2,10 @@
 stays close to the high-precision reference, and FSDP 2 with float8 all-gather and TP 2 give
 the 1-process float8 losses and grad norms (10 steps, the reference's schedule).
 
-Tolerances. A float8 e4m3 number has 3 mantissa bits, so one cast rounds by up to 6 %; a
-layout only changes fp32 reduction orders (~1e-7), which flips the rounding of a few
-elements out of ~10^5 per weight. Observed (10 steps): FSDP 2 vs 1 process 2.1e-4 (loss) and
+Tolerances. A float8 e4m3 number has 3 mantissa bits, so one cast rounds by up to 6 %.
+Activations are scaled per forward call, so a layout that splits the batch (FSDP 2: 4
+samples per rank) casts them with other scales, and fp32 reduction orders (~1e-7) flip the
+rounding of a few weight elements. Observed (10 steps): FSDP 2 vs 1 process 2.1e-4 (loss) and
 1.0e-3 (grad norm), TP 2 1.8e-5 and 3.7e-4; hence ``FLOAT8_RTOL`` 3e-3. Scales not recomputed
 after the optimizer step move the loss by 2.7e-3 at step 5 and 1.4e-2 at step 10, and the
 grad norm by 7.7e-3 at step 5. Against the high-precision reference the float8 loss stays
