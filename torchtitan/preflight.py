@@ -6,6 +6,7 @@ values) and the layers whose rules it applies."""
 
 from __future__ import annotations
 
+from torchtitan.components.quantization import check_quantization
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.distributed import ParallelDims
@@ -47,6 +48,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
         microbatches(job_config, plan.num_stages)
     if job_config.validation.enable:
         _check_validation(job_config, parallel_dims)
+    check_quantization(job_config, parallel_dims, model_args, device_type)
     if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             "checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1, all parallel "

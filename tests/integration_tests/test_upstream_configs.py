@@ -7,7 +7,6 @@ them one after another in one process group."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -52,13 +51,6 @@ with open(os.path.join(os.environ["PROBE_DIR"], os.environ["RANK"] + ".json"), "
 """
 
 
-def _without_float8_sections(source: Path, target: Path) -> Path:
-    """The float8 tables stay out until the float8 converter (#21) adds their sections."""
-    text = re.sub(r"\n\[(float8|quantize\.linear\.float8)\]\n(?:[^\[\n][^\n]*\n)*", "\n", source.read_text())
-    target.write_text(text)
-    return target
-
-
 def _losses(dump_folder: Path) -> list[float]:
     return [record["loss"] for record in read_metrics(dump_folder)]
 
@@ -66,8 +58,8 @@ def _losses(dump_folder: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, dict]:
     folder = tmp_path_factory.mktemp("upstream_configs")
-    old = _without_float8_sections(UPSTREAM_CONFIGS / "llama3_debug_2025_07.toml", folder / "old.toml")
-    new = _without_float8_sections(UPSTREAM_CONFIGS / "llama3_debug_v0_2_2.toml", folder / "new.toml")
+    old = UPSTREAM_CONFIGS / "llama3_debug_2025_07.toml"
+    new = UPSTREAM_CONFIGS / "llama3_debug_v0_2_2.toml"
     run_args = {
         "old": ["--job.config_file", str(old), *OURS, *SMALL, "--job.dump_folder", str(folder / "old"),
                 "--job.save_config_file", "config.json"],

@@ -9,9 +9,14 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import pytest
 
-from tests.unit_tests.upstream_keys import GENERATIONS, OWNED_BY_FLOAT8_CONVERTER, REFUSED_UNLESS_DEFAULT
+from tests.unit_tests.upstream_keys import GENERATIONS, REFUSED_UNLESS_DEFAULT
 from torchtitan.config import ConfigError, JobConfig
-from torchtitan.config.manager import DEPRECATED_ALIASES, apply_toml_aliases, build_from_dict
+from torchtitan.config.manager import (
+    DEPRECATED_ALIASES,
+    DEPRECATED_SECTION_ALIASES,
+    apply_toml_aliases,
+    build_from_dict,
+)
 from torchtitan.config.validation import get_field, validate_job_config
 
 # Non-default values for the refused keys whose default is None.
@@ -37,6 +42,7 @@ def _load(key: str, value: Any) -> Any:
 
 def _our_key(key: str) -> str:
     section, _, name = key.rpartition(".")
+    section = DEPRECATED_SECTION_ALIASES.get(section, section)
     return ".".join(DEPRECATED_ALIASES.get((section, name), (section, name)))
 
 
@@ -71,16 +77,12 @@ def _cases() -> list[Any]:
 
 @pytest.mark.parametrize(("key", "default"), _cases())
 def test_upstream_key_loads_at_upstream_default(key: str, default: Any) -> None:
-    if key in OWNED_BY_FLOAT8_CONVERTER:
-        pytest.skip("float8 sections land with the float8 converter (#21)")
     config = _load(key, default)
     assert get_field(config, _our_key(key)) == default
 
 
 @pytest.mark.parametrize(("key", "default"), _cases())
 def test_upstream_feature_missing_here_is_refused_unless_default(key: str, default: Any) -> None:
-    if key in OWNED_BY_FLOAT8_CONVERTER:
-        pytest.skip("float8 sections land with the float8 converter (#21)")
     if _our_key(key) not in REFUSED_UNLESS_DEFAULT:
         return
     with pytest.raises(ConfigError, match=re.escape(_our_key(key))) as error:
@@ -92,3 +94,12 @@ def test_refused_list_names_only_fields_of_our_config() -> None:
     defaults = JobConfig()
     for key in REFUSED_UNLESS_DEFAULT:
         get_field(defaults, key)
+
+
+@pytest.mark.parametrize("converter, section", [("mx", "linear"), ("quantize.grouped_mm.mx", "grouped_mm")])
+def test_upstream_mx_recipe_names_load_but_are_refused_when_mx_is_on(converter: str, section: str) -> None:
+    data = {"quantize": {section: {"mx": {"recipe_name": "mxfp8_cublas"}}}}
+    validate_job_config(build_from_dict(JobConfig, apply_toml_aliases(data)))
+    data["model"] = {"converters": [converter]}
+    with pytest.raises(ConfigError, match=rf"quantize.{section}.mx.recipe_name='mxfp8_cublas': .*mxfp8_rceil"):
+        validate_job_config(build_from_dict(JobConfig, apply_toml_aliases(data)))

@@ -199,6 +199,10 @@ GENERATIONS = {"2025-07": UPSTREAM_2025_07, "v0.2.2": UPSTREAM_V0_2_2}
 # Upstream features that do not exist here: only upstream's default loads, any other value is
 # refused with one line naming the key.
 REFUSED_UNLESS_DEFAULT = {
+    "quantize.linear.float8.force_recompute_fp8_weight_in_bwd",
+    "quantize.linear.float8.moe_fqns_prototype",
+    "quantize.linear.mx.use_fp8_dim1_cast_triton_kernel",
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice",
     "optimizer.early_step_in_backward",
     "parallelism.enable_compiled_autograd",
     "parallelism.module_fqns_per_model_part",
@@ -215,10 +219,4 @@ REFUSED_UNLESS_DEFAULT = {
     "comm.mode",
     "memory_estimation.enable",
     "fault_tolerance.enable",
-}
-
-# The float8 / MX sections land with the float8 converter (issue #21).
-OWNED_BY_FLOAT8_CONVERTER = {
-    key for key in (*UPSTREAM_2025_07, *UPSTREAM_V0_2_2)
-    if key.startswith(("float8.", "mx.", "quantize."))
 }

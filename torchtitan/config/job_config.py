@@ -418,27 +418,101 @@ class Compile:
 
 
 @dataclass
-class Float8:
-    enable_fsdp_float8_all_gather: bool = False
-    """All-gather FSDP parameters in float8."""
-
-    precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """Compute float8 scales for all parameters in one kernel after the optimizer step."""
-
-    recipe_name: str | None = None
-    """Float8 recipe (tensorwise, rowwise, ...)."""
+class Float8Linear:
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    """Scaling recipe: tensorwise (one scale per tensor; also what None means), rowwise (one
+    per row) or rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
 
     filter_fqns: list[str] = field(default_factory=list)
-    """Linear FQNs left in high precision (comma-separated)."""
+    """Linears whose FQN contains one of these strings stay in high precision
+    (comma-separated), e.g. output,router. Linears with a dimension not divisible by 16
+    always stay."""
 
     emulate: bool = False
-    """Emulate float8 on hardware without it (testing only)."""
+    """Emulate float8 matmuls in high precision (for CPUs and GPUs below SM89; testing only)."""
+
+    enable_fsdp_float8_all_gather: bool = False
+    """FSDP all-gathers the weights in float8 (half the bytes of bf16); tensorwise only."""
+
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """Compute the float8 scales of all FSDP weights in one kernel after each optimizer
+    step (needs enable_fsdp_float8_all_gather)."""
+
+    force_recompute_fp8_weight_in_bwd: bool = False
+    """Upstream's (2025-07) float8 weight recompute; not supported here, only the default is
+    accepted."""
+
+    moe_fqns_prototype: list[str] = field(default_factory=list)
+    """Upstream's (2025-07) float8 MoE prototype; only the default is accepted (use
+    quantize.grouped_mm.float8.fqns)."""
+
+    @property
+    def recipe(self) -> str:
+        """The recipe in use (None means tensorwise, as upstream)."""
+        return self.recipe_name or "tensorwise"
+
+
+@dataclass
+class MXLinear:
+    recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8", "mxfp8_cublas"] = "mxfp8_rceil"
+    """MXFP8 recipe (blocks of 32 share an e8m0 scale; needs SM100 unless emulate). Upstream's
+    names for older torchao (mxfp8, mxfp8_cublas) load but are refused when MX is enabled."""
+
+    use_fp8_dim1_cast_triton_kernel: bool = True
+    """Upstream's (2025-07) MX cast-kernel switch; only the default is accepted."""
+
+    mxfp8_dim1_cast_kernel_choice: Literal["triton", "cuda", "torch"] = "triton"
+    """Upstream's (v0.2.2) MX cast-kernel choice; only the default is accepted."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linears whose FQN contains one of these strings stay in high precision (comma-separated)."""
+
+    emulate: bool = False
+    """Emulate MXFP8 in plain PyTorch ops (for machines without SM100; testing only)."""
+
+
+@dataclass
+class LinearQuantize:
+    float8: Float8Linear = field(default_factory=Float8Linear)
+    """Float8 linears (converter quantize.linear.float8, or float8)."""
+
+    mx: MXLinear = field(default_factory=MXLinear)
+    """MX linears (converter quantize.linear.mx, or mx)."""
+
+
+@dataclass
+class Float8GroupedMM:
+    fqns: list[str] = field(default_factory=list)
+    """MoE expert modules whose FQN contains one of these strings run their grouped GEMMs in
+    float8 rowwise (comma-separated), e.g. experts. Needs CUDA SM90+."""
+
+
+@dataclass
+class MXGroupedMM:
+    recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8", "mxfp8_cublas"] = "mxfp8_rceil"
+    """MXFP8 recipe of the expert grouped GEMMs. Needs CUDA SM100. Upstream's names for
+    older torchao (mxfp8, mxfp8_cublas) load but are refused when MX is enabled."""
+
+    fqns: list[str] = field(default_factory=list)
+    """MoE expert modules whose FQN contains one of these strings run in MXFP8 (comma-separated)."""
+
+
+@dataclass
+class GroupedMMQuantize:
+    float8: Float8GroupedMM = field(default_factory=Float8GroupedMM)
+    """Float8 expert grouped GEMMs (converter quantize.grouped_mm.float8)."""
+
+    mx: MXGroupedMM = field(default_factory=MXGroupedMM)
+    """MXFP8 expert grouped GEMMs (converter quantize.grouped_mm.mx)."""
 
 
 @dataclass
 class Quantize:
-    float8: Float8 = field(default_factory=Float8)
-    """Float8 training settings (used by the float8 model converter)."""
+    linear: LinearQuantize = field(default_factory=LinearQuantize)
+    """Low-precision nn.Linear training (torchao), read by the converters in model.converters."""
+
+    grouped_mm: GroupedMMQuantize = field(default_factory=GroupedMMQuantize)
+    """Low-precision MoE grouped GEMMs (torchao), read by the converters in model.converters."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ older key names are accepted as deprecated aliases, and every bad input becomes 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import importlib
@@ -50,6 +51,14 @@ DEPRECATED_ALIASES: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
+# Older section names whose keys moved unchanged to a new (nested) section.
+DEPRECATED_SECTION_ALIASES: dict[str, str] = {
+    "float8": "quantize.linear.float8",
+    "mx": "quantize.linear.mx",
+    "quantize.float8": "quantize.linear.float8",
+}
+
+
 def _warn_deprecated(old: tuple[str, str], new: tuple[str, str]) -> None:
     logger.warning(f"config: '{'.'.join(old)}' is deprecated; use '{'.'.join(new)}'")
 
@@ -57,9 +66,31 @@ def _warn_deprecated(old: tuple[str, str], new: tuple[str, str]) -> None:
 # ---------------------------------------------------------------------------- TOML side
 
 
+def _move_section_aliases(data: dict[str, Any]) -> None:
+    for old, new in DEPRECATED_SECTION_ALIASES.items():
+        *old_parents, old_name = old.split(".")
+        parent = data
+        for name in old_parents:
+            parent = parent.get(name) if isinstance(parent.get(name), dict) else {}
+        if not isinstance(parent.get(old_name), dict):
+            continue
+        _warn_deprecated((old, "*"), (new, "*"))
+        target = data
+        for name in new.split("."):
+            target = target.setdefault(name, {})
+        for key, value in parent.pop(old_name).items():
+            if key in target:
+                raise ConfigError(
+                    f"{new}.{key}: set both directly and through its deprecated alias "
+                    f"{old}.{key}; keep only {new}.{key}"
+                )
+            target[key] = value
+
+
 def apply_toml_aliases(data: dict[str, Any]) -> dict[str, Any]:
-    """Move deprecated keys to their current place (one warning line each)."""
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    """Move deprecated sections and keys to their current place (one warning line each)."""
+    data = copy.deepcopy(data)
+    _move_section_aliases(data)
     for (old_sec, old_key), (new_sec, new_key) in DEPRECATED_ALIASES.items():
         section = data.get(old_sec)
         if isinstance(section, dict) and old_key in section:
@@ -224,6 +255,10 @@ def _rewrite_cli_aliases(args: list[str]) -> list[str]:
     out = []
     for token in args:
         name, eq, value = token.partition("=")
+        for old_sec, new_sec in DEPRECATED_SECTION_ALIASES.items():
+            if name.startswith(f"--{old_sec}."):
+                _warn_deprecated((old_sec, "*"), (new_sec, "*"))
+                name = f"--{new_sec}." + name[len(old_sec) + 3:]
         for (old_sec, old_key), (new_sec, new_key) in DEPRECATED_ALIASES.items():
             for neg in ("", "no_"):
                 if name == f"--{old_sec}.{neg}{old_key}":

@@ -84,7 +84,29 @@ _UPSTREAM_ONLY: dict[str, str] = {
     "activation_checkpoint.determinism_check": "recomputation determinism checks",
     "activation_checkpoint.debug": "activation-checkpoint debug mode",
     "comm.mode": "fake-backend dry runs (python -m torchtitan.config --world-size N checks a layout)",
+    "quantize.linear.float8.force_recompute_fp8_weight_in_bwd": "forced float8 weight recomputation",
+    "quantize.linear.float8.moe_fqns_prototype": "float8 MoE prototype (use quantize.grouped_mm.float8.fqns)",
+    "quantize.linear.mx.use_fp8_dim1_cast_triton_kernel": "choice of MX cast kernel",
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": "choice of MX cast kernel",
 }
+
+# MX recipe names of the torchao upstream used, which torchao 0.18 no longer has, and the
+# converter names that turn each MX setting on.
+_LEGACY_MX_RECIPES = {"mxfp8", "mxfp8_cublas"}
+_MX_RECIPE_CONVERTERS = {
+    "quantize.linear.mx.recipe_name": ("mx", "quantize.linear.mx"),
+    "quantize.grouped_mm.mx.recipe_name": ("quantize.grouped_mm.mx",),
+}
+
+
+def _check_legacy_mx_recipes(config: Any) -> None:
+    for path, converters in _MX_RECIPE_CONVERTERS.items():
+        recipe = get_field(config, path)
+        if recipe in _LEGACY_MX_RECIPES and set(converters) & set(config.model.converters):
+            raise ConfigError(
+                f"{path}={recipe!r}: an older torchao's recipe; with torchao 0.18 use "
+                "'mxfp8_rceil' or 'mxfp8_rceil_wgrad_with_hp'"
+            )
 
 
 def get_field(config: Any, path: str) -> Any:
@@ -126,6 +148,7 @@ def validate_job_config(config: Any) -> None:
             "the overlapped collectives)"
         )
     _check_checkpoint(config.checkpoint)
+    _check_quantize(config.model.converters, config.quantize)
     _check_attention(config.model, config.training)
     etp, tp = config.parallelism.expert_tensor_parallel_degree, config.parallelism.tensor_parallel_degree
     if etp not in (1, tp):
@@ -137,6 +160,7 @@ def validate_job_config(config: Any) -> None:
 
 def _check_upstream_only(config: Any) -> None:
     defaults = JobConfig()
+    _check_legacy_mx_recipes(config)
     for path, feature in _UPSTREAM_ONLY.items():
         value, default = get_field(config, path), get_field(defaults, path)
         if value != default:
@@ -212,4 +236,32 @@ def _check_attention(model: Any, training: Any) -> None:
         raise ConfigError(
             "training.reset_position_ids_per_document: needs model.attn_mask_type 'block_causal' "
             "(positions restart per document only when documents do not attend to each other)"
+        )
+
+
+_LINEAR_CONVERTERS = {"float8": "float8", "quantize.linear.float8": "float8",
+                      "mx": "mx", "quantize.linear.mx": "mx"}
+
+
+def _check_quantize(converters: list[str], quantize: Any) -> None:
+    """One converter per nn.Linear; the float8 FSDP settings only with what they need. Checked
+    only while a float8 converter is on (its settings may sit in a config unused)."""
+    linear = [name for name in converters if name in _LINEAR_CONVERTERS]
+    if len(linear) > 1:
+        raise ConfigError(
+            f"model.converters: {' and '.join(linear)} both convert nn.Linear modules; keep one"
+        )
+    if not linear or _LINEAR_CONVERTERS[linear[0]] != "float8":
+        return
+    float8 = quantize.linear.float8
+    if float8.enable_fsdp_float8_all_gather and float8.recipe != "tensorwise":
+        raise ConfigError(
+            "quantize.linear.float8.enable_fsdp_float8_all_gather: needs "
+            f"quantize.linear.float8.recipe_name 'tensorwise', got {float8.recipe!r}; "
+            "turn one of them off"
+        )
+    if float8.precompute_float8_dynamic_scale_for_fsdp and not float8.enable_fsdp_float8_all_gather:
+        raise ConfigError(
+            "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp: needs "
+            "quantize.linear.float8.enable_fsdp_float8_all_gather"
         )

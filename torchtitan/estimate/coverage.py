@@ -29,23 +29,33 @@ def resolve_world_size(job_config: JobConfig) -> int:
     )
 
 
+def converters_gap(job_config: JobConfig) -> str | None:
+    if job_config.model.converters:
+        return (f"model.converters={job_config.model.converters}: low-precision training "
+                "(float8 / MX weights and all-gather buffers)")
+    return None
+
+
 def coverage_gap(job_config: JobConfig, parallel_dims: ParallelDims) -> str | None:
     """Why the estimator cannot trace this config, or None."""
+    gap = converters_gap(job_config)
+    if gap:
+        return gap
     if parallel_dims.pp_enabled and job_config.parallelism.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
         schedule = job_config.parallelism.pipeline_parallel_schedule
         return f"parallelism.pipeline_parallel_schedule={schedule}: {SPLIT_BACKWARD_GAP}"
     if job_config.parallelism.enable_async_tensor_parallel:
         return "parallelism.enable_async_tensor_parallel: async tensor parallel"
-    if job_config.model.converters:
-        return f"model.converters={job_config.model.converters}: model converters (float8, ...)"
     if job_config.training.enable_cpu_offload:
         return "training.enable_cpu_offload: CPU offload"
     return None
 
 
 def check_covered(job_config: JobConfig, world_size: int) -> ParallelDims:
-    parallel_dims = build_parallel_dims(job_config, world_size, "cpu")
-    gap = coverage_gap(job_config, parallel_dims)
+    # converters first: the preflight's float8 hardware checks would judge this CPU, not the target
+    gap = converters_gap(job_config)
+    parallel_dims = None if gap else build_parallel_dims(job_config, world_size, "cpu")
+    gap = gap or coverage_gap(job_config, parallel_dims)
     if gap is not None:
         raise ConfigError(f"{gap} is not covered by the memory estimator yet (covered: {COVERED})")
     return parallel_dims

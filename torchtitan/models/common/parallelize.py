@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.components.quantization import float8_tensorwise_tp, with_float8_styles
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -103,13 +104,17 @@ def gqa_block_tp_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
 
 
 def apply_tp(model: Decoder, tp_mesh: DeviceMesh, loss_parallel: bool,
-             block_plan: BlockPlan = gqa_block_tp_plan) -> None:
+             block_plan: BlockPlan = gqa_block_tp_plan, float8_styles: bool = False) -> None:
     """Megatron-style TP with sequence parallel: activations between blocks are sharded on
-    the sequence dim; each block by ``block_plan``; tied embeddings tied again."""
+    the sequence dim; each block by ``block_plan``; tied embeddings tied again.
+    ``float8_styles``: Float8Linear targets take torchao's float8 styles."""
+    def styled(module: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+        return with_float8_styles(module, plan) if float8_styles else plan
+
     present = {k: v for k, v in root_tp_plan(loss_parallel).items() if getattr(model, k, None) is not None}
-    parallelize_module(model, tp_mesh, present)
+    parallelize_module(model, tp_mesh, styled(model, present))
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(block))
+        parallelize_module(block, tp_mesh, styled(block, block_plan(block)))
     model.tie_embeddings()  # both weights are Shard(0) over tp (the vocab)
     logger.info(f"applied tensor + sequence parallel over {tp_mesh.size()} ranks "
                 f"(loss parallel {'on' if loss_parallel else 'off'})")
@@ -161,7 +166,8 @@ def parallelize_decoder(model: Decoder, parallel_dims: ParallelDims, job_config:
     p = job_config.parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.world_mesh["tp"]
-        apply_tp(model, tp_mesh, loss_parallel=not p.disable_loss_parallel, block_plan=block_plan)
+        apply_tp(model, tp_mesh, loss_parallel=not p.disable_loss_parallel, block_plan=block_plan,
+                 float8_styles=float8_tensorwise_tp(job_config, tp_mesh.device_type))
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh, compiled=job_config.compile.enable)
     if parallel_dims.cp_enabled:
