@@ -1,13 +1,15 @@
 """Our Qwen3 and Qwen3-MoE against Hugging Face's ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``:
 random tiny models loaded through our state-dict adapter give the same logits in fp32
 (per-head q/k norms, rotate-half RoPE permuted to our layout, GQA with head_dim != dim /
-n_heads, tied embeddings, softmax top-k routing with renormalised weights); exports round-trip
+n_heads, tied embeddings, softmax top-k routing with renormalised weights, YaRN rope scaling);
+exports round-trip
 bit-exactly and run in transformers; planted errors fail the comparison."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -35,7 +37,10 @@ MOE = dataclasses.replace(
     moe=MoEArgs(num_experts=8, num_shared_experts=0, top_k=3, score_func="softmax", route_norm=True,
                 load_balance_coeff=None),
 )
-CASES = {"dense": DENSE, "tied": TIED, "moe": MOE}
+# YaRN as published Qwen3 configs extend the context: factor 4 over an original 16 positions
+# (within SEQ_LEN, so both the kept and the interpolated frequency bands are exercised).
+YARN = dataclasses.replace(DENSE, rope_factor=4.0, rope_original_seq_len=16)
+CASES = {"dense": DENSE, "tied": TIED, "moe": MOE, "yarn": YARN}
 
 
 def hf_config(args: Qwen3ModelArgs):
@@ -139,6 +144,26 @@ def test_skipping_the_qk_norms_fails_the_comparison(case):
     finally:
         for block in ours.layers.values():
             block.attention.qk_norm = True
+
+
+def test_plain_rope_fails_the_yarn_comparison():
+    """Both halves of YaRN matter: the scaled frequencies and the attention factor."""
+    hf = hf_model(YARN)
+    state = Qwen3StateDictAdapter(YARN).from_hf(hf.state_dict())
+    for planted in (dataclasses.replace(YARN, rope_attention_factor=1.0), dataclasses.replace(YARN, rope_factor=1.0)):
+        assert max_logit_error(our_model(planted, state), hf, tokens()) > 1e-3
+
+
+def test_yarn_config_json_loads_as_published():
+    """A published-style config.json (YaRN in rope_scaling, transformers 4.x form)."""
+    config = to_hf_config(qwen3_flavors["8B"]) | {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    del config["rope_parameters"]
+    args = from_hf_config(config)
+    assert (args.rope_factor, args.rope_original_seq_len, args.rope_attention_factor) == (4.0, 32768, None)
+    assert args.softmax_scale == pytest.approx(128**-0.5 * (0.1 * math.log(4.0) + 1) ** 2)
+    with pytest.raises(ValueError, match="has rope_scaling = {'rope_type': 'yarn', .* but model.flavor gives None"):
+        Qwen3StateDictAdapter(qwen3_flavors["8B"]).check_hf_config(config)
 
 
 def test_unnormalised_top_k_weights_fail_the_comparison():

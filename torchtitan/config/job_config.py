@@ -554,8 +554,9 @@ class MemoryEstimation:
     target_device: Literal["cuda", "cpu"] = "cuda"
     """Device whose kernels and allocator the estimate emulates (cpu: what a CPU run allocates)."""
 
-    mode: Literal["estimate", "plan", "validate"] = "estimate"
-    """estimate one layout, plan layouts, or validate an estimate against a real run."""
+    mode: Literal["estimate", "analytic", "plan", "validate"] = "estimate"
+    """estimate one layout (traced), estimate it in closed form (fast, for large models),
+    plan layouts, or validate an estimate against a real run."""
 
     reserved_margin: float = 0.15
     """CUDA caching-allocator reserve over the allocated peak (fragmentation), as a fraction;

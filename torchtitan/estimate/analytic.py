@@ -1,5 +1,6 @@
-"""Closed-form per-rank peak memory of a Llama-style decoder, for instant sweeps (the planner)
-and as a cross-check of the traced figure.
+"""Closed-form per-rank peak memory of a decoder (Llama, Qwen3 with q/k norms and tied
+embeddings, DeepSeek-V3's latent attention, MoE blocks under expert parallel), for instant
+sweeps (the planner, mode analytic) and as a cross-check of the traced figure.
 
 Assumptions: AdamW (two fp32 states), fp32 master parameters, two training iterations (the
 peak is a steady-state step), the model repeats KV heads before attention, and the kernels of
@@ -18,21 +19,46 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
+class Experts:
+    """The MoE feed-forward of every block after the first ``dense_layers``."""
+
+    num_experts: int
+    top_k: int
+    hidden_dim: int  # one routed expert's
+    shared_hidden_dim: int  # all shared experts together (0: none)
+    dense_layers: int
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA) projections."""
+
+    q_lora_rank: int  # 0: one full-rank query projection
+    kv_lora_rank: int
+    rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class Geometry:
     dim: int
     n_layers: int
     n_heads: int
     n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
+    head_dim: int  # of queries and keys
+    ffn_dim: int  # of the dense feed-forward
     vocab_size: int
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
+    tied_embeddings: bool = False
+    experts: Experts | None = None
+    mla: LatentAttention | None = None
 
     @classmethod
     def from_model_args(cls, args) -> Geometry | None:
-        """None for model args without Llama-style fields or with MoE layers."""
-        if getattr(args, "moe", None) is not None:
-            return None
+        """None for model args that are not a decoder of Llama, Qwen3 or DeepSeek-V3 style."""
         try:
+            if hasattr(args, "kv_lora_rank"):
+                return cls._deepseek(args)
             return cls(
                 dim=args.dim,
                 n_layers=args.n_layers,
@@ -41,9 +67,41 @@ class Geometry:
                 head_dim=args.head_dim,
                 ffn_dim=args.ffn_hidden_dim,
                 vocab_size=args.vocab_size,
+                qk_norm=getattr(args, "qk_norm", False),
+                tied_embeddings=getattr(args, "tie_word_embeddings", False),
+                experts=_experts(getattr(args, "moe", None), getattr(args, "moe_hidden_dim", 0), dense_layers=0),
             )
         except AttributeError:
             return None
+
+    @classmethod
+    def _deepseek(cls, args) -> Geometry:
+        return cls(
+            dim=args.dim,
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            n_kv_heads=args.n_heads,
+            head_dim=args.qk_nope_head_dim + args.qk_rope_head_dim,
+            ffn_dim=args.inter_dim,
+            vocab_size=args.vocab_size,
+            experts=_experts(args.moe, args.moe_inter_dim, args.n_dense_layers),
+            mla=LatentAttention(args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim, args.v_head_dim),
+        )
+
+    @property
+    def v_dim(self) -> int:
+        """All heads' value channels (the attention output width)."""
+        return self.n_heads * (self.mla.v_head_dim if self.mla else self.head_dim)
+
+    @property
+    def moe_layers(self) -> int:
+        return 0 if self.experts is None else self.n_layers - self.experts.dense_layers
+
+
+def _experts(moe, hidden_dim: int, dense_layers: int) -> Experts | None:
+    if moe is None:
+        return None
+    return Experts(moe.num_experts, moe.top_k, hidden_dim, moe.num_shared_experts * hidden_dim, dense_layers)
 
 
 @dataclass(frozen=True)
@@ -54,6 +112,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ac: str = "none"  # "none" | "full" | "selective:N" | "selective:op"
+    ep: int = 1  # expert parallel (borrows ranks of dp_shard x cp)
+    etp: int = 1  # expert tensor parallel (1 or tp)
 
     @property
     def fsdp(self) -> bool:
@@ -66,7 +126,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{n}={v}" for n, v in (
             ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp),
-            ("tp", self.tp), ("pp", self.pp),
+            ("tp", self.tp), ("pp", self.pp), ("ep", self.ep),
         ) if v > 1]
         return " ".join(parts or ["single device"]) + f", AC {self.ac}"
 
@@ -95,28 +155,70 @@ class AnalyticEstimate:
     items: dict[str, int]
 
 
-def _linear_shapes(g: Geometry) -> list[tuple[int, int, str]]:
-    """(rows, cols, tp style) of one block's weights; colwise shards rows, rowwise cols."""
+Shape = tuple[int, int, str]
+
+
+def _attention_shapes(g: Geometry) -> list[Shape]:
+    """(rows, cols, tp style) of one block's attention weights; colwise shards rows,
+    rowwise cols, rep is replicated."""
+    if g.mla is not None:
+        return _latent_attention_shapes(g, g.mla)
     q, kv = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
-    return [
-        (q, g.dim, "col"), (kv, g.dim, "col"), (kv, g.dim, "col"), (g.dim, q, "row"),
-        (g.ffn_dim, g.dim, "col"), (g.ffn_dim, g.dim, "col"), (g.dim, g.ffn_dim, "row"),
-        (g.dim, 1, "rep"), (g.dim, 1, "rep"),
+    shapes = [(q, g.dim, "col"), (kv, g.dim, "col"), (kv, g.dim, "col"), (g.dim, q, "row")]
+    if g.qk_norm:
+        shapes += [(g.head_dim, 1, "rep"), (g.head_dim, 1, "rep")]
+    return shapes
+
+
+def _latent_attention_shapes(g: Geometry, mla: LatentAttention) -> list[Shape]:
+    q = g.n_heads * g.head_dim
+    if mla.q_lora_rank:
+        queries = [(mla.q_lora_rank, g.dim, "rep"), (mla.q_lora_rank, 1, "rep"), (q, mla.q_lora_rank, "col")]
+    else:
+        queries = [(q, g.dim, "col")]
+    nope = g.head_dim - mla.rope_head_dim
+    return queries + [
+        (mla.kv_lora_rank + mla.rope_head_dim, g.dim, "rep"), (mla.kv_lora_rank, 1, "rep"),
+        (g.n_heads * (nope + mla.v_head_dim), mla.kv_lora_rank, "col"), (g.dim, g.v_dim, "row"),
     ]
 
 
-def _root_shapes(g: Geometry) -> list[tuple[int, int, str]]:
-    return [(g.vocab_size, g.dim, "col"), (g.dim, 1, "rep"), (g.vocab_size, g.dim, "col")]
+def _ffn_shapes(g: Geometry, moe: bool) -> list[Shape]:
+    """A dense SwiGLU, or a router, the routed experts (``exp``: split over expert parallel,
+    their hidden size over expert tensor parallel) and the shared experts."""
+    if not moe:
+        return [(g.ffn_dim, g.dim, "col"), (g.ffn_dim, g.dim, "col"), (g.dim, g.ffn_dim, "row")]
+    e = g.experts
+    routed = e.num_experts * e.hidden_dim
+    shapes = [(e.num_experts, g.dim, "rep")] + [(routed, g.dim, "exp")] * 3
+    if e.shared_hidden_dim:
+        s = e.shared_hidden_dim
+        shapes += [(s, g.dim, "col"), (s, g.dim, "col"), (g.dim, s, "row")]
+    return shapes
 
 
-def _local_numel(shapes: list[tuple[int, int, str]], tp: int, shards: int) -> tuple[int, int]:
-    """(TP-local numel, TP-local then FSDP-sharded numel; FSDP pads dim 0 to the shard count)."""
+def _block_shapes(g: Geometry, moe: bool) -> list[Shape]:
+    return _attention_shapes(g) + _ffn_shapes(g, moe) + [(g.dim, 1, "rep"), (g.dim, 1, "rep")]
+
+
+def _root_shapes(g: Geometry, first: bool, last: bool) -> list[Shape]:
+    """The embedding on the first stage; the final norm and (untied) output on the last."""
+    shapes = [(g.vocab_size, g.dim, "col")] if first else []
+    if last:
+        shapes += [(g.dim, 1, "rep")] + ([] if g.tied_embeddings else [(g.vocab_size, g.dim, "col")])
+    return shapes
+
+
+def _local_numel(shapes: list[Shape], lay: Layout) -> tuple[int, int]:
+    """(TP/EP-local numel, then FSDP-sharded numel; FSDP pads dim 0 to the shard count;
+    experts are sharded over the data-parallel ranks that expert parallel leaves)."""
+    shards = lay.dp_shard * lay.cp if lay.fsdp else 1
     local = sharded = 0
     for rows, cols, style in shapes:
-        rows_l = rows // tp if style == "col" else rows
-        cols_l = cols // tp if style == "row" else cols
+        rows_l = rows // {"col": lay.tp, "exp": lay.ep * lay.etp}.get(style, 1)
+        cols_l = cols // lay.tp if style == "row" else cols
         local += rows_l * cols_l
-        sharded += math.ceil(rows_l / shards) * cols_l
+        sharded += math.ceil(rows_l / (shards // lay.ep if style == "exp" else shards)) * cols_l
     return local, sharded
 
 
@@ -180,15 +282,58 @@ def _ring_backward_bytes(g: Geometry, lay: Layout, run: Run, batch: int, tokens:
     return 2 * 4 * batch * g.n_heads / lay.tp * size * size + 6 * 4 * q_local * tokens
 
 
+def _projection_kept_per_token(g: Geometry, lay: Layout, target: str, a: int) -> float:
+    """Per token, what attention keeps besides q, k, v and its output: Qwen3's per-head q/k
+    norms keep their inputs; MLA's low-rank norms keep theirs and their outputs (saved by
+    the up-projections; replicated under TP), and its output, computed with values padded
+    to the query head size, is sliced to the value heads into a copy that wo keeps."""
+    if g.mla is not None:
+        kept = _norm_kept_bytes(a, g.mla.kv_lora_rank, target) + a * g.mla.kv_lora_rank + a * g.v_dim / lay.tp
+        if g.mla.q_lora_rank:
+            kept += _norm_kept_bytes(a, g.mla.q_lora_rank, target) + a * g.mla.q_lora_rank
+        return kept
+    if g.qk_norm:
+        return (g.n_heads + g.n_kv_heads) / lay.tp * _norm_kept_bytes(a, g.head_dim, target)
+    return 0.0
+
+
+def _ffn_kept_per_token(g: Geometry, lay: Layout, a: int, moe: bool) -> float:
+    """A dense SwiGLU keeps w1, w3, silu and their product. A MoE layer keeps the router's
+    fp32 input copy, scores and routing weights, three int64 index vectors (gather,
+    dispatch, combine) and, per routed token (top_k per token; balanced routing), the
+    dispatched input, the SwiGLU's four hidden tensors and the fp32 expert output that its
+    routing weight scales; plus the shared experts' SwiGLU."""
+    if not moe:
+        return 4 * a * g.ffn_dim / lay.tp
+    e = g.experts
+    router = 4 * (g.dim + e.num_experts + e.top_k) + 3 * 8 * e.top_k
+    routed = e.top_k * (a * (g.dim + 4 * e.hidden_dim / lay.etp) + 4 * g.dim)
+    return router + routed + 4 * a * e.shared_hidden_dim / lay.tp
+
+
+def _ffn_width(g: Geometry, lay: Layout) -> float:
+    """Per token, the widest feed-forward hidden activation (its backward temporaries)."""
+    dense = g.ffn_dim / lay.tp
+    if g.experts is None:
+        return dense
+    e = g.experts
+    return max(dense, e.top_k * e.hidden_dim / lay.etp + e.shared_hidden_dim / lay.tp)
+
+
 def _layer_activation_bytes(g: Geometry, lay: Layout, run: Run, a: int, tokens: float) -> float:
+    """What one block keeps without AC (the mean over the model's dense and MoE blocks)."""
     t = lay.tp
     sp = t  # sequence parallel shards the residual stream when TP is on
+    moe_share = g.moe_layers / g.n_layers
+    ffn = (1 - moe_share) * _ffn_kept_per_token(g, lay, a, False) + moe_share * (
+        _ffn_kept_per_token(g, lay, a, True) if g.experts else 0)
     per_token = (
         2 * _norm_kept_bytes(a, g.dim, run.target) / sp  # attention_norm, ffn_norm
-        + 2 * a * g.dim  # norm outputs (all-gathered under SP) saved by wq/wk/wv and w1/w3
+        + 2 * a * g.dim  # norm outputs (all-gathered under SP) saved by the projections
         + _attention_kept_per_token(g, lay, run, a)
+        + _projection_kept_per_token(g, lay, run.target, a)
         + 4 * g.n_heads / t  # logsumexp
-        + 4 * a * g.ffn_dim / t  # w1, w3, silu, silu*w3
+        + ffn
     )
     return tokens * per_token + _attention_mask_bytes(lay, run, a)
 
@@ -223,16 +368,14 @@ class _Stage:
 
 def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> _Stage:
     a = run.param_bytes
-    shards = lay.dp_shard * lay.cp if lay.fsdp else 1
     layers = math.ceil(g.n_layers / lay.pp)
     batch = run.pp_microbatch if lay.pp > 1 else run.local_batch
     tokens = batch * run.seq_len / lay.cp
-    layer_local, layer_sharded = _local_numel(_linear_shapes(g), lay.tp, shards)
-    root_shapes = [s for i, s in enumerate(_root_shapes(g)) if (i == 0 and first) or (i > 0 and last)]
-    root_local, root_sharded = _local_numel(root_shapes, lay.tp, shards)
+    layer_local, layer_sharded, largest_layer = _mean_block_numel(g, lay)
+    root_local, root_sharded = _local_numel(_root_shapes(g, first, last), lay)
     params_sharded = layers * layer_sharded + root_sharded
     if lay.fsdp:
-        u_layer, u_root = a * layer_local, a * root_local
+        u_layer, u_root = a * largest_layer, a * root_local
     else:  # autocast keeps low-precision copies of the matmul weights for backward
         u_layer, u_root = 0, (layers * layer_local + root_local) * a if a < 4 else 0
     a_in = a * tokens * g.dim / lay.tp
@@ -249,6 +392,18 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
     return _Stage(4 * params_sharded, 8 * params_sharded, u_layer, u_root, root_local,
                   layer_local, layer_sharded, layers, tokens, a_in, a_layer, kept,
                   _ring_backward_bytes(g, lay, run, batch, tokens))
+
+
+def _mean_block_numel(g: Geometry, lay: Layout) -> tuple[float, float, int]:
+    """(local numel, FSDP-sharded numel) of the mean block over the model's dense and MoE
+    blocks, and the largest block's local numel (what one block gathers)."""
+    dense = _local_numel(_block_shapes(g, moe=False), lay)
+    if g.experts is None:
+        return dense[0], dense[1], dense[0]
+    moe = _local_numel(_block_shapes(g, moe=True), lay)
+    share = g.moe_layers / g.n_layers
+    mean = [(1 - share) * d + share * m for d, m in zip(dense, moe)]
+    return mean[0], mean[1], max(dense[0], moe[0])
 
 
 def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> AnalyticEstimate:
@@ -314,7 +469,7 @@ def _pipeline_backward(st: _Stage, g: Geometry, lay: Layout, run: Run, base: flo
     recomputation under AC and its gradient temporaries."""
     a = run.param_bytes
     recompute = st.a_layer if st.kept != st.a_layer else 0
-    temps = st.tokens * a * (2 * g.ffn_dim / lay.tp + 2 * g.dim) + (a + 4) * st.layer_local
+    temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim) + (a + 4) * st.layer_local
     return base + sum(_pipeline_held(st, lay, run, first, last)) + activations + recompute + temps
 
 
@@ -325,7 +480,7 @@ def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -
     gradients and fp32 reduce-scatter input. Linear in the block index, so the maximum is
     at the first or the last block."""
     recompute = st.a_layer if st.kept != st.a_layer else 0
-    mlp_temps = st.tokens * a * (2 * g.ffn_dim / lay.tp + 2 * g.dim)
+    mlp_temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim)
     temps = max(mlp_temps, st.ring_backward) + (a + 4) * st.layer_local
     current = base + 2 * st.u_layer + st.kept + recompute + temps
     top_block = current + (st.layers - 1) * st.kept
@@ -344,6 +499,8 @@ def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, targ
         tp=parallel_dims.tp,
         pp=parallel_dims.pp,
         ac=ac_mode,
+        ep=parallel_dims.ep,
+        etp=parallel_dims.etp,
     )
     training = job_config.training
     param_bytes = 4 if training.mixed_precision_param == "float32" else 2

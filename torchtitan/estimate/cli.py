@@ -1,21 +1,24 @@
 """``python scripts/estimate/estimation.py --job.config_file F.toml [overrides]``: estimate
-one layout (this module), plan layouts (``plan_mode``) or validate against a real run
-(``validate_mode``)."""
+one layout by tracing it or in closed form (this module), plan layouts (``plan_mode``) or
+validate against a real run (``validate_mode``)."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
-from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimate import analytic, report
+from torchtitan.estimate.build import estimation_model_args
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
 from torchtitan.estimate.plan_mode import run_plan
 from torchtitan.estimate.steps import ITERATIONS, microbatches_per_step
 from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
 from torchtitan.estimate.validate_mode import measure_single_process, run_validate
-from torchtitan.recipe import Recipe
+from torchtitan.protocols import get_train_spec
+from torchtitan.recipe import Recipe, grad_accumulation_steps
 from torchtitan.tools.logging import init_logger
 
 # The trainer refuses memory_estimation.enable; this script always estimates, so the flag
@@ -29,7 +32,7 @@ def analytic_lines(job_config: JobConfig, outcome: TraceOutcome, target: str) ->
         job_config, setup.model_args, setup.parallel_dims, setup.grad_accum_steps, target
     )
     if geometry is None:
-        return ["analytic estimate: not available (the model args are not Llama-style)"]
+        return ["analytic estimate: not available (the model args are not a Llama, Qwen3 or DeepSeek-V3 decoder)"]
     closed_form = analytic.estimate(geometry, layout, run)
     if closed_form is None:
         return ["analytic estimate: not available for op-level selective activation checkpointing"]
@@ -103,6 +106,45 @@ def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int
     return lines + report.additions_lines(result.peak_bytes, additions, me.device_memory_gib)
 
 
+@dataclass
+class AnalyticFit:
+    peak: analytic.AnalyticEstimate
+    parallel_dims: ParallelDims
+    verdict: str
+
+
+def analytic_fit(job_config: JobConfig) -> AnalyticFit:
+    """The closed-form peak of the configured layout (checked as the trainer checks it) and
+    the verdict for ``memory_estimation.device_memory_gib``: instant even for 405B or 671B,
+    whose traces would take far longer."""
+    me = job_config.memory_estimation
+    if me.device_memory_gib is None:
+        raise ConfigError("memory_estimation.device_memory_gib: mode analytic needs the memory per GPU "
+                          "in GiB, e.g. --memory_estimation.device_memory_gib 80")
+    world_size = resolve_world_size(job_config)
+    parallel_dims = check_covered(job_config, world_size)
+    model_args = estimation_model_args(job_config, get_train_spec(job_config.model.name))
+    accum = grad_accumulation_steps(job_config, parallel_dims)
+    geometry, layout, run = analytic.from_job_config(job_config, model_args, parallel_dims, accum, me.target_device)
+    closed_form = None if geometry is None else analytic.estimate(geometry, layout, run)
+    if closed_form is None:
+        raise ConfigError(f"model.name={job_config.model.name!r}: the closed form does not cover this model or "
+                          "op-level selective activation checkpointing; use mode estimate")
+    additions = report.device_additions(closed_form.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib)
+    return AnalyticFit(closed_form, parallel_dims, report.fit_verdict(closed_form.peak_bytes, additions, me.device_memory_gib))
+
+
+def run_analytic(job_config: JobConfig) -> int:
+    fit = analytic_fit(job_config)
+    print(f"analytic memory estimate: {job_config.model.name} {job_config.model.flavor}, "
+          f"{fit.parallel_dims.world_size} ranks ({degrees(fit.parallel_dims)}), activation checkpointing "
+          f"{job_config.activation_checkpoint.mode}")
+    print(f"analytic allocated peak per rank: {report.size(fit.peak.peak_bytes)} (in the {fit.peak.phase}; "
+          "a CUDA rank adds its context, cuBLAS workspaces, allocator reserve and NCCL buffers)")
+    print(fit.verdict)
+    return 0
+
+
 def _estimate_on_real_tensors(job_config: JobConfig, world_size: int) -> int:
     measured = measure_single_process(job_config, world_size)
     print(f"measured on real tensors (rank 0 of {world_size} emulated in one process, "
@@ -117,5 +159,5 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in _ENABLE_FLAGS]
     job_config = ConfigManager().parse_args(args)
-    modes = {"estimate": run_estimate, "plan": run_plan, "validate": run_validate}
+    modes = {"estimate": run_estimate, "analytic": run_analytic, "plan": run_plan, "validate": run_validate}
     return modes[job_config.memory_estimation.mode](job_config)

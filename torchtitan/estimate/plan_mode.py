@@ -26,8 +26,9 @@ def run_plan(job_config: JobConfig) -> int:
     spec = get_train_spec(job_config.model.name)
     model_args = estimation_model_args(job_config, spec)
     geometry = analytic.Geometry.from_model_args(model_args)
-    if geometry is None:
-        raise ConfigError(f"model.name: the planner needs Llama-style model args; {spec.name!r} has none")
+    if geometry is None or geometry.experts is not None:
+        raise ConfigError(f"model.name: the planner covers dense decoders (no expert-parallel layouts); "
+                          f"{spec.name!r} {job_config.model.flavor!r} is not one; use mode analytic or estimate")
     global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * world_size
     overhead = report.CUBLAS_WORKSPACE_BYTES + report.CUDA_CONTEXT_BYTES + (me.nccl_allowance_gib * 2**30 if world_size > 1 else 0)
     request = planner.PlanRequest(

@@ -28,10 +28,11 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 class GQAttention(nn.Module):
     def __init__(
         self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, attn_type: str,
-        mask_spec: MaskSpec, qk_norm_eps: float | None = None,
+        mask_spec: MaskSpec, qk_norm_eps: float | None = None, softmax_scale: float | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.softmax_scale = softmax_scale  # None: head_dim ** -0.5
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
@@ -56,5 +57,6 @@ class GQAttention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)
         n_rep = xq.shape[2] // xk.shape[2]
         xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
-        out = self.inner_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask=mask)
+        out = self.inner_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask=mask,
+                                   scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))

@@ -4,7 +4,7 @@ feed-forward a MoE layer of ``moe.num_experts`` routed experts, no shared expert
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
@@ -15,6 +15,7 @@ from torchtitan.models.common.args import (
     nparams_and_flops,
     require,
 )
+from torchtitan.models.common.rope import yarn_mscale
 from torchtitan.models.moe import MoEArgs
 from torchtitan.protocols.model import BaseModelArgs
 
@@ -36,6 +37,15 @@ class Qwen3ModelArgs(BaseModelArgs):
     ffn_hidden_dim: int = 12288  # dense SwiGLU hidden size (Hugging Face intermediate_size)
     norm_eps: float = 1e-6  # every RMSNorm, the per-head q/k norms included
     rope_theta: float = 1_000_000.0
+    # YaRN context extension (config.json rope_type "yarn"), on when rope_factor > 1: the
+    # frequencies are YaRN-scaled (models/common/rope.py) and attention logits multiplied by
+    # rope_attention_factor ** 2, as Hugging Face's cos and sin scaled by it do (None: YaRN's
+    # default 0.1 ln(rope_factor) + 1).
+    rope_factor: float = 1.0
+    rope_original_seq_len: int = 32768
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None
     max_seq_len: int = 4096
     # The output layer uses the embedding's weight (the published 0.6B, 1.7B and 4B).
     tie_word_embeddings: bool = False
@@ -45,10 +55,22 @@ class Qwen3ModelArgs(BaseModelArgs):
     moe_hidden_dim: int = 768  # one expert's hidden size (moe_intermediate_size)
     # Scale the std of output projections by layer depth (else by n_layers).
     depth_init: bool = True
+    # Queries and keys are RMS-normalised per head (read by the memory estimate).
+    qk_norm: ClassVar[bool] = True
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """None (attention's default) without YaRN."""
+        if self.rope_factor <= 1:
+            return None
+        factor = self.rope_attention_factor
+        if factor is None:
+            factor = yarn_mscale(self.rope_factor, 1.0)
+        return self.head_dim**-0.5 * factor**2
 
     def update_from_config(self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None) -> None:
         super().update_from_config(job_config, tokenizer)

@@ -14,7 +14,7 @@ from torch import nn
 from torchtitan.models.common.decoder import Decoder, InitRules, TransformerBlock
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.gqa import GQAttention
-from torchtitan.models.common.rope import rope_frequencies
+from torchtitan.models.common.rope import rope_frequencies, yarn_scaled
 from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 
@@ -22,12 +22,17 @@ _INIT_RULES = InitRules.for_attention(("wq", "wk", "wv"))
 
 
 def rope_inv_freq(args: Qwen3ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    return rope_frequencies(args.head_dim, args.rope_theta, device)
+    """``[head_dim // 2]`` fp32 inverse frequencies, YaRN-scaled when ``rope_factor > 1``."""
+    inv_freq = rope_frequencies(args.head_dim, args.rope_theta, device)
+    if args.rope_factor <= 1:
+        return inv_freq
+    return yarn_scaled(inv_freq, args.head_dim, args.rope_theta, args.rope_factor, args.rope_original_seq_len,
+                       args.rope_beta_fast, args.rope_beta_slow)
 
 
 def build_block(args: Qwen3ModelArgs) -> TransformerBlock:
     attention = GQAttention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.attn_type,
-                            args.mask_spec, qk_norm_eps=args.norm_eps)
+                            args.mask_spec, qk_norm_eps=args.norm_eps, softmax_scale=args.softmax_scale)
     if args.moe is not None:
         ffn: nn.Module = MoE(args.dim, args.moe_hidden_dim, args.moe)
     else:

@@ -83,8 +83,8 @@ def to_hf_config(args: Qwen3ModelArgs) -> dict[str, Any]:
         "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": args.max_seq_len,
         "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_scaling": _rope_scaling(args),
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta} | (_rope_scaling(args) or {}),
         "tie_word_embeddings": args.tie_word_embeddings,
         "attention_bias": False,
         "use_sliding_window": False,
@@ -111,6 +111,34 @@ def to_hf_config(args: Qwen3ModelArgs) -> dict[str, Any]:
     }
 
 
+def _rope_scaling(args: Qwen3ModelArgs) -> dict[str, Any] | None:
+    """The YaRN settings in config.json form, or None without YaRN."""
+    if args.rope_factor <= 1:
+        return None
+    scaling = {"rope_type": "yarn", "factor": args.rope_factor,
+               "original_max_position_embeddings": args.rope_original_seq_len,
+               "beta_fast": args.rope_beta_fast, "beta_slow": args.rope_beta_slow}
+    if args.rope_attention_factor is not None:
+        scaling["attention_factor"] = args.rope_attention_factor
+    return scaling
+
+
+def _read_yarn(config: Mapping[str, Any], args: Qwen3ModelArgs) -> None:
+    """Set ``args``' YaRN fields from config.json's RoPE settings (rope_type "yarn"; the
+    original context defaults to max_position_embeddings, as in transformers)."""
+    rope = rope_settings(config)
+    if rope.get("mscale") or rope.get("mscale_all_dim"):
+        raise ValueError("config.json: YaRN with mscale / mscale_all_dim is not supported for Qwen3; "
+                         "give attention_factor instead")
+    args.rope_factor = float(require(rope, "factor"))
+    args.rope_original_seq_len = int(rope.get("original_max_position_embeddings")
+                                     or require(config, "max_position_embeddings"))
+    args.rope_beta_fast = float(rope.get("beta_fast") or 32.0)
+    args.rope_beta_slow = float(rope.get("beta_slow") or 1.0)
+    if rope.get("attention_factor") is not None:
+        args.rope_attention_factor = float(rope["attention_factor"])
+
+
 def from_hf_config(config: Mapping[str, Any]) -> Qwen3ModelArgs:
     """Model args equivalent to a Hugging Face Qwen3 or Qwen3-MoE config dict
     (``max_seq_len`` is left at its default: the trainer sets it from ``training.seq_len``)."""
@@ -129,6 +157,8 @@ def from_hf_config(config: Mapping[str, Any]) -> Qwen3ModelArgs:
         rope_theta=float(rope["rope_theta"]),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
+    if rope["rope_type"] == "yarn":
+        _read_yarn(config, args)
     if num_experts := _num_experts(config):
         args.moe = MoEArgs(num_experts=num_experts, num_shared_experts=0,
                            top_k=require(config, "num_experts_per_tok"), score_func="softmax",
@@ -151,7 +181,7 @@ def _reject_unsupported(config: Mapping[str, Any]) -> None:
         (config.get("attention_bias"), "attention biases are not supported"),
         (config.get("hidden_act", "silu") != "silu", f"unsupported hidden_act {config.get('hidden_act')!r}"),
         (config.get("use_sliding_window"), "sliding-window layers (use_sliding_window) are not supported"),
-        (rope_type != "default", f"unsupported rope_type {rope_type!r}"),
+        (rope_type not in ("default", "yarn"), f"unsupported rope_type {rope_type!r}"),
         (_num_experts(config) and config.get("mlp_only_layers"),
          "dense layers among MoE layers (mlp_only_layers) are not supported"),
         (_num_experts(config) and config.get("decoder_sparse_step", 1) != 1,
@@ -173,6 +203,7 @@ def _compared_fields(args: Qwen3ModelArgs) -> dict[str, Any]:
         "vocab_size": args.vocab_size,
         "norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
+        "rope_scaling": _rope_scaling(args),
         "tie_word_embeddings": args.tie_word_embeddings,
         "moe": args.moe is not None,
     }
