@@ -6,13 +6,18 @@ values) and the layers whose rules it applies."""
 
 from __future__ import annotations
 
+from torchtitan.components.checkpoint import check_checkpoint_inputs
+from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
+from torchtitan.datasets.registry import check_dataset_fields
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import check_cp_config
 from torchtitan.distributed.parallel_dims import default_device_type, parallel_dims_from_config
 from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_stages
 from torchtitan.protocols import get_train_spec
+from torchtitan.protocols.model_converter import check_converter_names
+from torchtitan.recipe import grad_accumulation_steps
 
 
 def preflight(job_config: JobConfig, world_size: int, device_type: str) -> ParallelDims:
@@ -45,6 +50,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     if parallel_dims.pp_enabled:
         plan = plan_stages(job_config, model_args.n_layers, parallel_dims.pp)
         microbatches(job_config, plan.num_stages)
+    grad_accumulation_steps(job_config, parallel_dims)
     if job_config.validation.enable:
         _check_validation(job_config, parallel_dims)
     if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
@@ -68,6 +74,34 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
             f"machine runs on {device_type}"
         )
     return parallel_dims
+
+
+def build_tokenizer(job_config: JobConfig) -> BaseTokenizer | None:
+    """The model's tokenizer (None if the model has none); a ``model.tokenizer_path`` that
+    holds no usable tokenizer is a ConfigError."""
+    spec = get_train_spec(job_config.model.name)
+    if spec.build_tokenizer_fn is None:
+        return None
+    try:
+        return spec.build_tokenizer_fn(job_config)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_inputs(job_config: JobConfig) -> None:
+    """The checks that read the disk or a registry, made once before launch: the data sets,
+    the tokenizer, the model converters and the checkpoint to resume or start from."""
+    sections = [("training", job_config.training)]
+    if job_config.validation.enable:
+        sections.append(("validation", job_config.validation))
+    for name, section in sections:
+        try:
+            check_dataset_fields(section.dataset, section.dataset_path, name)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+    build_tokenizer(job_config)
+    check_converter_names(job_config.model.converters)
+    check_checkpoint_inputs(job_config)
 
 
 def _check_context_parallel(job_config, parallel_dims, model_args) -> None:
@@ -120,6 +154,7 @@ def main(argv: list[str]) -> int:
     world_size = int(value)
     config = ConfigManager().parse_args(argv[:at] + argv[at + 2:])
     parallel_dims = preflight(config, world_size, default_device_type())
+    check_inputs(config)
     if print_loss_rank:
         print(loss_owner_rank(config, parallel_dims))
     return 0
