@@ -6,6 +6,10 @@ values) and the layers whose rules it applies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from torch._dynamo import list_backends
+
 from torchtitan.components.checkpoint import check_checkpoint_inputs
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
@@ -88,9 +92,32 @@ def build_tokenizer(job_config: JobConfig) -> BaseTokenizer | None:
         raise ConfigError(str(e)) from None
 
 
-def check_inputs(job_config: JobConfig) -> None:
-    """The checks that read the disk or a registry, made once before launch: the data sets,
-    the tokenizer, the model converters and the checkpoint to resume or start from."""
+# Features that only work on CUDA: (field, whether the config uses it, what needs CUDA).
+_CUDA_ONLY: list[tuple[str, Callable[[JobConfig], bool], str]] = [
+    ("training.dataloader.pin_memory", lambda c: c.training.dataloader.pin_memory,
+     "page-locked batches for host-to-GPU copies"),
+    ("profiling.enable_memory_snapshot", lambda c: c.profiling.enable_memory_snapshot,
+     "snapshots of the CUDA caching allocator"),
+    ("compile.backend", lambda c: c.compile.enable and c.compile.backend == "cudagraphs", "CUDA graphs"),
+]
+
+
+def _check_device_features(job_config: JobConfig, device_type: str) -> None:
+    for field, in_use, what in _CUDA_ONLY:
+        if in_use(job_config) and device_type != "cuda":
+            raise ConfigError(f"{field}: needs CUDA ({what}); this machine runs on {device_type}; leave it off")
+    backend = job_config.compile.backend
+    if job_config.compile.enable and backend not in list_backends(exclude_tags=()):
+        raise ConfigError(
+            f"compile.backend: unknown backend {backend!r}; valid: {', '.join(list_backends())} "
+            "(and debug backends such as eager, aot_eager)"
+        )
+
+
+def check_inputs(job_config: JobConfig, device_type: str) -> None:
+    """The checks that read the disk, a registry or the machine, made once before launch: the
+    data sets, the tokenizer, the model converters, the checkpoint to resume or start from and
+    the features this device cannot run."""
     sections = [("training", job_config.training)]
     if job_config.validation.enable:
         sections.append(("validation", job_config.validation))
@@ -102,6 +129,7 @@ def check_inputs(job_config: JobConfig) -> None:
     build_tokenizer(job_config)
     check_converter_names(job_config.model.converters)
     check_checkpoint_inputs(job_config)
+    _check_device_features(job_config, device_type)
 
 
 def _check_context_parallel(job_config, parallel_dims, model_args) -> None:
@@ -153,8 +181,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--world-size: needs a process count, got {value!r}")
     world_size = int(value)
     config = ConfigManager().parse_args(argv[:at] + argv[at + 2:])
-    parallel_dims = preflight(config, world_size, default_device_type())
-    check_inputs(config)
+    device_type = default_device_type()
+    parallel_dims = preflight(config, world_size, device_type)
+    check_inputs(config, device_type)
     if print_loss_rank:
         print(loss_owner_rank(config, parallel_dims))
     return 0
