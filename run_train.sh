@@ -39,10 +39,21 @@ if [ "$NNODES" -gt 1 ]; then
 else
   rdzv=(--standalone)
 fi
+# LOG_RANK names global ranks; torchrun filters by this node's local ranks (node N holds
+# global ranks N*NGPU .. N*NGPU+NGPU-1). A node without one shows its local rank 0 (whose
+# warnings and errors still print).
+local_log_ranks=""
+IFS=, read -ra log_ranks <<< "$LOG_RANK"
+for rank in "${log_ranks[@]}"; do
+  local_rank=$((rank - NODE_RANK * NGPU))
+  if [ "$local_rank" -ge 0 ] && [ "$local_rank" -lt "$NGPU" ]; then
+    local_log_ranks+="${local_log_ranks:+,}$local_rank"
+  fi
+done
 export LOG_RANK
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 launch=("$PYTHON" -m torchtitan.distributed.launch --nproc_per_node="$NGPU" "${rdzv[@]}"
-        --local-ranks-filter "$LOG_RANK"
+        --local-ranks-filter "${local_log_ranks:-0}"
         -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "LOG_RANK=$LOG_RANK OMP_NUM_THREADS=$OMP_NUM_THREADS ${launch[*]@Q}"

@@ -40,7 +40,7 @@ BEFORE_LAUNCH = {
 RANK_LOCAL = ["--experimental.custom_import", "tests.integration_tests.rank_local_user_error",
               "--model.name", "llama3_rank1_user_error"]
 SLURM_NODE_1_OF_2 = {"SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
-                     "SLURM_GPUS_ON_NODE": "2"}
+                     "SLURM_GPUS_ON_NODE": "2", "LOG_RANK": "0,3"}
 
 
 def _fake_srun(folder: Path) -> dict[str, str]:
@@ -54,7 +54,7 @@ def _fake_srun(folder: Path) -> dict[str, str]:
 def _slurm(env: dict[str, str], bin_dir: Path, submit_dir: Path = REPO_ROOT) -> subprocess.CompletedProcess:
     return run_command(["bash", str(REPO_ROOT / "scripts" / "run_train.slurm"), *TINY],
                        env={**_fake_srun(bin_dir), "SLURM_SUBMIT_DIR": str(submit_dir), "DRY_RUN": "1", **env},
-                       timeout=120)
+                       timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +63,13 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     root = tmp_path_factory.mktemp("user-errors")
     dump = ["--job.dump_folder", str(root / "dump")]
     jobs = {case: (lambda args=args: run_command(["./run_train.sh", *TINY, *dump, *args],
-                                                 env={"NGPU": "1"}, timeout=120))
+                                                 env={"NGPU": "1"}, timeout=300))
             for case, (args, _) in BEFORE_LAUNCH.items()}
     jobs["rank-local"] = lambda: run_command(["./run_train.sh", *TINY, *dump, *RANK_LOCAL],
-                                             env={"NGPU": "2"}, timeout=180)
+                                             env={"NGPU": "2"}, timeout=300)
     jobs["slurm"] = lambda: _slurm(SLURM_NODE_1_OF_2, root)
     jobs["one node"] = lambda: run_command(["./run_train.sh", *TINY], env={"NGPU": "2", "DRY_RUN": "1"},
-                                           timeout=120)
+                                           timeout=300)
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -136,6 +136,7 @@ def test_slurm_node_runs_torchrun_on_the_named_rendezvous(runs):
     for option in ("--nproc_per_node=2", "--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d",
                    "--rdzv_endpoint=gpu007:29500"):
         assert f"'{option}'" in command, command
+    assert "'--local-ranks-filter' '1'" in command, command  # global rank 3 = node 1's local rank 1
     assert "--standalone" not in command and "'-m' 'torchtitan.train'" in command, command
 
 
