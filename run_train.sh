@@ -3,7 +3,7 @@
 #   NGPU=4 CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh --training.steps 20
 # Env: NGPU (default: visible CUDA devices, else 1), NNODES / NODE_RANK / MASTER_ADDR /
 # MASTER_PORT for multi-node (MASTER_ADDR required there; scripts/run_train.slurm sets them
-# under SLURM), LOG_RANK (ranks whose logs are shown; default: the rank that shows the loss,
+# under SLURM), LOG_RANK (global ranks whose logs are shown; default: the rank that shows the loss,
 # 0 unless pipeline parallel puts the last stage elsewhere), CONFIG_FILE (default: the
 # Llama 3 debug config), DRY_RUN=1 (check the config, print the launch command, run
 # nothing). Extra args are CLI overrides.
@@ -25,8 +25,9 @@ if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
 fi
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 
-# Validate the merged config and the parallel layout once, in one process, so that bad
-# input prints one line once (exit 2) instead of a traceback per rank. It prints the rank
+# Validate the merged config, the parallel layout and the inputs (data, tokenizer,
+# checkpoint, converters, device features) once, in one process, so that bad input prints
+# one line once (exit 2) instead of a traceback per rank. It prints the rank
 # that shows the loss (the last pipeline stage's first rank), the default LOG_RANK.
 loss_rank=$("$PYTHON" -m torchtitan.config --world-size $((NGPU * NNODES)) --print-loss-rank \
   --job.config_file "$CONFIG_FILE" "$@") || exit $?
