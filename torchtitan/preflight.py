@@ -6,14 +6,23 @@ values) and the layers whose rules it applies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from torch._dynamo import list_backends
+
+from torchtitan.components.checkpoint import check_checkpoint_inputs
 from torchtitan.components.quantization import check_quantization
+from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
+from torchtitan.datasets.registry import check_dataset_fields
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import check_cp_config
 from torchtitan.distributed.parallel_dims import default_device_type, parallel_dims_from_config
 from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_stages
 from torchtitan.protocols import get_train_spec
+from torchtitan.protocols.model_converter import check_converter_names
+from torchtitan.recipe import grad_accumulation_steps
 
 
 def preflight(job_config: JobConfig, world_size: int, device_type: str) -> ParallelDims:
@@ -46,6 +55,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     if parallel_dims.pp_enabled:
         plan = plan_stages(job_config, model_args.n_layers, parallel_dims.pp)
         microbatches(job_config, plan.num_stages)
+    grad_accumulation_steps(job_config, parallel_dims)
     if job_config.validation.enable:
         _check_validation(job_config, parallel_dims)
     check_quantization(job_config, parallel_dims, model_args, device_type)
@@ -70,6 +80,58 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
             f"machine runs on {device_type}"
         )
     return parallel_dims
+
+
+def build_tokenizer(job_config: JobConfig) -> BaseTokenizer | None:
+    """The model's tokenizer (None if the model has none); a ``model.tokenizer_path`` that
+    holds no usable tokenizer is a ConfigError."""
+    spec = get_train_spec(job_config.model.name)
+    if spec.build_tokenizer_fn is None:
+        return None
+    try:
+        return spec.build_tokenizer_fn(job_config)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+
+
+# Features that only work on CUDA: (field, whether the config uses it, what needs CUDA).
+_CUDA_ONLY: list[tuple[str, Callable[[JobConfig], bool], str]] = [
+    ("training.dataloader.pin_memory", lambda c: c.training.dataloader.pin_memory,
+     "page-locked batches for host-to-GPU copies"),
+    ("profiling.enable_memory_snapshot", lambda c: c.profiling.enable_memory_snapshot,
+     "snapshots of the CUDA caching allocator"),
+    ("compile.backend", lambda c: c.compile.enable and c.compile.backend == "cudagraphs", "CUDA graphs"),
+]
+
+
+def _check_device_features(job_config: JobConfig, device_type: str) -> None:
+    for field, in_use, what in _CUDA_ONLY:
+        if in_use(job_config) and device_type != "cuda":
+            raise ConfigError(f"{field}: needs CUDA ({what}); this machine runs on {device_type}; leave it off")
+    backend = job_config.compile.backend
+    if job_config.compile.enable and backend not in list_backends(exclude_tags=()):
+        raise ConfigError(
+            f"compile.backend: unknown backend {backend!r}; valid: {', '.join(list_backends())} "
+            "(and debug backends such as eager, aot_eager)"
+        )
+
+
+def check_inputs(job_config: JobConfig, device_type: str) -> None:
+    """The checks that read the disk, a registry or the machine, made once before launch: the
+    data sets, the tokenizer, the model converters, the checkpoint to resume or start from and
+    the features this device cannot run."""
+    sections = [("training", job_config.training)]
+    if job_config.validation.enable:
+        sections.append(("validation", job_config.validation))
+    for name, section in sections:
+        try:
+            check_dataset_fields(section.dataset, section.dataset_path, name)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+    build_tokenizer(job_config)
+    check_converter_names(job_config.model.converters)
+    check_checkpoint_inputs(job_config)
+    _check_device_features(job_config, device_type)
 
 
 def _check_context_parallel(job_config, parallel_dims, model_args) -> None:
@@ -121,7 +183,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--world-size: needs a process count, got {value!r}")
     world_size = int(value)
     config = ConfigManager().parse_args(argv[:at] + argv[at + 2:])
-    parallel_dims = preflight(config, world_size, default_device_type())
+    device_type = default_device_type()
+    parallel_dims = preflight(config, world_size, device_type)
+    check_inputs(config, device_type)
     if print_loss_rank:
         print(loss_owner_rank(config, parallel_dims))
     return 0

@@ -25,7 +25,8 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import build_metrics_processor
 from torchtitan.components.validate import PipelineEval
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, save_config_file
-from torchtitan.config.entry import config_errors_exit
+from torchtitan.config.entry import config_errors_exit, exit_on_user_error
+from torchtitan.config.errors import UserInputError
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.pipeline import loss_owner_rank
 from torchtitan.distributed.utils import (
@@ -36,7 +37,7 @@ from torchtitan.distributed.utils import (
     set_pg_timeouts,
 )
 from torchtitan.models.moe import moe_load_metrics
-from torchtitan.preflight import preflight
+from torchtitan.preflight import build_tokenizer, preflight
 from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import MicroBatch, build_recipe, mixed_precision_summary, model_args_from_config, train_step
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -97,7 +98,7 @@ class Trainer:
             warn_only=job_config.debug.deterministic_warn_only,
         )
         spec = get_train_spec(job_config.model.name)
-        self.tokenizer = spec.build_tokenizer_fn(job_config) if spec.build_tokenizer_fn else None
+        self.tokenizer = build_tokenizer(job_config)
         self.dataloader = spec.build_dataloader_fn(job_config, parallel_dims, self.tokenizer)
 
         model_args = model_args_from_config(spec, job_config, self.tokenizer)
@@ -300,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteLossError as e:
         logger.error(str(e))
         sys.exit(1)
+    except UserInputError as e:
+        exit_on_user_error(str(e))  # before the process group goes: peers then see the record
     finally:
         if trainer is not None:
             trainer.close()

@@ -3,7 +3,7 @@
 import pytest
 
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.preflight import preflight
+from torchtitan.preflight import check_inputs, preflight
 
 
 def check(world_size, *args, device="cpu"):
@@ -51,6 +51,21 @@ def test_async_tp_needs_cuda_and_compile():
     with pytest.raises(ConfigError, match="needs CUDA"):
         check(2, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel",
               "--compile.enable", device="cpu")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--training.dataloader.pin_memory"], "training.dataloader.pin_memory: needs CUDA"),
+    (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot: needs CUDA"),
+    (["--compile.enable", "--compile.backend", "cudagraphs"], "compile.backend: needs CUDA"),
+    (["--compile.enable", "--compile.backend", "nosuch"], "compile.backend: unknown backend 'nosuch'; valid: "),
+])
+def test_features_the_device_cannot_run_are_refused_before_launch(args, message):
+    config = ConfigManager().parse_args(args)
+    with pytest.raises(ConfigError) as e:
+        check_inputs(config, "cpu")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    if "needs CUDA" in message:
+        check_inputs(config, "cuda")
 
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.seq_len", "64"]

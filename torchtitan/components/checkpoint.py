@@ -107,6 +107,38 @@ def complete_checkpoints(root: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _complete_steps(root: Path) -> str:
+    return ", ".join(str(s) for s in sorted(complete_checkpoints(root))) or "none"
+
+
+def _missing_step_error(root: Path, step: int) -> str:
+    return (
+        f"checkpoint.load_step={step}: there is no {root / f'step-{step}'} (complete "
+        f"checkpoints: {_complete_steps(root)}); pick one of those or -1 for the newest"
+    )
+
+
+def _not_a_folder_error(path: Path) -> str:
+    return f"checkpoint.initial_load_path: {path} is not a checkpoint folder"
+
+
+def check_checkpoint_inputs(job_config: Any) -> None:
+    """Refuse, before any process starts, a ``checkpoint.load_step`` or
+    ``checkpoint.initial_load_path`` that names nothing on disk. Loading checks the same
+    again, and the contents, on rank 0."""
+    config = job_config.checkpoint
+    if not config.enable or config.create_seed_checkpoint:
+        return
+    root = Path(job_config.job.dump_folder) / config.folder
+    folders = step_folders(root)
+    if config.load_step != -1 and config.load_step not in folders:
+        raise ConfigError(_missing_step_error(root, config.load_step))
+    initial = config.initial_load_path
+    resumes_from_folders = config.load_step != -1 or folders
+    if initial and not config.initial_load_in_hf and not resumes_from_folders and not Path(initial).is_dir():
+        raise ConfigError(_not_a_folder_error(Path(initial)))
+
+
 def purge_old_checkpoints(root: Path, keep: int) -> list[int]:
     """Delete all but the ``keep`` newest complete checkpoints; return the deleted steps.
 
@@ -502,18 +534,13 @@ class CheckpointManager:
         return _LoadChoice()
 
     def _choose_explicit(self, step: int, folders: dict[int, Path]) -> _LoadChoice:
-        field = f"checkpoint.load_step={step}"
-        complete = ", ".join(str(s) for s in sorted(complete_checkpoints(self.root))) or "none"
         if step not in folders:
-            return _LoadChoice(error=(
-                f"{field}: there is no {self.root / f'step-{step}'} (complete checkpoints: "
-                f"{complete}); pick one of those or -1 for the newest"
-            ))
+            return _LoadChoice(error=_missing_step_error(self.root, step))
         manifest, problem = inspect_checkpoint(folders[step])
         if manifest is None:
             return _LoadChoice(error=(
-                f"{field}: {problem}; pick another step (complete: {complete}) or -1 for the "
-                "newest complete checkpoint"
+                f"checkpoint.load_step={step}: {problem}; pick another step (complete: "
+                f"{_complete_steps(self.root)}) or -1 for the newest complete checkpoint"
             ))
         return _LoadChoice(str(folders[step]), manifest, manifest["model_only"])
 
@@ -530,7 +557,7 @@ class CheckpointManager:
         field = "checkpoint.initial_load_path"
         model_only = self.config.initial_load_model_only
         if not path.is_dir():
-            return _LoadChoice(error=f"{field}: {path} is not a checkpoint folder")
+            return _LoadChoice(error=_not_a_folder_error(path))
         if not (path / MANIFEST).exists():
             if not (path / ".metadata").is_file():
                 return _LoadChoice(error=f"{field}: {path} holds no DCP checkpoint (no .metadata)")

@@ -31,6 +31,7 @@ from torchtitan.components.safe_loading import (
     read_hf_config,
     safetensors_files,
 )
+from torchtitan.config.errors import UserInputError
 from torchtitan.models.init import clean_fqn
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.logging import logger
@@ -38,8 +39,8 @@ from torchtitan.tools.logging import logger
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class HFCheckpointError(ValueError):
-    pass
+class HFCheckpointError(UserInputError):
+    """Hugging Face weights that cannot load into (or be written from) this model."""
 
 
 def _model_tensors(model_parts: list[nn.Module]) -> tuple[dict[str, torch.Tensor], set[str]]:

@@ -56,6 +56,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from torchtitan.config.errors import UserInputError
+
 METADATA_FILE = ".metadata"
 MANIFEST_FILE = "checkpoint.json"
 HF_CONFIG_FILE = "config.json"
@@ -63,7 +65,7 @@ _DCP_FILE_RE = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata)$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
-class LoadError(ValueError):
+class LoadError(UserInputError):
     """A checkpoint or weights folder cannot be loaded; the message is one line."""
 
 

@@ -6,38 +6,58 @@ import os
 import sys
 from typing import NoReturn
 
-from torchtitan.config.errors import ConfigError
+from torchtitan.config.errors import UserInputError
 from torchtitan.config.manager import ConfigManager, config_to_toml
 from torchtitan.config.requirements import check_torch_version
 
+USER_ERROR_EXIT_CODE = 2
+
 USER_ERROR_FILE_ENV = "TORCHTITAN_USER_ERROR_FILE"
 """Set by ``torchtitan.distributed.launch`` (what run_train.sh runs) for its ranks: a rank that
-stops on a user error appends the message there and exits 0, so that torchrun prints no crash
-report of its own; the launcher then exits 2."""
+stops on a user error appends ``<rank><TAB><message>`` there instead of printing it and exits
+2; the launcher then prints the lowest rank's message once, without torchrun's crash report."""
 
 
-def exit_on_user_error(message: str) -> NoReturn:
-    """Print ``error: message`` on stderr and exit 2 (or hand the error to run_train.sh)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+def report_user_error(message: str) -> None:
+    """Print ``error: message`` on stderr, or under the launcher record it for the launcher
+    to print once."""
     report_file = os.environ.get(USER_ERROR_FILE_ENV)
     if report_file:
         with open(report_file, "a") as f:
-            f.write(message + "\n")
-        sys.exit(0)
-    sys.exit(2)
+            f.write(f"{os.environ.get('RANK', '0')}\t{message}\n")
+    else:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def exit_on_user_error(message: str) -> NoReturn:
+    report_user_error(message)
+    sys.exit(USER_ERROR_EXIT_CODE)
+
+
+def peer_reported_user_error() -> bool:
+    """Under the launcher: whether a rank on this node has recorded a user error. A rank
+    that fails after that (a peer left in the middle of a collective) fails as its
+    consequence and exits quietly with the same code."""
+    report_file = os.environ.get(USER_ERROR_FILE_ENV)
+    return bool(report_file) and os.path.getsize(report_file) > 0
 
 
 def config_errors_exit(fn):
     """Decorator for entry points: first checks the installed torch is new enough; then a
-    ConfigError (bad input found anywhere, also inside the ranks) prints one line
-    ``error: ...`` on stderr and exits with code 2, instead of a traceback."""
+    UserInputError (bad input found anywhere, also inside the ranks) prints one line
+    ``error: ...`` on stderr and exits with code 2, instead of a traceback; so does
+    (silently) any failure that follows a peer rank's user error."""
 
     def wrapper(*args, **kwargs):
         try:
             check_torch_version()
             return fn(*args, **kwargs)
-        except ConfigError as e:
+        except UserInputError as e:
             exit_on_user_error(str(e))
+        except Exception:
+            if peer_reported_user_error():
+                sys.exit(USER_ERROR_EXIT_CODE)
+            raise
 
     return wrapper
 

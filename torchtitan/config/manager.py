@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tyro
@@ -308,24 +309,57 @@ def _find_flag_value(args: list[str], flag: str) -> str | None:
 
 
 _BOX_CHARS = re.compile(r"[╭╮╰╯│─━┃┏┓┗┛]")
+_INVALID_CHOICE = re.compile(
+    r"invalid choice (?P<value>.+) for argument '--(?P<field>[\w.]+)'\. Expected one of "
+    r"\((?P<choices>.*)\)"
+)
+
+
+def _box_paragraphs(text: str) -> list[str]:
+    """tyro prints its error in a box whose text rich wraps over several lines and whose
+    sections are separated by rules; return each section's text joined into one line."""
+    paragraphs: list[list[str]] = [[]]
+    for raw in text.splitlines():
+        inner = raw.strip().strip("│").strip()
+        if raw.lstrip().startswith(("╭", "╰")):
+            continue
+        if inner and set(inner) <= set("─━"):
+            paragraphs.append([])
+            continue
+        line = _BOX_CHARS.sub("", raw).strip()
+        if line:
+            paragraphs[-1].append(line)
+    return [" ".join(p) for p in paragraphs if p]
+
+
+@contextlib.contextmanager
+def _unwrapped_console(enabled: bool) -> Iterator[None]:
+    """A very wide virtual terminal while tyro parses, so that rich does not wrap its error
+    box inside long flag names (the help text keeps the real width)."""
+    saved = os.environ.get("COLUMNS")
+    if enabled:
+        os.environ["COLUMNS"] = "10000"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved
 
 
 def _condense_tyro_error(text: str) -> str:
-    """tyro prints a multi-line box; reduce it to one line with the suggestion."""
-    lines = [_BOX_CHARS.sub("", line).strip() for line in text.splitlines()]
-    lines = [line for line in lines if line]
-    message = next(
-        (
-            line
-            for line in lines
-            if line.startswith(("Error parsing", "Unrecognized options", "Missing")) and ":" in line
-        ),
-        lines[1] if len(lines) > 1 else (lines[0] if lines else "invalid command line"),
-    )
-    if "Perhaps you meant:" in lines:
-        idx = lines.index("Perhaps you meant:")
-        if idx + 1 < len(lines):
-            message += f"; did you mean {lines[idx + 1].split()[0]}?"
+    """tyro's multi-line error box as one line: the message (an invalid choice names its
+    field and the valid values) and, for a misspelt flag, the suggestion."""
+    paragraphs = _box_paragraphs(text) or ["invalid command line"]
+    message = paragraphs[0]
+    choice = _INVALID_CHOICE.search(message)
+    if choice:
+        message = (f"--{choice['field']}: invalid choice {choice['value']}; valid: "
+                   f"{choice['choices'].rstrip(',')}")
+    suggestion = next((p for p in paragraphs if p.startswith("Perhaps you meant:")), None)
+    if suggestion:
+        message += f"; did you mean {suggestion.split()[3]}?"
     return message + " (see --help)"
 
 
@@ -386,8 +420,9 @@ class ConfigManager:
     @staticmethod
     def _parse_cli(config_cls: type, args: list[str], default: Any) -> Any:
         stderr = io.StringIO()
+        wants_help = "--help" in args or "-h" in args
         try:
-            with contextlib.redirect_stderr(stderr):
+            with contextlib.redirect_stderr(stderr), _unwrapped_console(not wants_help):
                 return tyro.cli(config_cls, args=args, default=default, use_underscores=True)
         except SystemExit as e:
             if e.code in (0, None):

@@ -13,6 +13,7 @@ A dataset's loader returns its documents in a fixed order, in one of two forms:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -65,13 +66,10 @@ def is_indexable(documents: Documents) -> bool:
     return hasattr(documents, "__len__") and hasattr(documents, "__getitem__")
 
 
-def load_documents(name: str, path: str | None, section: str = "training") -> tuple[DatasetConfig, Documents]:
-    """Look up ``name`` and run its loader, turning loader failures into one error naming the field.
-
-    Loaders raise FileNotFoundError / ValueError / ConnectionError with plain messages; this
-    prefixes the config field (``<section>.dataset_path`` for path-based datasets, else
-    ``<section>.dataset``) and drops the library traceback.
-    """
+def check_dataset_fields(name: str, path: str | None, section: str = "training") -> DatasetConfig:
+    """The config of dataset ``name`` after the checks that read no data (so the one-process
+    check before launch can run them): the name is registered, and ``dataset_path`` is set
+    exactly when the dataset reads local files, and exists then."""
     config = get_dataset_config(name, section)
     if config.uses_path and not path:
         raise ValueError(f"{section}.dataset_path: dataset {name!r} reads local files; set {section}.dataset_path")
@@ -80,6 +78,19 @@ def load_documents(name: str, path: str | None, section: str = "training") -> tu
             f"{section}.dataset_path: dataset {name!r} does not read a path (got {path!r}); "
             f"unset it, or use one of the file datasets json, jsonl, parquet, txt, sft"
         )
+    if path and not os.path.exists(path):
+        raise FileNotFoundError(f"{section}.dataset_path: {path!r} does not exist")
+    return config
+
+
+def load_documents(name: str, path: str | None, section: str = "training") -> tuple[DatasetConfig, Documents]:
+    """Look up ``name`` and run its loader, turning loader failures into one error naming the field.
+
+    Loaders raise FileNotFoundError / ValueError / ConnectionError with plain messages; this
+    prefixes the config field (``<section>.dataset_path`` for path-based datasets, else
+    ``<section>.dataset``) and drops the library traceback.
+    """
+    config = check_dataset_fields(name, path, section)
     field = f"{section}.dataset_path" if config.uses_path else f"{section}.dataset"
     try:
         documents = config.loader(path)

@@ -1,33 +1,78 @@
 """``python -m torchtitan.distributed.launch [torchrun options] -m module args``: torchrun
 (``torch.distributed.run``, in this process, so signals reach it as before) with one addition.
 
-A rank that stops on bad input (a config value, a checkpoint that does not load, ...) prints
-one ``error:`` line, records the error in the file named by ``TORCHTITAN_USER_ERROR_FILE``
-and exits 0, so that torchrun has no failed worker to report with its crash report and
-traceback; this launcher then exits 2, as the one-process config check does. Any other
-failure ends exactly as under torchrun.
+A rank that stops on bad input (a config value, a checkpoint that does not load, ...) records
+``<rank><TAB><message>`` in the file named by ``TORCHTITAN_USER_ERROR_FILE`` and exits 2.
+When the run ends that way (every failed worker exited 2, or was stopped by torchrun after
+a peer did), this launcher prints the lowest such rank's message as one ``error:`` line and
+exits 2, without torchrun's crash report and traceback; the one-process config check does
+the same. Any other failure ends exactly as under torchrun.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
+from pathlib import Path
 
-from torch.distributed.run import main as torchrun_main
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.run import parse_args, run
 
-from torchtitan.config.entry import USER_ERROR_FILE_ENV
+from torchtitan.config.entry import USER_ERROR_EXIT_CODE, USER_ERROR_FILE_ENV
+
+_WORKER_MONITOR_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
+def lowest_rank_error(report_file: Path) -> str | None:
+    """The message of the lowest rank that recorded a user error, or None."""
+    errors = {}
+    for line in report_file.read_text().splitlines():
+        rank, _, message = line.partition("\t")
+        errors.setdefault(int(rank), message)
+    return errors[min(errors)] if errors else None
+
+
+def ended_on_user_error(failure: ChildFailedError, report_file: Path) -> bool:
+    """Every failed worker exited with the user-error code or was killed by a signal
+    (torchrun stops the other workers once one fails), and some rank recorded its error."""
+    codes = [f.exitcode for f in failure.failures.values()]
+    stopped_by_user_error = all(c == USER_ERROR_EXIT_CODE or c < 0 for c in codes)
+    return USER_ERROR_EXIT_CODE in codes and stopped_by_user_error and report_file.stat().st_size > 0
+
+
+class _QuietAfterUserError(logging.Filter):
+    """Once a rank has recorded a user error, drops torchrun's log lines about the workers
+    failing and being stopped (the launcher prints that error instead)."""
+
+    def __init__(self, report_file: Path) -> None:
+        super().__init__()
+        self.report_file = report_file
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.report_file.stat().st_size == 0
+
+
+@record
 def main(argv: list[str] | None = None) -> int:
-    fd, report_file = tempfile.mkstemp(prefix="torchtitan-errors.")
+    fd, name = tempfile.mkstemp(prefix="torchtitan-errors.")
     os.close(fd)
-    os.environ[USER_ERROR_FILE_ENV] = report_file
+    report_file = Path(name)
+    os.environ[USER_ERROR_FILE_ENV] = name
+    log_filter = _QuietAfterUserError(report_file)
+    logging.getLogger(_WORKER_MONITOR_LOGGER).addFilter(log_filter)
     try:
-        torchrun_main(argv)
-        return 2 if os.path.getsize(report_file) > 0 else 0
+        run(parse_args(argv))
+        return 0
+    except ChildFailedError as failure:
+        if not ended_on_user_error(failure, report_file):
+            raise
+        print(f"error: {lowest_rank_error(report_file)}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
     finally:
-        os.unlink(report_file)
+        logging.getLogger(_WORKER_MONITOR_LOGGER).removeFilter(log_filter)
+        report_file.unlink()
 
 
 if __name__ == "__main__":

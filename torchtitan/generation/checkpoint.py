@@ -20,13 +20,14 @@ from pathlib import Path
 from torch import nn
 
 from torchtitan.components.checkpoint import inspect_checkpoint, step_folders
+from torchtitan.config.errors import UserInputError
 from torchtitan.components.safe_loading import METADATA_FILE, LoadError, load_dcp, read_dcp_metadata
 from torchtitan.tools.logging import logger
 
 MODEL_KEY = "model"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserInputError):
     """The checkpoint folder cannot give this model its weights (one line, names --checkpoint)."""
 
 

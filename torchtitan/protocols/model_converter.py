@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
+from torchtitan.config.errors import ConfigError
+
 if TYPE_CHECKING:
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
@@ -31,16 +33,19 @@ def register_model_converter(converter_cls: type[ModelConverter], name: str) -> 
     _converter_classes[name] = converter_cls
 
 
+def check_converter_names(names: list[str]) -> None:
+    """Raise ConfigError naming ``model.converters`` if a name is not registered."""
+    unknown = [n for n in names if n not in _converter_classes]
+    if unknown:
+        known = ", ".join(sorted(_converter_classes)) or "none registered"
+        raise ConfigError(f"model.converters: unknown converter(s) {unknown}; registered: {known}")
+
+
 class ModelConvertersContainer:
     """Applies the converters named in ``model.converters``, in order."""
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        unknown = [n for n in job_config.model.converters if n not in _converter_classes]
-        if unknown:
-            known = ", ".join(sorted(_converter_classes)) or "none registered"
-            raise ValueError(
-                f"model.converters: unknown converter(s) {unknown}; registered: {known}"
-            )
+        check_converter_names(job_config.model.converters)
         self.converters = [
             _converter_classes[name](job_config, parallel_dims)
             for name in job_config.model.converters
