@@ -65,7 +65,9 @@ class Metrics:
     """Write TensorBoard logs from every rank, not only the rank that owns the loss."""
 
     enable_wandb: bool = False
-    """Log to Weights & Biases (needs the wandb package; project from WANDB_PROJECT)."""
+    """Log the TensorBoard scalars and the job config to Weights & Biases from the rank that owns
+    the loss (pip install 'torchtitan[wandb]'; project from WANDB_PROJECT; WANDB_MODE=offline
+    writes the run under job.dump_folder/wandb only)."""
 
 
 @dataclass

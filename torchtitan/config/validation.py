@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -83,10 +84,10 @@ def validate_job_config(config: Any) -> None:
                 f"{path}={value!r}: {feature} is not supported yet in this version; "
                 "leave it at its default"
             )
-    dl = config.training.dataloader
-    if dl.prefetch_factor is not None and dl.num_workers == 0:
+    _check_dataloader(config.training.dataloader)
+    if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
-            "training.dataloader.prefetch_factor: needs training.dataloader.num_workers > 0"
+            "metrics.enable_wandb: the wandb package is not installed; pip install 'torchtitan[wandb]'"
         )
     ac_error = check_ac_config(config.activation_checkpoint.mode,
                                config.activation_checkpoint.selective_ac_option)
@@ -105,6 +106,14 @@ def validate_job_config(config: Any) -> None:
             f"parallelism.expert_tensor_parallel_degree: must be 1 or tensor_parallel_degree "
             f"({tp}), got {etp}"
         )
+
+
+def _check_dataloader(dl: Any) -> None:
+    for name in ("prefetch_factor", "persistent_workers"):
+        if getattr(dl, name) not in (None, False) and dl.num_workers == 0:
+            raise ConfigError(f"training.dataloader.{name}: needs training.dataloader.num_workers > 0")
+    if dl.prefetch_factor is not None and dl.prefetch_factor < 1:
+        raise ConfigError(f"training.dataloader.prefetch_factor: must be >= 1, got {dl.prefetch_factor!r}")
 
 
 def check_ac_config(mode: str, selective_option: str) -> str | None:
