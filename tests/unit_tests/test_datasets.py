@@ -300,8 +300,19 @@ def test_finite_loader_with_too_many_shards_for_its_data():
 def test_bad_loader_arguments():
     with pytest.raises(ValueError, match=r"training.seq_len must be a positive integer, got 0"):
         _loader(seq_len=0)
-    with pytest.raises(ValueError, match=r"training.dataloader.num_workers: .*num_workers=0 only, got 2"):
-        _loader(num_workers=2)
+    with pytest.raises(ValueError, match=r"training.dataloader.num_workers \(3\) must divide the data shards of each"):
+        _loader(num_workers=3)
+    with pytest.raises(ValueError, match=r"validation: finite \(validation\) loaders read in the training process"):
+        _loader(num_workers=2, infinite=False, section="validation")
+
+
+@pytest.mark.parametrize("option", [["--training.dataloader.persistent_workers"],
+                                    ["--training.dataloader.prefetch_factor", "4"]])
+def test_worker_options_without_workers_are_refused(option):
+    from torchtitan.config import ConfigError, ConfigManager
+
+    with pytest.raises(ConfigError, match=rf"^{option[0][2:]}: needs training.dataloader.num_workers > 0$"):
+        ConfigManager().parse_args(option)
 
 
 def test_build_dataloader_from_job_config():

@@ -149,16 +149,20 @@ class LRScheduler:
 @dataclass
 class DataLoader:
     num_workers: int = 0
-    """Worker processes per rank for data loading."""
+    """Worker processes per rank that tokenize and pack the training data (0: the training
+    process does it). Must divide training.data_shards / dp degree. Batches, their order and
+    the checkpointed data state are those of num_workers = 0."""
 
     persistent_workers: bool = False
-    """Keep workers alive between epochs."""
+    """Keep the workers, and what they prefetched, from one iteration of the training loader to
+    the next (needs num_workers > 0); without it each iteration starts new workers."""
 
     pin_memory: bool = False
-    """Pin host memory of batches (CUDA)."""
+    """Pin host memory of batches (where an accelerator is present; a warning otherwise)."""
 
     prefetch_factor: int | None = None
-    """Batches prefetched per worker (needs num_workers > 0)."""
+    """Batches each worker prepares ahead (default 2; needs num_workers > 0); at most
+    num_workers x prefetch_factor batches wait in host memory."""
 
 
 @dataclass
