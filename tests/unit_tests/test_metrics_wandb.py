@@ -59,6 +59,15 @@ def _processor(tmp_path: Path, owns_loss: bool):
                                    owns_loss=owns_loss, compute_dtype=torch.float32)
 
 
+@pytest.fixture(autouse=True)
+def fresh_wandb():
+    """wandb keeps its settings (the mode, read from the environment) in a process-wide singleton."""
+    import wandb
+
+    yield
+    wandb.teardown()
+
+
 @pytest.fixture()
 def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -107,3 +116,12 @@ def test_missing_package_is_one_config_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"^metrics.enable_wandb: the wandb package is not installed; pip install"):
         ConfigManager().parse_args(["--metrics.enable_wandb"])
+
+
+def test_online_without_credentials_is_one_config_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    with pytest.raises(ConfigError, match=r"^metrics.enable_wandb: wandb cannot start a run \(.*\); run `wandb login`"):
+        _processor(tmp_path, owns_loss=True)

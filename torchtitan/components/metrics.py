@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import peak_flops, peak_memory_gib
 
@@ -77,11 +78,17 @@ class MetricsProcessor:
         import wandb
 
         dump.mkdir(parents=True, exist_ok=True)
-        return wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "torchtitan"),
-            dir=str(dump),
-            config=dataclasses.asdict(self.job_config),
-        )
+        try:
+            return wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "torchtitan"),
+                dir=str(dump),
+                config=dataclasses.asdict(self.job_config),
+            )
+        except wandb.errors.Error as e:
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(
+                f"metrics.enable_wandb: wandb cannot start a run ({message}); run `wandb login` or set WANDB_MODE=offline"
+            ) from None
 
     def _build_tensorboard(self, dump: Path):
         cfg = self.job_config.metrics
