@@ -292,9 +292,10 @@ def test_finite_loader_with_too_many_shards_for_its_data():
     with pytest.raises(ValueError, match=r"training.data_shards \(16\) exceeds the number of documents \(8\)"):
         _loader(data_shards=16)
     register_dataset("test_tiny_stream", DatasetConfig("test_tiny_stream", lambda path: _Stream(TINY_DOCS)))
-    message = r"training.data_shards \(16\) with dataset 'test_tiny_stream': data shard 8 yields no tokens"
-    with pytest.raises(ValueError, match=message):
-        next(iter(_loader("test_tiny_stream", data_shards=16, local_batch_size=16)))
+    message = r"^training.data_shards \(16\) with dataset 'test_tiny_stream': data shard 8 yields no tokens"
+    for workers in (0, 2):  # the same one-line error from a worker process
+        with pytest.raises(ValueError, match=message + r"[^\n]*$"):
+            next(iter(_loader("test_tiny_stream", data_shards=16, local_batch_size=16, num_workers=workers)))
 
 
 def test_bad_loader_arguments():

@@ -93,7 +93,10 @@ class TextDataLoader:
             num_workers=self._num_workers,
             prefetch_factor=self._prefetch_factor * self.batch_size,  # samples per worker
         )
-        for position, shard, cursor, sample in loader:
+        for item in loader:
+            if isinstance(item, ConfigError):
+                raise item
+            position, shard, cursor, sample = item
             self.dataset.consume(position, shard, cursor)
             yield sample
 
@@ -108,15 +111,20 @@ class TextDataLoader:
 
 
 class _WorkerPartitions(IterableDataset):
-    """In worker ``w`` of ``W``: part ``w`` of ``W`` of the dataset's stream."""
+    """In worker ``w`` of ``W``: part ``w`` of ``W`` of the dataset's stream. Bad data ends it
+    with the ``ConfigError`` as its last item, which the loader raises as it is (torch would wrap
+    it in a multi-line report)."""
 
     def __init__(self, dataset: ShardedTextDataset) -> None:
         super().__init__()
         self._dataset = dataset
 
-    def __iter__(self) -> Iterator[PartitionItem]:
+    def __iter__(self) -> Iterator[PartitionItem | ConfigError]:
         worker = get_worker_info()
-        return self._dataset.iter_partition(worker.id, worker.num_workers)
+        try:
+            yield from self._dataset.iter_partition(worker.id, worker.num_workers)
+        except ConfigError as e:
+            yield e
 
 
 def _pinned(batch: Batch) -> Batch:

@@ -301,7 +301,7 @@ class ShardedTextDataset(IterableDataset):
         self, shard: int, cursor: ShardCursor | None = None, documents: ShardedDocuments | None = None
     ) -> ShardReader:
         describe = f"{self._section}.data_shards ({self._num_shards}) with dataset {self._name!r}"
-        documents = documents or self._documents
+        documents = self._documents if documents is None else documents
         return ShardReader(shard, documents, self._encode, self._window, describe, cursor, self._pad_id)
 
     def _restart(self) -> None:
