@@ -125,6 +125,9 @@ def test_hf_malformed_config_token(bpe_dir, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": 7}))
     with pytest.raises(ValueError, match=r"^model.tokenizer_path: eos_token in tokenizer_config.json must be"):
         HuggingFaceTokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"5": {"special": True}}}))
+    with pytest.raises(ValueError, match=r"^model.tokenizer_path: added_tokens_decoder in tokenizer_config.json must"):
+        HuggingFaceTokenizer(tmp_path)
 
 
 def test_hf_missing_paths(tmp_path):

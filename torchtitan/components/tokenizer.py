@@ -263,8 +263,10 @@ def _config_tokens(config: dict[str, Any], field: str) -> list[AddedToken]:
     from tokenizers import AddedToken
 
     decoder = config.get("added_tokens_decoder") or {}
-    if not isinstance(decoder, dict) or not all(str(k).isdigit() and isinstance(v, dict) for k, v in decoder.items()):
-        raise ValueError(f"{field}: added_tokens_decoder in tokenizer_config.json must map ids to token dicts")
+    if not isinstance(decoder, dict) or not all(
+        str(k).isdigit() and isinstance(v, dict) and "content" in v for k, v in decoder.items()
+    ):
+        raise ValueError(f"{field}: added_tokens_decoder in tokenizer_config.json must map ids to dicts with \"content\"")
     tokens = []
     for _, entry in sorted(decoder.items(), key=lambda item: int(item[0])):
         content = _token_content(entry, "added_tokens_decoder", field)
