@@ -39,6 +39,7 @@ from torchtitan.protocols import ModelConvertersContainer, TrainSpec
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.compile import compile_loss
 from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.logging import logger
 
 NextBatch = Callable[[], MicroBatch]
 """Returns the next micro-batch on the training device."""
@@ -156,6 +157,9 @@ def build_meta_model(
         model = spec.model_cls(model_args)
     converters = ModelConvertersContainer(job_config, parallel_dims)
     converters.convert(model)
+    if job_config.model.print_after_conversion:
+        logger.info(f"model after the converters:\n{model}")
+    cast_parameters(model, TORCH_DTYPES[job_config.training.dtype])
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
     accum = grad_accumulation_steps(job_config, parallel_dims)
     set_moe_aux_loss_scale(model, accum)
@@ -170,6 +174,20 @@ def build_meta_model(
     else:
         parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
     return MetaModel(spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token)
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store the floating-point parameters in ``dtype`` (training.dtype; bfloat16 = full bf16
+    training: gradients and optimizer states follow the parameters). Buffers keep their dtype
+    (RoPE tables stay float32); tied parameters stay tied."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in cast:
+                cast[id(param)] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+            setattr(module, name, cast[id(param)])
 
 
 def materialize(
@@ -226,6 +244,8 @@ def _autocast_dtype(job_config: JobConfig, parallel_dims: ParallelDims) -> torch
 
 def mixed_precision_summary(job_config: JobConfig, parallel_dims: ParallelDims, device_type: str) -> str:
     training = job_config.training
+    if training.dtype == "bfloat16":
+        return "full bf16 training: parameters, gradients and optimizer states in bfloat16"
     autocast_dtype = _autocast_dtype(job_config, parallel_dims)
     if autocast_dtype is not None:
         return f"mixed precision: autocast to {autocast_dtype} on {device_type}"

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import build_metrics_processor
 from torchtitan.components.validate import PipelineEval
-from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.config import ConfigError, ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.pipeline import loss_owner_rank
@@ -93,7 +93,8 @@ class Trainer:
 
         self.gc_handler = GarbageCollection(job_config.training.gc_freq, job_config.training.gc_debug)
         self.seed = set_determinism(
-            parallel_dims, self.device, job_config.debug.seed, job_config.debug.deterministic
+            parallel_dims, self.device, job_config.debug.seed, job_config.debug.deterministic,
+            warn_only=job_config.debug.deterministic_warn_only,
         )
         spec = get_train_spec(job_config.model.name)
         self.tokenizer = spec.build_tokenizer_fn(job_config) if spec.build_tokenizer_fn else None
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         from torchtitan.config import config_to_toml
 
         logger.info("job config:\n" + config_to_toml(job_config))
+    if int(os.environ.get("RANK", "0")) == 0 and (saved := save_config_file(job_config)):
+        logger.info(f"job config written to {saved}")
     trainer = None
     try:
         trainer = Trainer(job_config)

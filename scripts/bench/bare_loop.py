@@ -1,7 +1,8 @@
 """The bare PyTorch training loop the trainer is measured against: one process, the same
 model class and flavor, the same batches, AdamW with the same settings and learning-rate
-schedule (a LambdaLR of the same factors), autocast to the same dtype, clip_grad_norm_ and
-one host sync per step (the loss) -- and nothing else. Same inputs, same numbers: its losses
+schedule (a LambdaLR of the same factors), autocast to the same dtype, the same blocks under
+torch's activation checkpointing, clip_grad_norm_ and one host sync per step (the loss) --
+and nothing else. Same inputs, same numbers: its losses
 follow the trainer's step by step.
 
     python scripts/bench/bare_loop.py --job.config_file F.toml --training.steps 40 [--trace T.json]
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import sys
 import time
@@ -29,8 +29,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 from torchtitan.components.dataloader import build_dataloader  # noqa: E402
-from torchtitan.components.lr_scheduler import lr_factor, schedule_lengths  # noqa: E402
+from torchtitan.components.lr_scheduler import configured_lr_factor  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import apply_ac  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
 from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: E402
@@ -52,6 +53,8 @@ def build(job_config, device: torch.device):
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(seed=job_config.debug.seed or 0)
+    ac = job_config.activation_checkpoint
+    apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.save_attention_output)
     cfg = job_config.optimizer
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -62,11 +65,7 @@ def build(job_config, device: torch.device):
 
 
 def _lr_schedule(optimizer: torch.optim.Optimizer, job_config) -> torch.optim.lr_scheduler.LambdaLR:
-    cfg, total = job_config.lr_scheduler, job_config.training.steps
-    warmup, decay = schedule_lengths(total, cfg.warmup_steps, cfg.decay_ratio)
-    factor = functools.partial(lr_factor, warmup_steps=warmup, decay_steps=decay, total_steps=total,
-                               decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, configured_lr_factor(job_config))
 
 
 def prefetch(job_config, tokenizer, steps: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

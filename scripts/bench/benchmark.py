@@ -22,6 +22,14 @@ forward+backward (from the batch to the end of the last autograd function),
 optimizer (``Optimizer.step``), other (the rest: clipping, metrics, syncs), and
 communication (union of collective events on any thread or stream; it overlaps the rest).
 Options this script does not know are trainer overrides, passed to both runs.
+
+``--preset upstream-debug`` is the workload on which this framework is compared with
+upstream torchtitan (Llama 3 debug model, upstream's 2,000-token test tokenizer, a corpus
+of CPython's standard-library docstrings written by ``make_stdlib_docs_corpus.py``, seq 2048,
+local batch 8, bf16 autocast, every 2nd block checkpointed, 30 steps):
+
+    python scripts/bench/benchmark.py --preset upstream-debug --nproc 1 --output benchmarks/upstream_debug_1proc.md
+    python scripts/bench/benchmark.py --preset upstream-debug --nproc 2 --output benchmarks/upstream_debug_fsdp2.md
 """
 
 from __future__ import annotations
@@ -41,11 +49,46 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BARE_LOOP = REPO_ROOT / "scripts" / "bench" / "bare_loop.py"
+BENCH_DIR = REPO_ROOT / "scripts" / "bench"
+BARE_LOOP = BENCH_DIR / "bare_loop.py"
 PROFILED_STEPS = 4  # the profiler's 3 warm-up steps + the recorded one
 OVERHEAD_LIMIT = 1.05
 STEADY_SPREAD = 1.05  # a run whose median step exceeds its fastest by more was disturbed
 _COMM_MARKERS = ("gloo:", "nccl", "c10d::")
+
+
+@dataclass(frozen=True)
+class Preset:
+    config: str
+    steps: int
+    warmup: int
+    overrides: tuple[str, ...]
+
+
+UPSTREAM_DEBUG = Preset(
+    config="train_configs/debug_model.toml",
+    steps=30,
+    warmup=5,
+    overrides=(
+        "--model.tokenizer_path", str(BENCH_DIR / "upstream_test_tokenizer"),
+        "--training.seq_len", "2048", "--training.local_batch_size", "8",
+        "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32",
+        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2",
+        "--optimizer.lr", "8e-4", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.8",
+        "--lr_scheduler.decay_type", "linear", "--lr_scheduler.min_lr_factor", "0.0", "--debug.seed", "42",
+    ),
+)
+PRESETS = {"upstream-debug": UPSTREAM_DEBUG}
+
+
+def preset_overrides(preset: Preset, nproc: int, corpus: Path) -> list[str]:
+    """The preset's trainer flags for ``nproc`` processes (FSDP over all of them, one data
+    shard per rank as upstream reads its data), with the corpus written to ``corpus``."""
+    subprocess.run([sys.executable, str(BENCH_DIR / "make_stdlib_docs_corpus.py"), str(corpus)],
+                   check=True, capture_output=True)
+    layout = ["--parallelism.data_parallel_shard_degree", str(nproc)] if nproc > 1 else []
+    return [*preset.overrides, "--training.dataset", "json", "--training.dataset_path", str(corpus),
+            "--training.data_shards", str(nproc), *layout]
 
 
 @dataclass
@@ -267,16 +310,22 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--config", default="train_configs/debug_model.toml")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a named workload: its config, steps, warm-up and trainer flags")
+    parser.add_argument("--config", default=None, help="default: train_configs/debug_model.toml")
     parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=None, help="default: 40")
+    parser.add_argument("--warmup", type=int, default=None, help="default: 10")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="threads per process (default: cores / nproc)")
     parser.add_argument("--max-load", type=float, default=None,
                         help="before each run, wait until the 1-minute load average is below this")
     parser.add_argument("--output", type=Path, default=None, help="write the markdown report here")
     args, overrides = parser.parse_known_args(argv)
+    preset = PRESETS.get(args.preset)
+    args.config = args.config or (preset.config if preset else "train_configs/debug_model.toml")
+    args.steps = args.steps or (preset.steps if preset else 40)
+    args.warmup = args.warmup if args.warmup is not None else (preset.warmup if preset else 10)
     if args.steps - PROFILED_STEPS <= args.warmup:
         parser.error(f"--steps must exceed --warmup + {PROFILED_STEPS} (the profiled steps)")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
@@ -288,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory(prefix="benchmark_") as tmp:
+        if args.preset:
+            overrides = [*preset_overrides(PRESETS[args.preset], args.nproc, Path(tmp) / "corpus.json"), *overrides]
         for repeat in range(args.repeats):
             folder = Path(tmp) / f"repeat_{repeat}"
             wait_for_quiet(args.max_load)

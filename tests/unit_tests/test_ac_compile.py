@@ -1,9 +1,10 @@
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config.validation import check_ac_config
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.activation_checkpoint import _ATTENTION, apply_ac
 from torchtitan.tools.compile import CompileError, compile_blocks
 
 
@@ -65,6 +66,43 @@ def test_op_policy_recomputes_and_matches_gradients():
 
     for a, b in zip(run(ref), run(sac)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).transpose(1, 3).unbind(2)
+        return x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+
+
+class AttentionCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _ATTENTION:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("save_attention_output, attention_calls", [(False, 2), (True, 1)])
+def test_saving_attention_output_skips_its_recompute_with_equal_gradients(save_attention_output, attention_calls):
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"0": AttentionBlock()})
+    ac = nn.ModuleDict({"0": AttentionBlock()})
+    ac.load_state_dict(ref.state_dict())
+    apply_ac(ac, "full", "2", save_attention_output=save_attention_output)
+    x = torch.randn(2, 5, 8)
+    ref["0"](x).square().sum().backward()
+    with AttentionCounter() as counter:
+        ac["0"](x).square().sum().backward()
+    assert counter.calls == attention_calls  # forward (+ recompute)
+    for a, b in zip(ref.parameters(), ac.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
 
 def test_compile_failure_names_the_block():

@@ -303,17 +303,20 @@ def test_bad_loader_arguments():
         _loader(seq_len=0)
     with pytest.raises(ValueError, match=r"training.dataloader.num_workers \(3\) must divide the data shards of each"):
         _loader(num_workers=3)
-    with pytest.raises(ValueError, match=r"validation: finite \(validation\) loaders read in the training process"):
+    with pytest.raises(ValueError, match=r"validation.dataloader.num_workers: the finite validation loader reads in"):
         _loader(num_workers=2, infinite=False, section="validation")
 
 
 @pytest.mark.parametrize("option", [["--training.dataloader.persistent_workers"],
-                                    ["--training.dataloader.prefetch_factor", "4"]])
+                                    ["--validation.dataloader.prefetch_factor", "4"]])
 def test_worker_options_without_workers_are_refused(option):
     from torchtitan.config import ConfigError, ConfigManager
 
-    with pytest.raises(ConfigError, match=rf"^{option[0][2:]}: needs training.dataloader.num_workers > 0$"):
+    section = option[0][2:].split(".")[0]
+    with pytest.raises(ConfigError, match=rf"^{option[0][2:]}: needs {section}.dataloader.num_workers > 0$"):
         ConfigManager().parse_args(option)
+    with pytest.raises(ConfigError, match=r"^validation.dataloader.num_workers: the finite validation loader reads"):
+        ConfigManager().parse_args(["--validation.dataloader.num_workers", "2"])
 
 
 def test_build_dataloader_from_job_config():

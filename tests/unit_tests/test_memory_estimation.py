@@ -61,7 +61,8 @@ def _pp(schedule: str) -> list[str]:
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 @pytest.mark.parametrize(
     ("world_size", "overrides", "rtol"),
-    [(2, [], 0.01), (4, _cp("allgather"), 0.01), (4, _cp("ulysses"), 0.01), (4, _cp("alltoall"), 0.02),
+    # alltoall on the CPU: the loss backward's closed form (+2.1 %) is the peak there
+    [(2, [], 0.01), (4, _cp("allgather"), 0.01), (4, _cp("ulysses"), 0.01), (4, _cp("alltoall"), 0.025),
      # pipeline stages: the closed form over-approximates (held gradients, buffers): +2 to
      # +12 % on the debug models, checked loosely
      (2, _pp("1F1B"), 0.15), (2, _pp("GPipe"), 0.15)],

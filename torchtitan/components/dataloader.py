@@ -204,10 +204,11 @@ def _check_workers(num_workers: int, shards_per_rank: int, infinite: bool, secti
     if num_workers == 0:
         return
     if not infinite:
-        raise ValueError(f"{section}: finite (validation) loaders read in the training process; use num_workers=0")
+        raise ValueError(f"{section}.dataloader.num_workers: the finite {section} loader reads in the training "
+                         f"process; leave it at 0")
     if shards_per_rank % num_workers != 0:
         raise ValueError(
-            f"training.dataloader.num_workers ({num_workers}) must divide the data shards of each dp rank "
+            f"{section}.dataloader.num_workers ({num_workers}) must divide the data shards of each dp rank "
             f"({section}.data_shards / dp degree = {shards_per_rank}); each worker reads whole shards"
         )
 
@@ -234,20 +235,17 @@ def build_dataloader(
 ) -> TextDataLoader:
     """The train loader (infinite) or the validation loader (finite) of ``job_config``.
 
-    The train loader takes all of ``training.dataloader``; the validation loader reads in the
-    training process and takes only its ``pin_memory``. Bad data or data fields raise ``ConfigError``.
+    Each uses its section's ``dataloader`` options (``training.dataloader`` or
+    ``validation.dataloader``); the finite validation loader reads in the training process
+    (``num_workers`` 0). Bad data or data fields raise ``ConfigError``.
     """
     dp_rank, dp_degree, mesh = _dp_layout(parallel_dims)
-    options = job_config.training.dataloader
     if split == "train":
         section, config = "training", job_config.training
         infinite, global_min = True, None
-        workers = dict(num_workers=options.num_workers, persistent_workers=options.persistent_workers,
-                       prefetch_factor=options.prefetch_factor)
     elif split == "validation":
         section, config = "validation", job_config.validation
         infinite, global_min = False, None if mesh is None else _mesh_global_min(mesh)
-        workers = {}
     else:
         raise ValueError(f"unknown data split {split!r}; expected 'train' or 'validation'")
     try:
@@ -263,8 +261,10 @@ def build_dataloader(
             infinite=infinite,
             global_min=global_min,
             section=section,
-            pin_memory=options.pin_memory,
-            **workers,
+            num_workers=config.dataloader.num_workers,
+            persistent_workers=config.dataloader.persistent_workers,
+            prefetch_factor=config.dataloader.prefetch_factor,
+            pin_memory=config.dataloader.pin_memory,
         )
     except (ValueError, FileNotFoundError, ConnectionError) as e:
         raise ConfigError(str(e)) from None

@@ -1,7 +1,8 @@
 """Warmup -> (stable) -> decay learning-rate schedules.
 
-For the optimizer step with 0-based index i out of N training steps, W warmup steps and D
-decay steps (D = round(N * decay_ratio), or N - W when decay_ratio is unset):
+For the optimizer step with 0-based index i of a schedule of N steps (lr_scheduler.total_steps,
+default training.steps), W warmup steps and D decay steps (D = round(N * decay_ratio), or N - W
+when decay_ratio is unset); steps past N keep the final factor:
   i < W:          factor = (i + 1) / (W + 1)                 (never exactly 0)
   W <= i < N - D: factor = 1                                 (stable phase)
   i >= N - D:     p = (i - (N - D)) / D, factor = m + (1 - m) * g(p)
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
@@ -50,7 +52,7 @@ def schedule_lengths(total_steps: int, warmup_steps: int, decay_ratio: float | N
         new_warmup = max(total_steps - decay_steps, 0)
         logger.warning(
             f"lr_scheduler: warmup_steps ({warmup_steps}) + decay steps ({decay_steps}) exceed "
-            f"training.steps ({total_steps}); warmup shortened to {new_warmup}"
+            f"the schedule's {total_steps} steps; warmup shortened to {new_warmup}"
         )
         warmup_steps = new_warmup
     return warmup_steps, decay_steps
@@ -78,12 +80,16 @@ class LRSchedulersContainer(Stateful):
             s.load_state_dict(dict(state_dict))
 
 
-def build_lr_schedulers(optimizers, job_config) -> LRSchedulersContainer:
+def configured_lr_factor(job_config) -> Callable[[int], float]:
+    """step index -> learning-rate factor, for the schedule ``job_config`` describes."""
     cfg = job_config.lr_scheduler
-    total = job_config.training.steps
+    total = cfg.total_steps or job_config.training.steps
     warmup, decay = schedule_lengths(total, cfg.warmup_steps, cfg.decay_ratio)
-    factor_fn = functools.partial(
+    return functools.partial(
         lr_factor, warmup_steps=warmup, decay_steps=decay, total_steps=total,
         decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor,
     )
-    return LRSchedulersContainer(optimizers, factor_fn)
+
+
+def build_lr_schedulers(optimizers, job_config) -> LRSchedulersContainer:
+    return LRSchedulersContainer(optimizers, configured_lr_factor(job_config))

@@ -1,8 +1,9 @@
 """``python -m torchtitan.config --job.config_file F.toml [overrides]``: print the merged
-config. With ``--world-size N`` (used by run_train.sh) instead validate the parallel layout
-for N processes (``--print-loss-rank`` prints the rank that shows the loss): that check
-lives above ``config/``, in ``torchtitan.preflight``; this entry point only dispatches to
-it. Bad input: one line on stderr, exit code 2."""
+config (with ``--show-sources``: and the file each value came from). With ``--world-size
+N`` (used by run_train.sh) instead validate the parallel layout for N processes
+(``--print-loss-rank`` prints the rank that shows the loss): that check lives above
+``config/``, in ``torchtitan.preflight``; this entry point only dispatches to it. Bad
+input: one line on stderr, exit code 2."""
 
 import sys
 

@@ -8,6 +8,7 @@ from typing import NoReturn
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import ConfigManager, config_to_toml
+from torchtitan.config.requirements import check_torch_version
 
 USER_ERROR_FILE_ENV = "TORCHTITAN_USER_ERROR_FILE"
 """Set by ``torchtitan.distributed.launch`` (what run_train.sh runs) for its ranks: a rank that
@@ -27,11 +28,13 @@ def exit_on_user_error(message: str) -> NoReturn:
 
 
 def config_errors_exit(fn):
-    """Decorator: a ConfigError (bad input found anywhere, also inside the ranks) prints one
-    line ``error: ...`` on stderr and exits with code 2, instead of a traceback."""
+    """Decorator for entry points: first checks the installed torch is new enough; then a
+    ConfigError (bad input found anywhere, also inside the ranks) prints one line
+    ``error: ...`` on stderr and exits with code 2, instead of a traceback."""
 
     def wrapper(*args, **kwargs):
         try:
+            check_torch_version()
             return fn(*args, **kwargs)
         except ConfigError as e:
             exit_on_user_error(str(e))
@@ -39,8 +42,15 @@ def config_errors_exit(fn):
     return wrapper
 
 
+SHOW_SOURCES_FLAG = "--show-sources"
+
+
 @config_errors_exit
 def main(argv: list[str]) -> int:
-    """Print the merged config as TOML."""
-    print(config_to_toml(ConfigManager().parse_args(argv)), end="")
+    """Print the merged config as TOML; with --show-sources, each line also says which
+    file (or the command line, or the default) its value came from."""
+    show_sources = SHOW_SOURCES_FLAG in argv
+    manager = ConfigManager()
+    config = manager.parse_args([a for a in argv if a != SHOW_SOURCES_FLAG])
+    print(config_to_toml(config, manager.sources if show_sources else None), end="")
     return 0

@@ -21,6 +21,10 @@ class Job:
     print_config: bool = False
     """Print the merged config at start."""
 
+    save_config_file: str | None = None
+    """Write the merged config to this file (relative to job.dump_folder) at start, from
+    rank 0: JSON when the name ends in .json, else TOML."""
+
     custom_config_module: str | None = None
     """Python module with a ``JobConfig`` dataclass whose sections/fields are merged into
     this one, so a custom train spec can read its own settings."""
@@ -38,7 +42,15 @@ class Profiling:
     """Trace folder, relative to job.dump_folder."""
 
     profile_freq: int = 10
-    """Record one active profiler step every this many steps."""
+    """One profiler cycle every this many steps: it waits, then warms up for
+    profiler_warmup steps and records profiler_active steps at the cycle's end."""
+
+    profiler_active: int = 1
+    """Steps recorded in each profiler cycle (torch.profiler.schedule's active)."""
+
+    profiler_warmup: int = 3
+    """Steps traced but discarded before the recorded ones (torch.profiler.schedule's
+    warmup)."""
 
     enable_memory_snapshot: bool = False
     """Dump CUDA allocator memory snapshots (CUDA only)."""
@@ -145,17 +157,22 @@ class LRScheduler:
     min_lr_factor: float = 0.0
     """Final learning rate as a fraction of optimizer.lr."""
 
+    total_steps: int | None = None
+    """Length of the schedule in steps (warmup and decay are placed within it); unset =
+    training.steps. Steps past it keep the final learning rate."""
+
 
 @dataclass
 class DataLoader:
     num_workers: int = 0
-    """Worker processes per rank that tokenize and pack the training data (0: the training
-    process does it). Must divide training.data_shards / dp degree. Batches, their order and
-    the checkpointed data state are those of num_workers = 0."""
+    """Worker processes per rank that tokenize and pack the data (0: the training process does
+    it). Training only (validation reads in the training process); must divide
+    training.data_shards / dp degree. Batches, their order and the checkpointed data state are
+    those of num_workers = 0."""
 
     persistent_workers: bool = False
-    """Keep the workers, and what they prefetched, from one iteration of the training loader to
-    the next (needs num_workers > 0); without it each iteration starts new workers."""
+    """Keep the workers, and what they prefetched, from one iteration of the loader to the next
+    (needs num_workers > 0); without it each iteration starts new workers."""
 
     pin_memory: bool = False
     """Pin host memory of batches (where an accelerator is present; a warning otherwise)."""
@@ -195,6 +212,10 @@ class Training:
 
     enable_cpu_offload: bool = False
     """Offload FSDP parameters, gradients and optimizer states to CPU."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of parameters, gradients and optimizer states. bfloat16 = full bf16 training:
+    no float32 master copy (needs mixed_precision_param bfloat16)."""
 
     mixed_precision_param: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter dtype for compute under FSDP or autocast."""
@@ -248,6 +269,9 @@ class Parallelism:
     pipeline_parallel_split_points: list[str] = field(default_factory=list)
     """Layer FQNs where a new stage starts, e.g. layers.4 (comma-separated)."""
 
+    module_fqns_per_model_part: list[list[str]] | None = None
+    """Not supported here (use pipeline_parallel_split_points); only the default is accepted."""
+
     pipeline_parallel_layers_per_stage: int | None = None
     """Layers per stage (embedding and output count as one each); unset = even split."""
 
@@ -267,6 +291,9 @@ class Parallelism:
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline micro-batch."""
 
+    pipeline_parallel_expert_parallel_overlap: bool = True
+    """Upstream's DualPipeV EP/PP overlap; not supported here, only the default is accepted."""
+
     context_parallel_degree: int = 1
     """Ranks that split each sequence (context parallel)."""
 
@@ -281,6 +308,9 @@ class Parallelism:
 
     expert_tensor_parallel_degree: int = 1
     """Tensor parallel degree inside experts: 1 or tensor_parallel_degree."""
+
+    expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
+    """Expert-parallel all-to-all: standard (torch collectives); deepep is not supported here."""
 
 
 @dataclass
@@ -302,6 +332,12 @@ class Checkpoint:
 
     initial_load_in_hf: bool = False
     """initial_load_path (or model.hf_assets_path) holds Hugging Face safetensors."""
+
+    initial_load_in_hf_quantized: bool = False
+    """Quantized Hugging Face checkpoints are not supported here; only the default is accepted."""
+
+    enable_ft_dataloader_checkpoints: bool = True
+    """Fault tolerance (TorchFT) is not supported here; only the default is accepted."""
 
     last_save_model_only: bool = True
     """At the last step save only the model weights (in export_dtype)."""
@@ -344,6 +380,36 @@ class ActivationCheckpoint:
 
     selective_ac_option: str = "2"
     """For selective: N = every N-th block, or "op" = per-op policy."""
+
+    preserve_rng_state: bool = False
+    """Replay the forward's RNG state during recomputation (needed only if the model draws
+    random numbers in forward, e.g. dropout)."""
+
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(
+        default_factory=lambda: ["moe.router.gate"]
+    )
+    """Not supported here; only the default is accepted."""
+
+    early_stop: bool = False
+    """Not supported here; only the default is accepted."""
+
+    memory_budget: float = 0.5
+    """Upstream's memory_budget mode; not supported here, only the default is accepted."""
+
+    visualize_memory_budget_pareto: bool = False
+    """Upstream's memory_budget mode; not supported here, only the default is accepted."""
+
+    determinism_check: str = "default"
+    """Not supported here; only the default is accepted."""
+
+    debug: bool = False
+    """Not supported here; only the default is accepted."""
+
+    save_attention_output: bool = False
+    """Blocks recomputed whole (full, or selective every N-th) keep their attention output
+    (one [tokens, heads x head_dim] tensor and the log-sum-exp per block) instead of
+    recomputing attention in backward: faster, at most one such tensor more per block. The "op"
+    policy always keeps it."""
 
 
 @dataclass
@@ -395,6 +461,13 @@ class Comm:
 
     save_traces_folder: str = "comm_traces"
     """Flight-recorder dump folder, relative to job.dump_folder."""
+
+    save_traces_file_prefix: str = "rank_"
+    """Flight-recorder dump file name prefix (the rank is appended)."""
+
+    mode: Literal["default", "fake_backend", "local_tensor"] = "default"
+    """Upstream's dry-run modes are not supported here (use python -m torchtitan.config
+    --world-size N); only the default is accepted."""
 
 
 @dataclass
@@ -454,6 +527,18 @@ class FaultTolerance:
     semi_sync_method: str | None = None
     """DiLoCo or LocalSGD."""
 
+    sync_steps: int = 5
+    """Steps between semi-sync synchronisations."""
+
+    should_quantize: bool = False
+    """Quantize the semi-sync outer-optimizer communication."""
+
+    fragment_sync_delay: int = 0
+    """Steps a model fragment's synchronisation is delayed (streaming DiLoCo)."""
+
+    fragment_update_alpha: float = 0.0
+    """Mixing weight of the local and global fragment parameters (streaming DiLoCo)."""
+
 
 @dataclass
 class Experimental:
@@ -489,6 +574,9 @@ class Validation:
     """Data shards of the validation split (the data-parallel degree must divide it). The
     split ends where its shortest shard ends, so fewer shards keep more of it."""
 
+    dataloader: DataLoader = field(default_factory=DataLoader)
+    """Data loader keyword arguments of the validation loader."""
+
 
 @dataclass
 class Debug:
@@ -497,6 +585,10 @@ class Debug:
 
     deterministic: bool = False
     """Use deterministic algorithms (slower)."""
+
+    deterministic_warn_only: bool = False
+    """With deterministic: warn instead of failing on an op that has no deterministic
+    implementation."""
 
     moe_force_load_balance: bool = False
     """Route MoE tokens round-robin (tests: no routing flips on rounding ties)."""

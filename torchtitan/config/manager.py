@@ -12,10 +12,11 @@ import dataclasses
 import difflib
 import importlib
 import io
+import json
 import logging
+import os
 import re
 import sys
-import tomllib
 import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -23,6 +24,7 @@ import tyro
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.toml_chain import load_toml_chain
 from torchtitan.config.validation import validate_job_config
 
 logger = logging.getLogger("torchtitan")
@@ -53,18 +55,6 @@ def _warn_deprecated(old: tuple[str, str], new: tuple[str, str]) -> None:
 
 
 # ---------------------------------------------------------------------------- TOML side
-
-
-def load_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"job.config_file: no such file: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"job.config_file: {path} is a directory, not a TOML file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"job.config_file: {path} is not valid TOML: {e}") from None
 
 
 def apply_toml_aliases(data: dict[str, Any]) -> dict[str, Any]:
@@ -304,11 +294,27 @@ def _condense_tyro_error(text: str) -> str:
     return message + " (see --help)"
 
 
+COMMAND_LINE = "command line"
+
+
+def _cli_sources(args: list[str]) -> dict[str, str]:
+    """'section.key' -> COMMAND_LINE for every flag given (booleans also as --section.no_key)."""
+    sources = {}
+    for token in args:
+        if token.startswith("--"):
+            section, _, key = token[2:].partition("=")[0].rpartition(".")
+            sources[f"{section}.{key.removeprefix('no_')}"] = COMMAND_LINE
+    return sources
+
+
 class ConfigManager:
-    """``parse_args(argv) -> JobConfig``: defaults < TOML (``--job.config_file``) < CLI."""
+    """``parse_args(argv) -> JobConfig``: defaults < TOML (``--job.config_file`` and its
+    base configs) < CLI. After parsing, ``sources`` maps each 'section.key' set by a file or
+    flag to that file or COMMAND_LINE."""
 
     def __init__(self, config_cls: type = JobConfig) -> None:
         self.config_cls = config_cls
+        self.sources: dict[str, str] = {}
 
     def parse_args(self, args: list[str] | None = None) -> Any:
         args = list(sys.argv[1:] if args is None else args)
@@ -316,7 +322,9 @@ class ConfigManager:
 
         custom_import = _find_flag_value(args, "--experimental.custom_import")
         config_file = _find_flag_value(args, "--job.config_file")
-        toml_data = apply_toml_aliases(load_toml(config_file)) if config_file else {}
+        chain = load_toml_chain(config_file, apply_toml_aliases) if config_file else None
+        toml_data = chain.data if chain else {}
+        self.sources = {**(chain.sources if chain else {}), **_cli_sources(args)}
         if custom_import is None:
             custom_import = toml_data.get("experimental", {}).get("custom_import") or None
         if custom_import:
@@ -359,23 +367,47 @@ def import_custom_module(name: str) -> None:
         raise ConfigError(f"experimental.custom_import: cannot import {name!r}: {e}") from None
 
 
-def config_to_toml(config: Any) -> str:
-    """Render a config as TOML (for printing the merged config)."""
+def config_to_toml(config: Any, sources: dict[str, str] | None = None) -> str:
+    """Render a config as TOML (for printing the merged config). With ``sources``
+    ('section.key' -> file or COMMAND_LINE) every line says where its value came from
+    ('default' when from neither)."""
     lines: list[str] = []
-    _emit_table(dataclasses.asdict(config), "", lines)
+    _emit_table(dataclasses.asdict(config), "", lines, sources)
     return "\n".join(lines).strip() + "\n"
 
 
-def _emit_table(table: dict[str, Any], prefix: str, lines: list[str]) -> None:
+def _emit_table(
+    table: dict[str, Any], prefix: str, lines: list[str], sources: dict[str, str] | None
+) -> None:
     scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
     if prefix and scalars:
         lines.append(f"\n[{prefix}]")
     for key, value in scalars.items():
         rendered = _toml_value(value)
-        lines.append(f"{key} = {rendered}" if rendered is not None else f"# {key} = (unset)")
+        line = f"{key} = {rendered}" if rendered is not None else f"# {key} = (unset)"
+        if sources is not None:
+            line += f"  # from {sources.get(f'{prefix}.{key}', 'default')}"
+        lines.append(line)
     for key, value in table.items():
         if isinstance(value, dict):
-            _emit_table(value, f"{prefix}.{key}" if prefix else key, lines)
+            _emit_table(value, f"{prefix}.{key}" if prefix else key, lines, sources)
+
+
+def save_config_file(config: Any) -> str | None:
+    """Write the merged config to job.save_config_file (relative to job.dump_folder; JSON for
+    a .json name, else TOML) and return the path written, or None when unset."""
+    name = config.job.save_config_file
+    if not name:
+        return None
+    path = os.path.join(config.job.dump_folder, name)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if name.endswith(".json"):
+        text = json.dumps(dataclasses.asdict(config), indent=2) + "\n"
+    else:
+        text = config_to_toml(config)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
 
 
 def _toml_value(value: Any) -> str | None:

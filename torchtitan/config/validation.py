@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
 
 # (field, predicate that must hold, what the user should do)
 _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -19,6 +20,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("training.gc_freq", lambda v: v >= 1, "must be >= 1"),
     ("training.data_shards", lambda v: v >= 1, "must be >= 1"),
     ("training.dataloader.num_workers", lambda v: v >= 0, "must be >= 0"),
+    ("validation.dataloader.num_workers", lambda v: v >= 0, "must be >= 0"),
     ("optimizer.lr", lambda v: v > 0, "must be > 0"),
     ("optimizer.eps", lambda v: v > 0, "must be > 0"),
     ("optimizer.weight_decay", lambda v: v >= 0, "must be >= 0"),
@@ -29,6 +31,9 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("lr_scheduler.min_lr_factor", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     ("metrics.log_freq", lambda v: v >= 1, "must be >= 1"),
     ("profiling.profile_freq", lambda v: v >= 1, "must be >= 1"),
+    ("profiling.profiler_active", lambda v: v >= 1, "must be >= 1"),
+    ("profiling.profiler_warmup", lambda v: v >= 0, "must be >= 0"),
+    ("lr_scheduler.total_steps", lambda v: v is None or v >= 1, "must be >= 1 (unset = training.steps)"),
     ("parallelism.data_parallel_replicate_degree", lambda v: v >= 1, "must be >= 1"),
     ("parallelism.data_parallel_shard_degree", lambda v: v == -1 or v >= 1, "must be -1 (infer) or >= 1"),
     ("parallelism.tensor_parallel_degree", lambda v: v >= 1, "must be >= 1"),
@@ -64,6 +69,25 @@ _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
 ]
 
 
+# Upstream settings of features this code base does not have: accepted at upstream's default
+# (so upstream TOMLs load), refused otherwise.
+_UPSTREAM_ONLY: dict[str, str] = {
+    "parallelism.module_fqns_per_model_part":
+        "pipeline stages by module lists (use pipeline_parallel_split_points)",
+    "parallelism.pipeline_parallel_expert_parallel_overlap": "the DualPipeV EP/PP overlap",
+    "parallelism.expert_parallel_comm_backend": "DeepEP dispatch",
+    "checkpoint.initial_load_in_hf_quantized": "loading quantized Hugging Face checkpoints",
+    "checkpoint.enable_ft_dataloader_checkpoints": "fault tolerance",
+    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": "forced matmul recompute by FQN",
+    "activation_checkpoint.early_stop": "early-stopped recomputation",
+    "activation_checkpoint.memory_budget": "memory-budget activation checkpointing",
+    "activation_checkpoint.visualize_memory_budget_pareto": "memory-budget activation checkpointing",
+    "activation_checkpoint.determinism_check": "recomputation determinism checks",
+    "activation_checkpoint.debug": "activation-checkpoint debug mode",
+    "comm.mode": "fake-backend dry runs (python -m torchtitan.config --world-size N checks a layout)",
+}
+
+
 def get_field(config: Any, path: str) -> Any:
     value = config
     for part in path.split("."):
@@ -84,11 +108,14 @@ def validate_job_config(config: Any) -> None:
                 f"{path}={value!r}: {feature} is not supported yet in this version; "
                 "leave it at its default"
             )
-    _check_dataloader(config.training.dataloader)
+    _check_upstream_only(config)
+    _check_dataloaders(config)
     if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             "metrics.enable_wandb: the wandb package is not installed; pip install 'torchtitan[wandb]'"
         )
+    _check_profiler_schedule(config.profiling)
+    _check_training_dtype(config.training)
     ac_error = check_ac_config(config.activation_checkpoint.mode,
                                config.activation_checkpoint.selective_ac_option)
     if ac_error:
@@ -108,12 +135,49 @@ def validate_job_config(config: Any) -> None:
         )
 
 
-def _check_dataloader(dl: Any) -> None:
-    for name in ("prefetch_factor", "persistent_workers"):
-        if getattr(dl, name) not in (None, False) and dl.num_workers == 0:
-            raise ConfigError(f"training.dataloader.{name}: needs training.dataloader.num_workers > 0")
-    if dl.prefetch_factor is not None and dl.prefetch_factor < 1:
-        raise ConfigError(f"training.dataloader.prefetch_factor: must be >= 1, got {dl.prefetch_factor!r}")
+def _check_dataloaders(config: Any) -> None:
+    for section in ("training", "validation"):
+        dl = get_field(config, section).dataloader
+        for name in ("prefetch_factor", "persistent_workers"):
+            if getattr(dl, name) not in (None, False) and dl.num_workers == 0:
+                raise ConfigError(f"{section}.dataloader.{name}: needs {section}.dataloader.num_workers > 0")
+        if dl.prefetch_factor is not None and dl.prefetch_factor < 1:
+            raise ConfigError(f"{section}.dataloader.prefetch_factor: must be >= 1, got {dl.prefetch_factor!r}")
+    if config.validation.dataloader.num_workers:
+        raise ConfigError(
+            "validation.dataloader.num_workers: the finite validation loader reads in the training process; "
+            "leave it at 0"
+        )
+
+
+def _check_upstream_only(config: Any) -> None:
+    defaults = JobConfig()
+    for path, feature in _UPSTREAM_ONLY.items():
+        value, default = get_field(config, path), get_field(defaults, path)
+        if value != default:
+            raise ConfigError(
+                f"{path}={value!r}: this version has no {feature}; remove the key or leave "
+                f"it at {default!r}"
+            )
+
+
+def _check_profiler_schedule(profiling: Any) -> None:
+    cycle = profiling.profiler_warmup + profiling.profiler_active
+    if profiling.enable_profiling and cycle > profiling.profile_freq:
+        raise ConfigError(
+            f"profiling.profile_freq ({profiling.profile_freq}) must be >= profiler_warmup + "
+            f"profiler_active ({cycle}); raise profile_freq or shorten the cycle"
+        )
+
+
+def _check_training_dtype(training: Any) -> None:
+    """Full bf16 training keeps bf16 parameters: computing in another dtype makes no sense."""
+    if training.dtype == "bfloat16" and training.mixed_precision_param != "bfloat16":
+        raise ConfigError(
+            f"training.mixed_precision_param={training.mixed_precision_param!r} with "
+            "training.dtype='bfloat16': parameters are already bf16; set mixed_precision_param "
+            "to bfloat16 or training.dtype to float32"
+        )
 
 
 def check_ac_config(mode: str, selective_option: str) -> str | None:

@@ -16,14 +16,14 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 
 from torchtitan.tools.logging import logger
 
-_ALWAYS_SAVE = {
+_ATTENTION = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops.higher_order.flex_attention,
 }
+_ALWAYS_SAVE = _ATTENTION | {torch.ops._c10d_functional.reduce_scatter_tensor.default}
 _MATMUL = torch.ops.aten.mm.default
 
 # Profiler annotations produce nothing to save, and a nested FSDP unit inside a block (MoE
@@ -58,24 +58,41 @@ def _op_level_context():
     return create_selective_checkpoint_contexts(_op_level_policy())
 
 
-def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
+def _save_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_attention_context():
+    """Recompute the block but keep its attention output (and log-sum-exp): the attention
+    kernel is the costliest op to recompute, its output one [tokens, heads x head_dim]."""
+    return create_selective_checkpoint_contexts(_save_attention_policy)
+
+
+def apply_ac(
+    blocks: nn.ModuleDict, mode: str, selective_option: str, preserve_rng_state: bool = False,
+    save_attention_output: bool = False,
+) -> None:
     """Wrap the blocks of one model part in place (FQNs gain no prefix in state dicts:
-    checkpoint_wrapper's prefix is stripped by torch's state-dict hooks)."""
+    checkpoint_wrapper's prefix is stripped by torch's state-dict hooks).
+    ``preserve_rng_state`` restores the forward's RNG state for the recomputation.
+    ``save_attention_output``: blocks that are recomputed whole (full, or every N-th) keep
+    their attention output instead of recomputing it."""
     if mode == "none":
         return
+    kwargs = {"context_fn": _save_attention_context} if save_attention_output else {}
     if mode == "full":
         chosen = list(blocks.keys())
-        kwargs = {}
     elif selective_option == "op":
         chosen = list(blocks.keys())
         kwargs = {"context_fn": _op_level_context}
     else:
         every = int(selective_option)
         chosen = [name for i, name in enumerate(blocks.keys()) if (i + 1) % every == 0]
-        kwargs = {}
     for name in chosen:
         blocks.register_module(
-            name, checkpoint_wrapper(blocks[name], preserve_rng_state=False, **kwargs)
+            name, checkpoint_wrapper(blocks[name], preserve_rng_state=preserve_rng_state, **kwargs)
         )
     detail = f" ({selective_option})" if mode == "selective" else ""
+    if kwargs.get("context_fn") is _save_attention_context:
+        detail += ", attention outputs kept"
     logger.info(f"activation checkpointing {mode}{detail} on {len(chosen)}/{len(blocks)} blocks")

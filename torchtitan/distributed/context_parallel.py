@@ -17,7 +17,9 @@ Attention (:class:`ContextParallelAttention`, the drop-in for the local kernels 
   the fused SDPA kernels); under a document or window mask the queries run block by block
   over the visible blocks of all keys.
 - ``alltoall``: ring attention. K/V blocks travel around the ring while each rank attends its
-  queries to the visible blocks of the one it holds; partial results merge by log-sum-exp.
+  queries to the visible blocks of the one it holds (on the CPU one fused flash-attention call
+  per query chunk, which returns the log-sum-exp; elsewhere fp32 block math); partial results
+  merge by log-sum-exp.
   The backward recomputes each block, keeps dQ local and passes the dK/dV accumulators around
   the ring behind the blocks; a rank holds at most two K/V blocks (the one in use and the one
   arriving). The shift is an all-to-all with one non-empty split, which torch.compile can
@@ -52,6 +54,9 @@ from torchtitan.models.blockwise_attention import (
     block_forward,
     blockwise_attention,
     build_block_plan,
+    fused,
+    fused_partial_backward,
+    fused_partial_forward,
     merge_blocks,
 )
 
@@ -279,20 +284,48 @@ def _ring_forward(
     per_chunk = q.shape[2] // len(_chunk_ids(cp, rank, load_balancer)) // plan.size
     q_ids = _fine_ids(cp, rank, load_balancer, per_chunk)
     size = plan.size
-    qs = (q.float() * scale).split(size, dim=2)
+    on_fused = fused(q)
+    qs = None if on_fused else (q.float() * scale).split(size, dim=2)
     outs: list = [None] * len(q_ids)
     lses: list = [None] * len(q_ids)
+    out = lse = None
     kv = torch.stack([k, v])
     for step in range(cp):
         kv_next = _ring_shift(kv, group) if step < cp - 1 else None
         k_ids = _fine_ids(cp, (rank - step) % cp, load_balancer, per_chunk)
-        ks, vs = (t.float().split(size, dim=2) for t in kv)
-        for a, b, mask in plan.pairs(q_ids, k_ids):
-            block = block_forward(qs[a], ks[b], vs[b], mask)
-            outs[a], lses[a] = merge_blocks(outs[a], lses[a], *block)
+        if on_fused:  # one kernel call per query chunk over the held block's visible keys
+            out_b, lse_b = fused_partial_forward(q, kv[0], kv[1], plan, q_ids, k_ids, scale)
+            out, lse = merge_blocks(out, lse, out_b.float(), lse_b)
+        else:
+            ks, vs = (t.float().split(size, dim=2) for t in kv)
+            for a, b, mask in plan.pairs(q_ids, k_ids):
+                block = block_forward(qs[a], ks[b], vs[b], mask)
+                outs[a], lses[a] = merge_blocks(outs[a], lses[a], *block)
         if kv_next is not None:
             kv = kv_next
-    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+    if not on_fused:
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    return out.to(q.dtype), lse
+
+
+def _held_block_grads(q, kv, out, lse, grad_out, plan: BlockPlan, q_ids, k_ids, scale, math, dq):
+    """Add the held K/V block's share of dq into the fp32 ``dq``; return its fp32 ``[2, ...]``
+    dk/dv. ``math``: the fp32 block-math inputs (pre-scaled q, dout, lse and delta chunks),
+    None on the fused kernels."""
+    dkv = torch.zeros_like(kv, dtype=torch.float32)
+    if math is None:
+        dq += fused_partial_backward(q, kv[0], kv[1], out, lse, grad_out, plan, q_ids, k_ids, scale, *dkv)
+        return dkv
+    qs, douts, lses, deltas = math
+    size = plan.size
+    ks, vs = (t.float().split(size, dim=2) for t in kv)
+    dqs, dks, dvs = dq.split(size, dim=2), dkv[0].split(size, dim=2), dkv[1].split(size, dim=2)
+    for a, b, mask in plan.pairs(q_ids, k_ids):
+        dq_ab, dk_ab, dv_ab = block_backward(qs[a], ks[b], vs[b], douts[a], lses[a], deltas[a], mask, scale)
+        dqs[a].add_(dq_ab)
+        dks[b].add_(dk_ab)
+        dvs[b].add_(dv_ab)
+    return dkv
 
 
 def _ring_backward(
@@ -311,32 +344,25 @@ def _ring_backward(
     per_chunk = q.shape[2] // len(_chunk_ids(cp, rank, load_balancer)) // plan.size
     q_ids = _fine_ids(cp, rank, load_balancer, per_chunk)
     size = plan.size
-    dout = grad_out.float()
-    delta = (dout * out.float()).sum(-1)
-    qs, douts = (q.float() * scale).split(size, dim=2), dout.split(size, dim=2)
-    lses, deltas = lse.split(size, dim=2), delta.split(size, dim=2)
+    math = None
+    if not fused(q):
+        dout = grad_out.float()
+        delta = (dout * out.float()).sum(-1)
+        math = ((q.float() * scale).split(size, dim=2), dout.split(size, dim=2),
+                lse.split(size, dim=2), delta.split(size, dim=2))
     dq = torch.zeros_like(q, dtype=torch.float32)
-    dqs = dq.split(size, dim=2)
     kv = torch.stack([k, v])
     dkv_in_flight = None
     for step in range(cp):
         kv_next = _ring_shift(kv, group) if step < cp - 1 else None
         k_ids = _fine_ids(cp, (rank - step) % cp, load_balancer, per_chunk)
-        ks, vs = (t.float().split(size, dim=2) for t in kv)
-        dkv = torch.zeros_like(kv, dtype=torch.float32)
-        dks, dvs = dkv[0].split(size, dim=2), dkv[1].split(size, dim=2)
-        for a, b, mask in plan.pairs(q_ids, k_ids):
-            dq_ab, dk_ab, dv_ab = block_backward(
-                qs[a], ks[b], vs[b], douts[a], lses[a], deltas[a], mask, scale
-            )
-            dqs[a].add_(dq_ab)
-            dks[b].add_(dk_ab)
-            dvs[b].add_(dv_ab)
+        dkv = _held_block_grads(q, kv, out, lse, grad_out, plan, q_ids, k_ids, scale, math, dq)
         # The accumulator of the block held now comes from the previous rank, which held this
         # block one step earlier; after cp hops every accumulator is back with its owner.
         if dkv_in_flight is not None:
             dkv += dkv_in_flight
         dkv_in_flight = _ring_shift(dkv, group)
+        del dkv  # not alive during the next block's temporaries
         if kv_next is not None:
             kv = kv_next
     dk, dv = _ready(dkv_in_flight)  # a plain tensor, never an AsyncCollectiveTensor, as grads
@@ -344,8 +370,9 @@ def _ring_backward(
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention over the cp group following a :class:`BlockPlan`. Block math runs in
-    fp32 with autocast off (the trainer may run the forward under autocast)."""
+    """Ring attention over the cp group following a :class:`BlockPlan`, with autocast off
+    (the trainer may run the forward under autocast): on the CPU's fused flash kernels in
+    the input dtype (fp32/bf16), else block math in fp32; partial outputs merge in fp32."""
 
     @staticmethod
     def forward(

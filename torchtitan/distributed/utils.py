@@ -53,7 +53,8 @@ def _set_nccl_env(job_config) -> None:
         folder = os.path.join(job_config.job.dump_folder, job_config.comm.save_traces_folder)
         os.makedirs(folder, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, "rank_"))
+        prefix = os.path.join(folder, job_config.comm.save_traces_file_prefix)
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)
 
 
 def set_pg_timeouts(timeout_seconds: int, parallel_dims: ParallelDims) -> None:
@@ -72,10 +73,12 @@ def set_pg_timeouts(timeout_seconds: int, parallel_dims: ParallelDims) -> None:
 
 
 def set_determinism(
-    parallel_dims: ParallelDims, device: torch.device, seed: int | None, deterministic: bool
+    parallel_dims: ParallelDims, device: torch.device, seed: int | None, deterministic: bool,
+    warn_only: bool = False,
 ) -> int:
     """Seed every rank identically (rank 0's random seed when none is given) and return the
-    seed, which also seeds the per-FQN weight init."""
+    seed, which also seeds the per-FQN weight init. ``warn_only``: an op without a
+    deterministic implementation warns instead of raising."""
     if seed is None:
         t = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
         if dist.is_initialized():
@@ -85,7 +88,7 @@ def set_determinism(
     torch.manual_seed(seed + pp_rank)
     if deterministic:
         logger.info("deterministic algorithms enabled (slower)")
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"

@@ -84,6 +84,7 @@ class Run:
     pp_all_in_flight: bool = False  # GPipe, LoopedBFS: every micro-batch's forward before any backward
     cp_rotate: str = "allgather"  # parallelism.context_parallel_rotate_method
     cp_headtail: bool = True  # parallelism.context_parallel_load_balancer == "headtail"
+    ac_keeps_attention: bool = False  # activation_checkpoint.save_attention_output
 
 
 @dataclass
@@ -162,14 +163,20 @@ def _attention_mask_bytes(lay: Layout, run: Run, a: int) -> float:
 
 
 def _ring_backward_bytes(g: Geometry, lay: Layout, run: Run, batch: int, tokens: float) -> float:
-    """alltoall (ring) CP backward temporaries: two fp32 [batch, heads, chunk, chunk] blocks
-    (probabilities and their gradient) and fp32 working copies of q, dq, the held key/value
-    block and its accumulated and in-flight gradients, about 6 x q_local per token (within
-    2 % of traces of the debug models)."""
+    """alltoall (ring) CP backward temporaries. CUDA (fp32 block math): two fp32 [batch,
+    heads, chunk, chunk] blocks (probabilities and their gradient) and fp32 working copies
+    of q, dq, the held key/value block and its accumulated and in-flight gradients, about
+    6 x q_local per token (within 2 % of traces of the debug models). CPU (fused flash
+    kernels): the fp32 dq, the held and the arriving K/V blocks, the held block's fp32 dK/dV
+    with the one in flight and the one arriving, the kernel's dq and its dK/dV over a key
+    span."""
     if lay.cp == 1 or run.cp_rotate != "alltoall":
         return 0.0
     size, _ = _cp_chunks(lay, run)
     q_local = g.n_heads * g.head_dim / lay.tp
+    if run.target == "cpu":
+        a = run.param_bytes
+        return (36 + 3 * a) * q_local * tokens
     return 2 * 4 * batch * g.n_heads / lay.tp * size * size + 6 * 4 * q_local * tokens
 
 
@@ -231,11 +238,14 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
     a_in = a * tokens * g.dim / lay.tp
     a_layer = _layer_activation_bytes(g, lay, run, a, tokens)
     kept = a_layer
+    recomputed_keeps = a_in
+    if run.ac_keeps_attention:  # the attention output and its fp32 log-sum-exp
+        recomputed_keeps += tokens * (a * g.n_heads * g.head_dim + 4 * g.n_heads) / lay.tp
     if lay.ac == "full":
-        kept = a_in
+        kept = recomputed_keeps
     elif lay.ac.startswith("selective:"):
         every = int(lay.ac.split(":")[1])
-        kept = (a_layer * (every - 1) + a_in) / every
+        kept = (a_layer * (every - 1) + recomputed_keeps) / every
     return _Stage(4 * params_sharded, 8 * params_sharded, u_layer, u_root, root_local,
                   layer_local, layer_sharded, layers, tokens, a_in, a_layer, kept,
                   _ring_backward_bytes(g, lay, run, batch, tokens))
@@ -349,5 +359,6 @@ def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, targ
         pp_all_in_flight=job_config.parallelism.pipeline_parallel_schedule in ("GPipe", "LoopedBFS"),
         cp_rotate=job_config.parallelism.context_parallel_rotate_method,
         cp_headtail=job_config.parallelism.context_parallel_load_balancer == "headtail",
+        ac_keeps_attention=ac.save_attention_output,
     )
     return Geometry.from_model_args(model_args), layout, run

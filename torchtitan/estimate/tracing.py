@@ -116,15 +116,21 @@ _EMULATED_FUNCTIONALS = {"rms_norm": _cuda_like_rms_norm}
 @contextlib.contextmanager
 def cuda_kernel_emulation() -> Iterator[None]:
     """Route the functionals whose CPU and CUDA kernels save different tensors for backward
-    to an emulation of the CUDA kernel's allocations."""
+    to an emulation of the CUDA kernel's allocations, and ring attention to the block math
+    it runs on CUDA (the fused path is the CPU's flash kernel)."""
+    from torchtitan.distributed import context_parallel
+
     originals = {name: getattr(F, name) for name in _EMULATED_FUNCTIONALS}
     for name, replacement in _EMULATED_FUNCTIONALS.items():
         setattr(F, name, replacement)
+    ring_fused = context_parallel.fused
+    context_parallel.fused = lambda q: False
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(F, name, original)
+        context_parallel.fused = ring_fused
 
 
 def balanced_host_counts(counts: torch.Tensor, rows: int) -> list:

@@ -12,8 +12,10 @@ Visibility, everywhere in torchtitan (:func:`visible`): key position ``<=`` quer
 within the sliding window if there is one, and in the same document when document ids are
 given. Document ids must not decrease along a sequence (the packer numbers documents in order).
 
-The block math works in fp32 (fp64 for fp64 inputs) on pre-scaled queries, merges partial results by log-sum-exp,
-and recomputes each block in the backward from the final log-sum-exp.
+On the CPU in fp32/bf16 the blocks run through the fused flash-attention kernels, which
+return the log-sum-exp; elsewhere (fp64, CUDA) the block math works in fp32 (fp64 for fp64
+inputs) on pre-scaled queries. Either way partial results merge by log-sum-exp and the
+backward recomputes each block from the final log-sum-exp.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def _accumulation_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _fused(q: torch.Tensor) -> bool:
+def fused(q: torch.Tensor) -> bool:
     """On the CPU each query chunk runs through the fused flash-attention kernels over its
     visible key range in one call (a ``[chunk, range]`` mask, rebuilt in the backward rather
     than saved), several times faster than the block math below."""
@@ -221,25 +223,34 @@ def _span_mask(masks: list, size: int, dtype: torch.dtype, device: torch.device)
     return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
 
 
-def _fused_forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_partial_forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernels' attention of ``q`` over the keys of ``k_chunks`` only: (out in q's
+    dtype, fp32 log-sum-exp); rows that see none of these keys get 0 and -inf, ready for
+    :func:`merge_blocks` with the other key sets' results (ring attention)."""
     size = plan.size
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     for a, first, end, masks in _row_spans(plan, q_chunks, k_chunks):
         rows, keys = slice(a * size, (a + 1) * size), slice(first * size, end * size)
+        mask = _span_mask(masks, size, q.dtype, q.device)
         out_a, lse_a = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, False,
-            attn_mask=_span_mask(masks, size, q.dtype, q.device), scale=scale,
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, False, attn_mask=mask, scale=scale,
         )
+        if mask is not None:  # the kernel gives a row that sees no key here lse 0, not -inf
+            lse_a = lse_a.masked_fill(~(mask > float("-inf")).any(-1), float("-inf"))
         out[:, :, rows], lse[:, :, rows] = out_a, lse_a
     return out, lse
 
 
-def _fused_backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunks, k_chunks, scale):
+def fused_partial_backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunks, k_chunks, scale,
+                           dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+    """dq (q's dtype) of the blocks over the keys of ``k_chunks``, their dk and dv added into
+    the fp32 ``dk``/``dv``, given the output and log-sum-exp over ALL keys: the flash
+    backward recomputes each block's probabilities from them, so per-key-set gradients add
+    up to the full ones."""
     size = plan.size
     grad_out = grad_out.to(q.dtype)
     dq = torch.zeros_like(q)
-    dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v))
     for a, first, end, masks in _row_spans(plan, q_chunks, k_chunks):
         rows, keys = slice(a * size, (a + 1) * size), slice(first * size, end * size)
         dq_a, dk_a, dv_a = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -249,12 +260,12 @@ def _fused_backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunks, k_ch
         dq[:, :, rows] = dq_a
         dk[:, :, keys] += dk_a
         dv[:, :, keys] += dv_a
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq
 
 
 def _forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    if _fused(q):
-        return _fused_forward(q, k, v, plan, q_chunks, k_chunks, scale)
+    if fused(q):
+        return fused_partial_forward(q, k, v, plan, q_chunks, k_chunks, scale)
     size, acc = plan.size, _accumulation_dtype(q)
     qs = (q.to(acc) * scale).split(size, dim=2)
     ks, vs = k.to(acc).split(size, dim=2), v.to(acc).split(size, dim=2)
@@ -266,8 +277,10 @@ def _forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -> tuple[torch
 
 
 def _backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunks, k_chunks, scale):
-    if _fused(q):
-        return _fused_backward(q, k, v, out, lse, grad_out, plan, q_chunks, k_chunks, scale)
+    if fused(q):
+        dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v))
+        dq = fused_partial_backward(q, k, v, out, lse, grad_out, plan, q_chunks, k_chunks, scale, dk, dv)
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
     size, acc = plan.size, _accumulation_dtype(q)
     dout = grad_out.to(acc)
     delta = (dout * out.to(acc)).sum(-1)

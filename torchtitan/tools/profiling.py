@@ -1,4 +1,5 @@
-"""torch profiler traces and CUDA memory snapshots, both every ``profile_freq`` steps."""
+"""torch profiler traces and CUDA memory snapshots, both every ``profile_freq`` steps (each
+profiler cycle: wait, ``profiler_warmup`` steps, then ``profiler_active`` recorded steps)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from typing import NoReturn
 import torch
 
 from torchtitan.tools.logging import logger
-
-_WARMUP, _ACTIVE = 3, 1
 
 
 def exit_after_profiled_run(code: int = 0) -> NoReturn:
@@ -44,13 +43,13 @@ def maybe_enable_profiling(job_config, global_step: int = 0):
         prof.export_chrome_trace(os.path.join(out, f"rank{rank}_trace.json"))
         logger.info(f"profiler trace written to {out}")
 
-    wait = max(cfg.profile_freq - _WARMUP - _ACTIVE, 0)
+    wait = cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(
         activities=activities,
-        schedule=torch.profiler.schedule(wait=wait, warmup=_WARMUP, active=_ACTIVE),
+        schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active),
         on_trace_ready=on_trace_ready,
         record_shapes=True,
     ) as prof:

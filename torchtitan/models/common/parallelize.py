@@ -175,7 +175,7 @@ def parallelize_decoder(model: Decoder, parallel_dims: ParallelDims, job_config:
                     f"(expert tensor parallel {parallel_dims.etp})")
 
     ac = job_config.activation_checkpoint
-    apply_ac(model.layers, ac.mode, ac.selective_ac_option)
+    apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.save_attention_output)
     if job_config.compile.enable and "model" in job_config.compile.components:
         compile_blocks(model.layers, job_config.compile.backend)
 

@@ -1,5 +1,4 @@
-"""Rotary position embeddings (RoPE) from real cos/sin tables (no complex tensors, so they
-compose with DTensor).
+"""Rotary position embeddings (RoPE) from real cos/sin tables, applied as complex multiplies.
 
 Every model here rotates adjacent channel pairs ``(2i, 2i + 1)`` of a head at frequency
 ``i`` (Meta's layout). Hugging Face's Llama and Qwen3 rotate channel ``i`` with
@@ -74,13 +73,18 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | N
     ``positions`` holds each token's absolute position, ``[seq]`` or ``[batch, seq]``
     (context parallel passes the global positions of a local shard, generation those of
     the new tokens); by default ``0 .. seq - 1``.
+
+    Each channel pair is one complex number multiplied by ``cos + i sin``: one complex
+    multiply costs about a third of the same rotation in real arithmetic (unflatten,
+    four multiplies, add/sub, stack) forward and backward on CPU. The table stays real
+    (a complex buffer would be truncated by ``module.to(bfloat16)``); tensor and context
+    parallelism hand this function local tensors, so no DTensor reaches the complex path.
     """
     rows = table[: x.shape[1]] if positions is None else table[positions]
     cos, sin = rows.unsqueeze(-2).chunk(2, dim=-1)  # broadcast over heads
-    pairs = x.float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    rotation = torch.complex(cos.float(), sin.float())
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 def apply_rotary_emb(
