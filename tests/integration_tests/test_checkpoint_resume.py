@@ -81,17 +81,22 @@ def straight(tmp_path_factory) -> StraightRuns:
     return StraightRuns(tmp_path_factory)
 
 
-def stop_after_step_10(layout: str, folder: Path) -> None:
-    """Train as if preempted after step 10: a forced full checkpoint, exit 0."""
-    stopped, _ = run(layout, folder, CKPT + ["--debug.stop_after_step", str(RESUME_AT)])
+def stop_after_step_10(layout: str, folder: Path, overrides: list[str] = ()) -> list[dict]:
+    """Train as if preempted after step 10: a forced full checkpoint, exit 0; its records."""
+    stopped, _ = run(layout, folder, CKPT + ["--debug.stop_after_step", str(RESUME_AT), *overrides])
     assert [r["step"] for r in stopped] == list(range(1, RESUME_AT + 1))
     state = manifest(folder, RESUME_AT)
     assert not state["model_only"] and state["states"]["train_state"] == {"step": RESUME_AT}
+    return stopped
 
 
 def assert_bitwise_equal_after_10(straight: list[dict], resumed: list[dict]) -> None:
-    for step in range(RESUME_AT + 1, STEPS + 1):
-        a, b = by_step(straight)[step], by_step(resumed)[step]
+    assert_bitwise_equal(straight, resumed, range(RESUME_AT + 1, STEPS + 1))
+
+
+def assert_bitwise_equal(straight: list[dict], other: list[dict], steps: range) -> None:
+    for step in steps:
+        a, b = by_step(straight)[step], by_step(other)[step]
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"step {step}: {a} vs {b}"
 
 
@@ -102,6 +107,20 @@ def test_exact_resume(straight, layout, tmp_path):
     assert f"step-{RESUME_AT} (step {RESUME_AT}; model, optimizer, rng" in out
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert_bitwise_equal_after_10(straight(layout)[1], resumed)
+
+
+WORKERS = ["--training.dataloader.num_workers", "2", "--training.dataloader.persistent_workers",
+           "--training.dataloader.prefetch_factor", "4", "--training.dataloader.pin_memory"]
+
+
+def test_exact_resume_with_dataloader_workers(straight, tmp_path):
+    """Two worker processes: the same batches as the 0-worker run (steps 1-10), and a resume
+    whose steps 11-20 are bitwise those of the uninterrupted 0-worker run."""
+    reference = straight("1proc")[1]
+    stopped = stop_after_step_10("1proc", tmp_path, WORKERS)
+    assert_bitwise_equal(reference, stopped, range(1, RESUME_AT + 1))
+    resumed, _ = run("1proc", tmp_path, CKPT + WORKERS)
+    assert_bitwise_equal(reference, resumed, range(1, STEPS + 1))
 
 
 def _kill_when_paused(proc, timeout: float) -> str:

@@ -141,6 +141,34 @@ def test_merged_state_loads_under_another_dp(reference, new_dp):
     assert same_batches(global_batches(resumed, 3), reference[3:6])
 
 
+@pytest.mark.parametrize("options", [dict(num_workers=2), dict(num_workers=4, prefetch_factor=1, persistent_workers=True)])
+def test_worker_processes_keep_the_order_and_the_exact_state(reference, options):
+    loaders = rank_loaders(2, **options)
+    assert same_batches(global_batches(loaders, 2), reference[:2])
+    assert same_batches(global_batches(loaders, 1), reference[2:3])  # a second iter() continues
+    merged = merge_data_states([loader.state_dict() for loader in loaders])
+    assert merged["next_position"] == 3 * GLOBAL_BATCH  # what was taken, not what workers prefetched
+    resumed = rank_loaders(1, num_workers=2)
+    resumed[0].load_state_dict(merged)
+    assert same_batches(global_batches(resumed, 3), reference[3:6])
+
+
+class _Streamed:
+    """Re-iterable, not indexable: read through StreamedDocuments."""
+
+    def __iter__(self):
+        return iter(_finite_docs())
+
+
+register_dataset("test_streamed_docs", DatasetConfig("test_streamed_docs", lambda path: _Streamed()))
+
+
+def test_worker_processes_over_a_streamed_dataset():
+    streamed = dict(dataset="test_streamed_docs", seq_len=32)
+    expected = global_batches(rank_loaders(1, **streamed), 4)
+    assert same_batches(global_batches(rank_loaders(1, num_workers=2, **streamed), 4), expected)
+
+
 def test_unmerged_state_of_another_layout_is_refused():
     loaders = rank_loaders(2)
     global_batches(loaders, 1)

@@ -112,10 +112,21 @@ def test_hf_no_double_bos_with_bos_post_processor(bpe_dir, tmp_path, with_config
     assert tok.decode(ids) == TEXT
 
 
-def test_hf_unknown_special_token(bpe_dir, tmp_path):
+def test_hf_config_token_missing_from_tokenizer_json_is_appended(bpe_dir, tmp_path):
     (tmp_path / "tokenizer.json").write_text((bpe_dir / "tokenizer.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
-    with pytest.raises(ValueError, match=r"model.tokenizer_path: .*bos_token '<s>'"):
+    tok = HuggingFaceTokenizer(tmp_path)
+    assert tok.bos_id == 384 and tok.vocab_size == 385
+    assert tok.encode_rendered("<s>") == [384]
+
+
+def test_hf_malformed_config_token(bpe_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_text((bpe_dir / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": 7}))
+    with pytest.raises(ValueError, match=r"^model.tokenizer_path: eos_token in tokenizer_config.json must be"):
+        HuggingFaceTokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"5": {"special": True}}}))
+    with pytest.raises(ValueError, match=r"^model.tokenizer_path: added_tokens_decoder in tokenizer_config.json must"):
         HuggingFaceTokenizer(tmp_path)
 
 
@@ -199,3 +210,93 @@ def test_hf_without_chat_template(bpe_dir):
     assert tok.encode_rendered("<|begin_of_text|>a") == [0, *tok.encode("a", add_bos=False, add_eos=False)]
     with pytest.raises(ValueError, match=r"^model.tokenizer_path: the tokenizer in .* has no chat template"):
         tok.chat_template()
+
+
+# ---- tokenizer folders as shipped, checked against transformers' AutoTokenizer
+
+
+def _special(content: str) -> dict:
+    return {"content": content, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False,
+            "special": True}
+
+
+def _byte_level_bpe(added: list[str]) -> Tokenizer:
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator([TEXT * 20, "hello world, the quick brown fox " * 20], trainer)
+    tokenizer.add_special_tokens(added)
+    return tokenizer
+
+
+def _upstream_test_shaped(out: Path) -> None:
+    """Like upstream torchtitan's test tokenizer: BOS/EOS exist only in tokenizer_config.json."""
+    _byte_level_bpe([]).save(str(out / "tokenizer.json"))
+    config = {"added_tokens_decoder": {"128000": _special("<|begin_of_text|>"), "128001": _special("<|end_of_text|>")},
+              "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _llama3_shaped(out: Path) -> None:
+    """Specials in tokenizer.json's added_tokens, a post-processor that adds BOS, names in the config."""
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    tokenizer = _byte_level_bpe(specials)
+    bos_id = tokenizer.token_to_id(specials[0])
+    tokenizer.post_processor = TemplateProcessing(single=f"{specials[0]} $A", pair=f"{specials[0]} $A $B",
+                                                  special_tokens=[(specials[0], bos_id)])
+    tokenizer.save(str(out / "tokenizer.json"))
+    decoder = {str(tokenizer.token_to_id(s)): _special(s) for s in specials}
+    config = {"added_tokens_decoder": decoder, "bos_token": specials[0], "eos_token": specials[2],
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _chat_shaped(out: Path) -> None:
+    """Qwen-like: chat specials and the pad token only in the config, a chat_template, no BOS."""
+    _byte_level_bpe(["<|endoftext|>"]).save(str(out / "tokenizer.json"))
+    decoder = {"151644": _special("<|im_start|>"), "151645": _special("<|im_end|>"),
+               "151646": {**_special("<tool>"), "special": False}}
+    config = {"added_tokens_decoder": decoder, "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
+              "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+SHIPPED_TEXT = "<|begin_of_text|>hello world<|eot_id|> <|im_start|>user\nthe fox<tool><|im_end|><|pad|> é✓"
+
+
+@pytest.mark.parametrize("shape", [_upstream_test_shaped, _llama3_shaped, _chat_shaped])
+def test_hf_folder_matches_transformers(tmp_path, shape):
+    from transformers import AutoTokenizer
+
+    shape(tmp_path)
+    ours, theirs = HuggingFaceTokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+    assert ours.vocab_size == len(theirs)
+    ids = ours.encode(SHIPPED_TEXT, add_bos=False, add_eos=False)
+    assert ids == theirs(SHIPPED_TEXT, add_special_tokens=False).input_ids
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.encode_rendered(SHIPPED_TEXT) == ids
+
+
+def test_hf_shipped_folders_specifics(tmp_path):
+    from transformers import AutoTokenizer
+
+    for shape in (_upstream_test_shaped, _llama3_shaped, _chat_shaped):
+        (tmp_path / shape.__name__).mkdir()
+        shape(tmp_path / shape.__name__)
+    upstream = tmp_path / "_upstream_test_shaped"
+    base_vocab = Tokenizer.from_file(str(upstream / "tokenizer.json")).get_vocab_size()
+    tok = HuggingFaceTokenizer(upstream)
+    assert (tok.bos_id, tok.eos_id) == (base_vocab, base_vocab + 1)  # appended, not the config's 128000/128001
+    llama = tmp_path / "_llama3_shaped"
+    assert HuggingFaceTokenizer(llama).encode("the fox", add_eos=False) == AutoTokenizer.from_pretrained(
+        str(llama))("the fox").input_ids  # BOS once, as the post-processor adds it
+    chat = tmp_path / "_chat_shaped"
+    assert HuggingFaceTokenizer(chat).chat_template() == AutoTokenizer.from_pretrained(str(chat)).chat_template
+    assert HuggingFaceTokenizer(chat).special_tokens() == {"eos_token": "<|im_end|>", "pad_token": "<|pad|>"}

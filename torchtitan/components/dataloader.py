@@ -12,18 +12,19 @@ Errors in the data or its config fields reach ``build_dataloader``'s caller as `
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.datasets import DatasetConfig, ShardedTextDataset, load_documents
 from torchtitan.datasets.chat_template import ChatEncoder
-from torchtitan.datasets.packing import EncodedDocument, Encoder, Sample
+from torchtitan.datasets.packing import EncodedDocument, Encoder, PartitionItem, Sample
+from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
     from torchtitan.config import JobConfig
@@ -38,18 +39,66 @@ def _collate(samples: list[Sample]) -> Batch:
     return {"input": torch.stack(inputs), "document_ids": torch.stack(document_ids)}, torch.stack(labels)
 
 
-class TextDataLoader(StatefulDataLoader):
-    """A StatefulDataLoader whose state is the dataset's plain, mergeable state.
+class TextDataLoader:
+    """Batches of a ``ShardedTextDataset``, read in this process or in ``num_workers`` worker
+    processes; the same batches in the same order either way.
+
+    Workers each produce one part of the rank's stream (``ShardedTextDataset.iter_partition``)
+    and samples are taken from them in turn; the state is that of the samples taken, so it is
+    exact whatever the workers prefetched. At most ``num_workers * prefetch_factor`` batches
+    are in flight (default ``prefetch_factor`` 2), which bounds the host memory they hold.
+    ``persistent_workers`` keeps the workers (and their prefetched samples) from one ``iter()``
+    to the next; loading a state stops them. Pinning (``pin_memory``) happens after collation,
+    where an accelerator is present.
 
     ``state_dict()`` returns ``ShardedTextDataset.state_dict()`` (see ``merge_data_states``);
     ``load_state_dict`` accepts the rank's own state or one merged over all ranks; an empty
-    state is a no-op, as for StatefulDataLoader.
+    state is a no-op.
     """
 
-    def __init__(self, dataset: ShardedTextDataset, batch_size: int, **kwargs: Any) -> None:
-        with warnings.catch_warnings():  # torchdata calls the deprecated torch.set_vital on every construction
-            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-            super().__init__(dataset, batch_size=batch_size, collate_fn=_collate, num_workers=0, **kwargs)
+    def __init__(
+        self,
+        dataset: ShardedTextDataset,
+        batch_size: int,
+        num_workers: int = 0,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self._num_workers = num_workers
+        self._persistent_workers = persistent_workers
+        self._prefetch_factor = prefetch_factor or 2
+        self._pin_memory = pin_memory and torch.accelerator.is_available()
+        if pin_memory and not self._pin_memory:
+            logger.warning("training.dataloader.pin_memory: no accelerator on this machine; batches are not pinned")
+        self._worker_samples: Iterator[Sample] | None = None
+
+    def __iter__(self) -> Iterator[Batch]:
+        samples = iter(self.dataset) if self._num_workers == 0 else self._samples_from_workers()
+        while chunk := list(itertools.islice(samples, self.batch_size)):
+            batch = _collate(chunk)
+            yield _pinned(batch) if self._pin_memory else batch
+
+    def _samples_from_workers(self) -> Iterator[Sample]:
+        if self._worker_samples is None or not self._persistent_workers:
+            self._worker_samples = self._start_workers()
+        return self._worker_samples
+
+    def _start_workers(self) -> Iterator[Sample]:
+        loader = DataLoader(
+            _WorkerPartitions(self.dataset),
+            batch_size=None,
+            num_workers=self._num_workers,
+            prefetch_factor=self._prefetch_factor * self.batch_size,  # samples per worker
+        )
+        for item in loader:
+            if isinstance(item, ConfigError):
+                raise item
+            position, shard, cursor, sample = item
+            self.dataset.consume(position, shard, cursor)
+            yield sample
 
     def state_dict(self) -> dict[str, Any]:
         return self.dataset.state_dict()
@@ -58,7 +107,29 @@ class TextDataLoader(StatefulDataLoader):
         if not state_dict:
             return
         self.dataset.load_state_dict(state_dict)
-        super().load_state_dict({})  # drops any live iterator; the next iter() resumes from the dataset
+        self._worker_samples = None  # stops persistent workers; the next iter() starts from the state
+
+
+class _WorkerPartitions(IterableDataset):
+    """In worker ``w`` of ``W``: part ``w`` of ``W`` of the dataset's stream. Bad data ends it
+    with the ``ConfigError`` as its last item, which the loader raises as it is (torch would wrap
+    it in a multi-line report)."""
+
+    def __init__(self, dataset: ShardedTextDataset) -> None:
+        super().__init__()
+        self._dataset = dataset
+
+    def __iter__(self) -> Iterator[PartitionItem | ConfigError]:
+        worker = get_worker_info()
+        try:
+            yield from self._dataset.iter_partition(worker.id, worker.num_workers)
+        except ConfigError as e:
+            yield e
+
+
+def _pinned(batch: Batch) -> Batch:
+    inputs, labels = batch
+    return {key: tensor.pin_memory() for key, tensor in inputs.items()}, labels.pin_memory()
 
 
 def _encoding(config: DatasetConfig, tokenizer: BaseTokenizer, section: str) -> tuple[Encoder, int | None]:
@@ -94,26 +165,23 @@ def build_text_dataloader(
     global_min: Callable[[int], int] | None = None,
     num_workers: int = 0,
     section: str = "training",
-    **dataloader_kwargs: Any,
+    **loader_options: Any,
 ) -> TextDataLoader:
     """A loader over dp rank ``dp_rank``'s share of the global sequence stream.
 
     ``global_min`` (finite loaders) reduces an int with MIN over the dp group; the default is
     the identity, right for one process. ``section`` names the config section in errors.
-    Tokenization runs in the training process: ``num_workers`` must be 0.
+    ``num_workers`` > 0 (infinite loaders only) must divide the data shards of a dp rank.
+    ``loader_options``: ``TextDataLoader``'s ``persistent_workers``, ``prefetch_factor``, ``pin_memory``.
     """
     _check_positive(section, seq_len=seq_len, local_batch_size=local_batch_size, data_shards=data_shards)
-    if num_workers != 0:
-        raise ValueError(
-            f"{section}.dataloader.num_workers: the text dataloader keeps its state in the training "
-            f"process and supports num_workers=0 only, got {num_workers}"
-        )
     if not 0 <= dp_rank < dp_degree:
         raise ValueError(f"dp_rank {dp_rank} is outside the data-parallel degree {dp_degree}")
     if data_shards % dp_degree != 0:
         raise ValueError(
             f"{section}.data_shards ({data_shards}) must be divisible by the data-parallel degree ({dp_degree})"
         )
+    _check_workers(num_workers, data_shards // dp_degree, infinite, section)
     config, documents = load_documents(dataset, dataset_path, section)
     encode, pad_id = _encoding(config, tokenizer, section)
     text_dataset = ShardedTextDataset(
@@ -129,7 +197,20 @@ def build_text_dataloader(
         global_min=global_min,
         section=section,
     )
-    return TextDataLoader(text_dataset, batch_size=local_batch_size, **dataloader_kwargs)
+    return TextDataLoader(text_dataset, batch_size=local_batch_size, num_workers=num_workers, **loader_options)
+
+
+def _check_workers(num_workers: int, shards_per_rank: int, infinite: bool, section: str) -> None:
+    if num_workers == 0:
+        return
+    if not infinite:
+        raise ValueError(f"{section}.dataloader.num_workers: the finite {section} loader reads in the training "
+                         f"process; leave it at 0")
+    if shards_per_rank % num_workers != 0:
+        raise ValueError(
+            f"{section}.dataloader.num_workers ({num_workers}) must divide the data shards of each dp rank "
+            f"({section}.data_shards / dp degree = {shards_per_rank}); each worker reads whole shards"
+        )
 
 
 def _dp_layout(parallel_dims: Any) -> tuple[int, int, Any]:
@@ -155,17 +236,15 @@ def build_dataloader(
     """The train loader (infinite) or the validation loader (finite) of ``job_config``.
 
     Each uses its section's ``dataloader`` options (``training.dataloader`` or
-    ``validation.dataloader``): ``num_workers`` and ``pin_memory``. Bad data or data fields
-    raise ``ConfigError``.
+    ``validation.dataloader``); the finite validation loader reads in the training process
+    (``num_workers`` 0). Bad data or data fields raise ``ConfigError``.
     """
     dp_rank, dp_degree, mesh = _dp_layout(parallel_dims)
     if split == "train":
         section, config = "training", job_config.training
-        data_shards = config.data_shards
         infinite, global_min = True, None
     elif split == "validation":
         section, config = "validation", job_config.validation
-        data_shards = config.data_shards
         infinite, global_min = False, None if mesh is None else _mesh_global_min(mesh)
     else:
         raise ValueError(f"unknown data split {split!r}; expected 'train' or 'validation'")
@@ -178,11 +257,13 @@ def build_dataloader(
             local_batch_size=config.local_batch_size,
             dp_rank=dp_rank,
             dp_degree=dp_degree,
-            data_shards=data_shards,
+            data_shards=config.data_shards,
             infinite=infinite,
             global_min=global_min,
-            num_workers=config.dataloader.num_workers,
             section=section,
+            num_workers=config.dataloader.num_workers,
+            persistent_workers=config.dataloader.persistent_workers,
+            prefetch_factor=config.dataloader.prefetch_factor,
             pin_memory=config.dataloader.pin_memory,
         )
     except (ValueError, FileNotFoundError, ConnectionError) as e:

@@ -1,12 +1,17 @@
-"""Per-step metrics: console line, ``{dump_folder}/metrics.jsonl`` and TensorBoard.
+"""Per-step metrics: console line, ``{dump_folder}/metrics.jsonl``, TensorBoard and Weights & Biases.
 
 metrics.jsonl is written by the rank that owns the loss, whatever LOG_RANK says; every
 tool and test that compares runs reads it (full-precision floats), never the console.
+Weights & Biases gets the same scalars as TensorBoard, from the rank that owns the loss, in a
+run whose config is the job config (project from ``WANDB_PROJECT``, default ``torchtitan``;
+``WANDB_MODE=offline`` keeps it on disk under ``{dump_folder}/wandb``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -16,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import peak_flops, peak_memory_gib
 
@@ -64,11 +70,28 @@ class MetricsProcessor:
         self.jsonl = None
         self.validation_jsonl_started = False
         self.tb = self._build_tensorboard(dump)
+        self.wandb = self._build_wandb(dump)
+
+    def _build_wandb(self, dump: Path):
+        if not self.job_config.metrics.enable_wandb or not self.owns_loss:
+            return None
+        import wandb
+
+        dump.mkdir(parents=True, exist_ok=True)
+        try:
+            return wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "torchtitan"),
+                dir=str(dump),
+                config=dataclasses.asdict(self.job_config),
+            )
+        except wandb.errors.Error as e:
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(
+                f"metrics.enable_wandb: wandb cannot start a run ({message}); run `wandb login` or set WANDB_MODE=offline"
+            ) from None
 
     def _build_tensorboard(self, dump: Path):
         cfg = self.job_config.metrics
-        if cfg.enable_wandb:
-            raise ValueError("metrics.enable_wandb: Weights & Biases logging is not supported yet; use metrics.enable_tensorboard")
         if not cfg.enable_tensorboard or not (self.owns_loss or cfg.save_for_all_ranks):
             return None
         from torch.utils.tensorboard import SummaryWriter
@@ -129,11 +152,16 @@ class MetricsProcessor:
                 self.jsonl = _open_jsonl(self.jsonl_path, first_step=step)
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step":
-                    self.tb.add_scalar(key, value, step)
+        self._log_scalars({key: value for key, value in record.items() if key != "step"}, step)
         return record
+
+    def _log_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """To TensorBoard and Weights & Biases, where enabled."""
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def log_validation(self, record: dict[str, float]) -> None:
         """A validation pass's record: TensorBoard scalars under ``validation/`` and a line of
@@ -141,9 +169,8 @@ class MetricsProcessor:
         records of earlier steps (a resumed run continues the file, a fresh one starts it
         over), as metrics.jsonl does."""
         step = record["step"]
-        if self.tb is not None:
-            self.tb.add_scalar("validation/loss", record["validation_loss"], step)
-            self.tb.add_scalar("validation/perplexity", record["validation_perplexity"], step)
+        self._log_scalars({"validation/loss": record["validation_loss"],
+                           "validation/perplexity": record["validation_perplexity"]}, step)
         if self.jsonl_path is None:
             return
         path = self.jsonl_path.parent / "validation.jsonl"
@@ -156,6 +183,8 @@ class MetricsProcessor:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def _open_jsonl(path: Path, first_step: int):

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tokenizers import AddedToken, Tokenizer
+
     from torchtitan.config import JobConfig
 
 
@@ -128,8 +130,11 @@ class ByteTokenizer(BaseTokenizer):
 
 
 class HuggingFaceTokenizer(BaseTokenizer):
-    """A ``tokenizers`` tokenizer loaded from ``tokenizer.json``.
+    """A ``tokenizers`` tokenizer loaded from ``tokenizer.json``, completed by ``tokenizer_config.json``.
 
+    Tokens the config names that tokenizer.json lacks (``added_tokens_decoder`` entries, the
+    ``bos_token``/``eos_token``/``pad_token``/... it names) are added with the ids transformers'
+    loader gives them: appended after the vocabulary in that order (see ``_add_config_tokens``).
     BOS/EOS come from ``tokenizer_config.json`` (``bos_token``/``eos_token``, plain strings or
     dicts with ``"content"``); when it does not name them, they are inferred from the special
     tokens the tokenizer's post-processor puts around a text. Encoding always bypasses the
@@ -149,6 +154,7 @@ class HuggingFaceTokenizer(BaseTokenizer):
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise ValueError(f"{field}: cannot load {tokenizer_file}: {e}") from None
         config = _read_tokenizer_config(config_file, field)
+        _add_config_tokens(self._tokenizer, config, field)
         inferred_bos, inferred_eos = self._post_processor_specials()
         self._bos = self._special_id(config, "bos_token", field, inferred_bos)
         self._eos = self._special_id(config, "eos_token", field, inferred_eos)
@@ -157,15 +163,8 @@ class HuggingFaceTokenizer(BaseTokenizer):
         self._chat_template = _find_chat_template(self._folder, config, field)
 
     def _special_id(self, config: dict[str, Any], key: str, field: str, default: int | None) -> int | None:
-        token = config.get(key)
-        if isinstance(token, dict):
-            token = token.get("content")
-        if token is None:
-            return default
-        token_id = self._tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"{field}: tokenizer_config.json names {key} {token!r}, which is not in tokenizer.json")
-        return token_id
+        token = _token_content(config.get(key), key, field)
+        return default if token is None else self._tokenizer.token_to_id(token)
 
     def _post_processor_specials(self) -> tuple[int | None, int | None]:
         """(bos, eos) ids the post-processor adds around the text "a", or None where it adds none."""
@@ -242,6 +241,59 @@ def _read_tokenizer_config(config_file: Path | None, field: str) -> dict[str, An
     if not isinstance(config, dict):
         raise ValueError(f"{field}: {config_file} must hold a JSON object")
     return config
+
+
+_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The special tokens tokenizer_config.json names, in the order transformers adds them."""
+
+
+def _token_content(token: Any, key: str, field: str) -> str | None:
+    """A config token's text: a plain string, or a dict with ``"content"``."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token is not None and not isinstance(token, str):
+        raise ValueError(f"{field}: {key} in tokenizer_config.json must be a string or a dict with \"content\"")
+    return token
+
+
+def _config_tokens(config: dict[str, Any], field: str) -> list[AddedToken]:
+    """The tokens tokenizer_config.json declares, in the order transformers' loader adds them:
+    ``added_tokens_decoder`` by ascending listed id, then the named special tokens, then
+    ``additional_special_tokens``."""
+    from tokenizers import AddedToken
+
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict) or not all(
+        str(k).isdigit() and isinstance(v, dict) and "content" in v for k, v in decoder.items()
+    ):
+        raise ValueError(f"{field}: added_tokens_decoder in tokenizer_config.json must map ids to dicts with \"content\"")
+    tokens = []
+    for _, entry in sorted(decoder.items(), key=lambda item: int(item[0])):
+        content = _token_content(entry, "added_tokens_decoder", field)
+        special = bool(entry.get("special", False))
+        flags = {name: bool(entry.get(name, False)) for name in ("single_word", "lstrip", "rstrip")}
+        tokens.append(AddedToken(content, **flags, normalized=bool(entry.get("normalized", not special)), special=special))
+    named = [(key, config.get(key)) for key in _NAMED_SPECIAL_TOKENS]
+    named += [("additional_special_tokens", token) for token in config.get("additional_special_tokens") or []]
+    for key, token in named:
+        content = _token_content(token, key, field)
+        if content is not None:
+            tokens.append(AddedToken(content, normalized=False, special=True))
+    return tokens
+
+
+def _add_config_tokens(tokenizer: Tokenizer, config: dict[str, Any], field: str) -> None:
+    """Add the config's tokens that are not yet added tokens of ``tokenizer``, one by one, so each
+    takes the next free id (a token already in the vocabulary keeps its id)."""
+    present = {added.content for added in tokenizer.get_added_tokens_decoder().values()}
+    for token in _config_tokens(config, field):
+        if token.content in present:
+            continue
+        present.add(token.content)
+        if token.special:
+            tokenizer.add_special_tokens([token])
+        else:
+            tokenizer.add_tokens([token])
 
 
 def _find_chat_template(folder: Path, config: dict[str, Any], field: str) -> str | None:

@@ -77,7 +77,9 @@ class Metrics:
     """Write TensorBoard logs from every rank, not only the rank that owns the loss."""
 
     enable_wandb: bool = False
-    """Log to Weights & Biases (needs the wandb package; project from WANDB_PROJECT)."""
+    """Log the TensorBoard scalars and the job config to Weights & Biases from the rank that owns
+    the loss (pip install 'torchtitan[wandb]'; project from WANDB_PROJECT; WANDB_MODE=offline
+    writes the run under job.dump_folder/wandb only)."""
 
 
 @dataclass
@@ -163,16 +165,21 @@ class LRScheduler:
 @dataclass
 class DataLoader:
     num_workers: int = 0
-    """Worker processes per rank for data loading."""
+    """Worker processes per rank that tokenize and pack the data (0: the training process does
+    it). Training only (validation reads in the training process); must divide
+    training.data_shards / dp degree. Batches, their order and the checkpointed data state are
+    those of num_workers = 0."""
 
     persistent_workers: bool = False
-    """Keep workers alive between epochs."""
+    """Keep the workers, and what they prefetched, from one iteration of the loader to the next
+    (needs num_workers > 0); without it each iteration starts new workers."""
 
     pin_memory: bool = False
-    """Pin host memory of batches (CUDA)."""
+    """Pin host memory of batches (where an accelerator is present; a warning otherwise)."""
 
     prefetch_factor: int | None = None
-    """Batches prefetched per worker (needs num_workers > 0)."""
+    """Batches each worker prepares ahead (default 2; needs num_workers > 0); at most
+    num_workers x prefetch_factor batches wait in host memory."""
 
 
 @dataclass

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -130,12 +131,11 @@ def validate_job_config(config: Any) -> None:
                 "leave it at its default"
             )
     _check_upstream_only(config)
-    for section in ("training", "validation"):
-        dl = get_field(config, section).dataloader
-        if dl.prefetch_factor is not None and dl.num_workers == 0:
-            raise ConfigError(
-                f"{section}.dataloader.prefetch_factor: needs {section}.dataloader.num_workers > 0"
-            )
+    _check_dataloaders(config)
+    if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "metrics.enable_wandb: the wandb package is not installed; pip install 'torchtitan[wandb]'"
+        )
     _check_profiler_schedule(config.profiling)
     _check_training_dtype(config.training)
     ac_error = check_ac_config(config.activation_checkpoint.mode,
@@ -155,6 +155,21 @@ def validate_job_config(config: Any) -> None:
         raise ConfigError(
             f"parallelism.expert_tensor_parallel_degree: must be 1 or tensor_parallel_degree "
             f"({tp}), got {etp}"
+        )
+
+
+def _check_dataloaders(config: Any) -> None:
+    for section in ("training", "validation"):
+        dl = get_field(config, section).dataloader
+        for name in ("prefetch_factor", "persistent_workers"):
+            if getattr(dl, name) not in (None, False) and dl.num_workers == 0:
+                raise ConfigError(f"{section}.dataloader.{name}: needs {section}.dataloader.num_workers > 0")
+        if dl.prefetch_factor is not None and dl.prefetch_factor < 1:
+            raise ConfigError(f"{section}.dataloader.prefetch_factor: must be >= 1, got {dl.prefetch_factor!r}")
+    if config.validation.dataloader.num_workers:
+        raise ConfigError(
+            "validation.dataloader.num_workers: the finite validation loader reads in the training process; "
+            "leave it at 0"
         )
 
 

@@ -32,13 +32,20 @@ whatever ``dp`` is.
 State: one cursor per shard (epoch, document within the shard, tokens of that document already
 consumed, sequences produced) plus the rank's next position. Restoring re-encodes the cursor's
 document and skips the consumed tokens; no token buffer is stored.
+
+Worker processes: a rank's positions are split into ``W`` parts by their index from the next
+position modulo ``W``. With ``W`` dividing the rank's shard count, a shard's positions all fall
+in one part, so each part reads and tokenizes only its own shards; taking one sample from each
+part in turn restores the rank's order exactly, and each sample carries its shard's cursor, so
+the consumer keeps the state of what it took, not of what workers prefetched.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -53,6 +60,9 @@ logger = logging.getLogger("torchtitan")
 
 Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(input_ids, labels, document_ids), each of ``seq_len`` tokens."""
+
+PartitionItem = tuple[int, int, tuple[int, ...], Sample]
+"""(position, shard, the shard's cursor after the sample, sample): what a worker delivers."""
 
 
 @dataclass(frozen=True)
@@ -271,14 +281,15 @@ class ShardedTextDataset(IterableDataset):
         self._encode = encode
         self._pad_id = pad_id
         self._truncation_logged = False
-        self._documents = self._shard_documents(documents)
+        self._source = documents
+        self._documents = self._shard_documents(documents, self._shards)
         self._shard_windows: dict[int, int] | None = None  # finite: windows per shard, once counted
         self._resume_pending = False
         self._restart()
 
-    def _shard_documents(self, documents: Documents) -> ShardedDocuments:
+    def _shard_documents(self, documents: Documents, shards: list[int]) -> ShardedDocuments:
         if not is_indexable(documents):
-            return StreamedDocuments(documents, self._num_shards, self._shards)
+            return StreamedDocuments(documents, self._num_shards, shards)
         if len(documents) < self._num_shards:
             raise ValueError(
                 f"{self._section}.data_shards ({self._num_shards}) exceeds the number of documents "
@@ -286,9 +297,12 @@ class ShardedTextDataset(IterableDataset):
             )
         return IndexedDocuments(documents, self._num_shards)
 
-    def _reader(self, shard: int, cursor: ShardCursor | None = None) -> ShardReader:
+    def _reader(
+        self, shard: int, cursor: ShardCursor | None = None, documents: ShardedDocuments | None = None
+    ) -> ShardReader:
         describe = f"{self._section}.data_shards ({self._num_shards}) with dataset {self._name!r}"
-        return ShardReader(shard, self._documents, self._encode, self._window, describe, cursor, self._pad_id)
+        documents = self._documents if documents is None else documents
+        return ShardReader(shard, documents, self._encode, self._window, describe, cursor, self._pad_id)
 
     def _restart(self) -> None:
         self._position = self._dp_rank
@@ -307,6 +321,30 @@ class ShardedTextDataset(IterableDataset):
                 self._log_truncation()
             yield window.sample()
         self._restart()
+
+    def iter_partition(self, part: int, parts: int) -> Iterator[PartitionItem]:
+        """Part ``part`` of ``parts`` of this (infinite) rank's stream from its current state, as
+        a worker process produces it (see the module docstring): ``(position, shard, the shard's
+        cursor after the sample, sample)``. Leaves this dataset's state untouched."""
+        if not self._infinite or len(self._shards) % parts != 0:
+            raise ValueError(f"iter_partition: needs an infinite dataset and a divisor of {len(self._shards)} parts")
+        first, stride = self._position + part * self._dp_degree, parts * self._dp_degree
+        shards = sorted({(first + k * stride) % self._num_shards for k in range(len(self._shards) // parts)})
+        documents = self._shard_documents(self._source, shards)
+        readers = {shard: self._reader(shard, replace(self._readers[shard].cursor), documents) for shard in shards}
+        for position in itertools.count(first, stride):
+            reader = readers[position % self._num_shards]
+            window = reader.next_window()
+            if window.truncated and not self._truncation_logged:
+                self._log_truncation()
+            yield position, reader.shard, astuple(reader.cursor), window.sample()
+
+    def consume(self, position: int, shard: int, cursor: tuple[int, ...]) -> None:
+        """Move the state past the sample at ``position`` that a partition produced."""
+        if position != self._position:
+            raise RuntimeError(f"data loader workers delivered position {position} where {self._position} was due")
+        self._readers[shard] = self._reader(shard, ShardCursor(*cursor))
+        self._position = position + self._dp_degree
 
     def _end_position(self) -> int:
         if self._shard_windows is None:
