@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest -q --durations=15 "${@:-tests}"
+exec .venv/bin/python -m pytest -q --durations=40 "${@:-tests}"
