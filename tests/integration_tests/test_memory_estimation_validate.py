@@ -87,11 +87,12 @@ GLOO_TP_STAGING = None
 @pytest.mark.parametrize(
     ("nproc", "overrides", "allocator_rtol"),
     [
-        (2, PP, 0.02),  # 1F1B: the first stage holds two micro-batches, the last one
+        # 1F1B (pp2_tp2: the first stage holds two micro-batches, the last one) and a
+        # looped schedule (two stages per rank)
         (2, PP + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 0.02),
         (4, PP + ["--parallelism.tensor_parallel_degree", "2"], GLOO_TP_STAGING),
     ],
-    ids=["pp2_1f1b", "pp2_interleaved", "pp2_tp2"],
+    ids=["pp2_interleaved", "pp2_tp2"],
 )
 def test_pipeline_estimate_matches_real_schedule(nproc, overrides, allocator_rtol: float | None):
     """Every pipeline rank's trace (the schedule replayed on fake tensors) against torch's

@@ -49,7 +49,7 @@ def inductor_cache(tmp_path_factory):
     return {"TORCHINDUCTOR_CACHE_DIR": cache}
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_compile_matches(nproc, reference_run, tmp_path, inductor_cache):
-    records = train(nproc, tmp_path, ["--compile.enable"], env=inductor_cache, timeout=380)
+def test_compile_matches(reference_run, tmp_path, inductor_cache):
+    """Per-block compile (and compiled loss) under FSDP 2 matches the eager 1-process run."""
+    records = train(2, tmp_path, ["--compile.enable"], env=inductor_cache, timeout=380)
     assert_parity(reference_run, records)

@@ -123,12 +123,22 @@ def test_bf16_training_with_another_compute_dtype_is_refused() -> None:
         _config("--training.dtype", "bfloat16", "--training.mixed_precision_param", "float32")
 
 
-def test_validation_loader_uses_validation_dataloader_options() -> None:
+def test_validation_loader_uses_validation_dataloader_options(monkeypatch) -> None:
+    from torchtitan.components import dataloader
+
+    requested = []
+    built = dataloader.TextDataLoader.__init__
+
+    def recording_init(self, *args, pin_memory: bool = False, **kwargs) -> None:
+        requested.append(pin_memory)
+        built(self, *args, pin_memory=pin_memory, **kwargs)
+
+    monkeypatch.setattr(dataloader.TextDataLoader, "__init__", recording_init)
     config = _config("--validation.seq_len", "16", "--training.seq_len", "16",
                      "--validation.dataloader.pin_memory")
-    loader = build_dataloader(config, None, ByteTokenizer(), split="validation")
-    assert loader.pin_memory is True
-    assert build_dataloader(config, None, ByteTokenizer()).pin_memory is False
+    build_dataloader(config, None, ByteTokenizer(), split="validation")
+    build_dataloader(config, None, ByteTokenizer())
+    assert requested == [True, False]
 
 
 def test_flight_recorder_files_use_the_configured_prefix(tmp_path, monkeypatch) -> None:
