@@ -6,7 +6,9 @@
 # under SLURM), LOG_RANK (global ranks whose logs are shown; default: the rank that shows the loss,
 # 0 unless pipeline parallel puts the last stage elsewhere), CONFIG_FILE (default: the
 # Llama 3 debug config), DRY_RUN=1 (check the config, print the launch command, run
-# nothing). Extra args are CLI overrides.
+# nothing), MAX_RESTARTS (default 0: how often torchrun restarts the ranks after a failure;
+# with checkpoint.enable a restart resumes from the newest complete checkpoint). Extra args
+# are CLI overrides.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -18,6 +20,7 @@ if [ -z "${NGPU:-}" ]; then
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
 if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
   echo "error: MASTER_ADDR: set it to the address of node 0 for a run on NNODES=$NNODES nodes" >&2
@@ -54,6 +57,7 @@ done
 export LOG_RANK
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 launch=("$PYTHON" -m torchtitan.distributed.launch --nproc_per_node="$NGPU" "${rdzv[@]}"
+        --max-restarts="$MAX_RESTARTS"
         --local-ranks-filter "${local_log_ranks:-0}"
         -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then

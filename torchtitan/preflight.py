@@ -64,6 +64,11 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
             "checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1, all parallel "
             f"degrees 1), got {world_size} processes; any layout loads the seed later"
         )
+    if not 0 <= job_config.debug.fail_on_rank < world_size:
+        raise ConfigError(
+            f"debug.fail_on_rank: must name one of the {world_size} ranks (0 to {world_size - 1}), "
+            f"got {job_config.debug.fail_on_rank}"
+        )
     if job_config.training.enable_cpu_offload and device_type == "cpu":
         raise ConfigError(
             "training.enable_cpu_offload: offloads accelerator memory to the CPU, but this run "

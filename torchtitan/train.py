@@ -29,6 +29,7 @@ from torchtitan.config.entry import config_errors_exit, exit_on_user_error
 from torchtitan.config.errors import UserInputError
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.pipeline import loss_owner_rank
+from torchtitan.distributed.restarts import maybe_inject_fault, stop_on_crash_loop
 from torchtitan.distributed.utils import (
     dist_reduce,
     init_distributed,
@@ -245,6 +246,7 @@ class Trainer:
             while self.step < job_config.training.steps:
                 self.step += 1
                 self.gc_handler.run(self.step)
+                maybe_inject_fault(job_config.debug, self.step, self.parallel_dims.world_mesh.get_rank())
                 try:
                     self.train_step(data_iterator)
                 except StopIteration:
@@ -303,6 +305,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except UserInputError as e:
         exit_on_user_error(str(e))  # before the process group goes: peers then see the record
+    except Exception:
+        step = trainer.step if trainer is not None else 0  # 0: failed while setting up
+        stop_on_crash_loop(step, job_config.checkpoint.max_failures_at_same_step)
+        raise
     finally:
         if trainer is not None:
             trainer.close()

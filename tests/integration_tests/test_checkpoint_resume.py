@@ -1,7 +1,7 @@
 """Checkpointing end to end (tiny Llama 3, fp32, CPU/gloo): exact resume, resharding to other
-layouts, kill -9 in the middle of a save, seed checkpoints.
+layouts, kill -9 in the middle of a save, seed checkpoints, automatic restart after a fault.
 
-The uninterrupted runs and the seed are shared through module-scoped fixtures: 15 launches.
+The uninterrupted runs and the seed are shared through module-scoped fixtures: 17 launches.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher import read_metrics, run_torchrun, start_torchrun
+from tests.launcher import read_metrics, run_command, run_torchrun, start_torchrun
 from tests.layouts import DDP_2, HSDP_2X2
 from tests.parity import train_args
 from tests.integration_tests.pause_line import PAUSE_LINE
@@ -221,3 +221,44 @@ def test_seed_checkpoint_gives_every_layout_the_same_start(straight, seed_folder
     assert all(math.isclose(v, losses["1proc"], rel_tol=1e-6) for v in losses.values()), losses
     unseeded = straight("1proc")[1][0]["loss"]
     assert not math.isclose(unseeded, losses["1proc"], rel_tol=1e-3), "the seed was not loaded"
+
+
+# ------------------------------------------------------------------ automatic restart
+ATTEMPT_MARK = " steps (starting at step "  # the trainer logs it once per attempt
+
+
+def run_train_sh(nproc: int, folder: Path, overrides: list[str], max_restarts: int):
+    """./run_train.sh (config check, then our launcher) with MAX_RESTARTS."""
+    env = {"NGPU": str(nproc), "MAX_RESTARTS": str(max_restarts)}
+    return run_command(["./run_train.sh", *train_args(nproc, folder, overrides)], env=env, timeout=300)
+
+
+def test_restart_after_a_fault_resumes_exactly(straight, tmp_path):
+    """FSDP 2, saves every 5 steps; rank 1 raises at step 7 in the first attempt only.
+    torchrun restarts both ranks (MAX_RESTARTS=1), they resume from step-5 on their own and
+    finish with every step bitwise that of the uninterrupted run."""
+    fault = ["--checkpoint.interval", "5", "--debug.fail_at_step", "7", "--debug.fail_on_rank", "1"]
+    result = run_train_sh(2, tmp_path, CKPT + fault, max_restarts=1)
+    out = result.stdout
+    assert result.returncode == 0, out[-6000:]
+    assert out.count(ATTEMPT_MARK) == 2 and "(starting at step 6)" in out, out[-6000:]
+    assert "step-5 (step 5; model, optimizer, rng" in out, out[-6000:]
+    restarted = read_metrics(tmp_path)
+    assert [r["step"] for r in restarted] == list(range(1, STEPS + 1))
+    assert_bitwise_equal(straight("fsdp2")[1], restarted, range(1, STEPS + 1))
+
+
+def test_a_crash_loop_stops_with_one_line(tmp_path):
+    """The fault at step 2 in every attempt: after the second failure there the launcher
+    stops (exit 2, one error line) although MAX_RESTARTS would allow 3 more attempts."""
+    fault = ["--training.steps", "3", "--debug.fail_at_step", "2", "--debug.fail_every_attempt",
+             "--checkpoint.max_failures_at_same_step", "2"]
+    result = run_train_sh(1, tmp_path, fault, max_restarts=4)
+    out = result.stdout
+    assert result.returncode == 2, out[-6000:]
+    assert out.count(ATTEMPT_MARK) == 2, out[-6000:]
+    assert out.rstrip().splitlines()[-1] == (
+        "error: checkpoint.max_failures_at_same_step: the run failed 2 times at step 2, resuming "
+        "from the newest checkpoint each time; not restarting again (the tracebacks above show "
+        "the cause)"
+    ), out[-6000:]

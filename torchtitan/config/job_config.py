@@ -372,6 +372,11 @@ class Checkpoint:
     preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
     """Signals that make every rank finish its step, save a checkpoint and exit 0."""
 
+    max_failures_at_same_step: int = 3
+    """Under run_train.sh with MAX_RESTARTS: once a rank has failed this many times at the
+    same step (each restart resumed from the newest checkpoint and failed again there), the
+    run stops with one error line instead of restarting again."""
+
 
 @dataclass
 class ActivationCheckpoint:
@@ -671,6 +676,16 @@ class Debug:
     stop_after_step: int | None = None
     """Behave as if preempted after this step: save a full checkpoint and exit 0 (tests of
     exact resume)."""
+
+    fail_at_step: int | None = None
+    """Raise an error at the start of this step (tests of automatic restart)."""
+
+    fail_on_rank: int = 0
+    """The global rank that raises at debug.fail_at_step."""
+
+    fail_every_attempt: bool = False
+    """Raise at debug.fail_at_step in every attempt, not only in the first (restarted
+    attempts resume past it otherwise): a crash loop."""
 
 
 @dataclass

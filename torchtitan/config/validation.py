@@ -44,6 +44,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallelism.pipeline_parallel_microbatch_size", lambda v: v >= 1, "must be >= 1"),
     ("checkpoint.interval", lambda v: v >= 1, "must be >= 1"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
+    ("checkpoint.max_failures_at_same_step", lambda v: v >= 1, "must be >= 1"),
+    ("debug.fail_at_step", lambda v: v is None or v >= 1, "must be >= 1 (unset = never)"),
     ("validation.local_batch_size", lambda v: v >= 1, "must be >= 1"),
     ("validation.seq_len", lambda v: v >= 1, "must be >= 1"),
     ("validation.freq", lambda v: v >= 1, "must be >= 1"),

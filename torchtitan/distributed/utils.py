@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed.restarts import WORKER_START_ENV
+
 from torchtitan.distributed.parallel_dims import ParallelDims, default_device_type
 from torchtitan.tools.logging import logger
 
@@ -30,9 +32,17 @@ def init_distributed(job_config) -> torch.device:
         device = torch.device(device_type)
         backend = "gloo" if device_type == "cpu" else dist.Backend.default_device_backend_map.get(device_type, "gloo")
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend, timeout=timedelta(seconds=job_config.comm.init_timeout_seconds)
-        )
+        timeout = timedelta(seconds=job_config.comm.init_timeout_seconds)
+        attempt = os.environ.get(WORKER_START_ENV)
+        if attempt is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+            # torchrun keeps one store across restarts; without a prefix per attempt the
+            # process groups of a restarted attempt can read the dead attempt's addresses
+            store = dist.PrefixStore(f"torchtitan_attempt_{attempt}", store)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
     return device
 
 
