@@ -48,18 +48,46 @@ def run_command(cmd: list[str], *, env: dict[str, str] | None = None,
     return _wait(proc, timeout, check=False)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (torchrun starts each rank in a session of its own,
+    out of reach of a kill of torchrun's process group)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s session and every process below it, ranks included."""
+    ranks = _descendants(proc.pid)
+    for kill, pid in [(os.killpg, proc.pid), *((os.kill, rank) for rank in ranks)]:
+        try:
+            kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _wait(proc: subprocess.Popen, timeout: float, check: bool) -> subprocess.CompletedProcess:
-    """Wait for ``proc``; on a timeout kill its whole session. Always reaps every process."""
+    """Wait for ``proc``; on a timeout kill it and every rank below it. Always reaps every process."""
     cmd = proc.args
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         out, _ = proc.communicate()
         raise TorchrunError(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-6000:]}")
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     if check and proc.returncode != 0:
         raise TorchrunError(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{out[-8000:]}")
@@ -75,8 +103,8 @@ def start_torchrun(
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start torchrun as ``run_torchrun`` does, without waiting: stdout (merged with stderr)
-    is a text pipe, and ``os.killpg(proc.pid, ...)`` reaches every rank. The caller must
-    reap it (tests that kill a run mid-way)."""
+    is a text pipe, and ``kill_tree(proc)`` reaches every rank. The caller must reap it
+    (tests that kill a run mid-way)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}"]
     cmd += ["-m", module] if script is None else [str(script)]

@@ -18,6 +18,7 @@ from torchtitan.config.entry import config_errors_exit
 from torchtitan.datasets.registry import check_dataset_fields
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import check_cp_config
+from torchtitan.distributed.fault_tolerance import check_fault_tolerance_inputs
 from torchtitan.distributed.parallel_dims import default_device_type, parallel_dims_from_config
 from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_stages
 from torchtitan.protocols import get_train_spec
@@ -136,6 +137,7 @@ def check_inputs(job_config: JobConfig, device_type: str) -> None:
     build_tokenizer(job_config)
     check_converter_names(job_config.model.converters)
     check_checkpoint_inputs(job_config)
+    check_fault_tolerance_inputs(job_config)
     _check_device_features(job_config, device_type)
 
 

@@ -66,9 +66,10 @@ UNOBSERVED: StepObserver = _Unobserved()
 
 # ---------------------------------------------------------------------------- derived quantities
 def grad_accumulation_steps(job_config: JobConfig, parallel_dims: ParallelDims) -> int:
-    """Micro-batches per optimizer step: the global batch over local batch x dp degree."""
+    """Micro-batches per optimizer step: the global batch over local batch x dp degree (under
+    fault tolerance the global batch spans every replica group)."""
     training = job_config.training
-    dp = parallel_dims.dp_degree
+    dp = parallel_dims.dp_degree * parallel_dims.replica_groups
     per_pass = training.local_batch_size * dp
     global_batch = training.global_batch_size if training.global_batch_size > 0 else per_pass
     if global_batch % per_pass != 0:
@@ -139,6 +140,8 @@ class Recipe:
     train_context: Callable[[], contextlib.AbstractContextManager]
     nparams: int
     flops_per_token: int
+    replica_groups: Any = None
+    """Fault tolerance's ReplicaGroups (the trainer sets it), or None."""
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -352,21 +355,35 @@ def train_step(
     norm and returns whether to apply the step (the trainer's non-finite and stop checks).
     Unless it keeps ``grad_norm``, the norm is freed before the optimizer runs (the
     estimator's traced peaks rely on that). ``run_microbatch`` replaces the forward/backward
-    of a micro-batch (the estimator's pipeline replay).
+    of a micro-batch (the estimator's pipeline replay). Under fault-tolerant HSDP
+    (``recipe.replica_groups``) the quorum comes first, token counts and gradients are
+    summed / averaged over the live replica groups, and an uncommitted step is not applied.
     """
     if run_microbatch is None:
         run_microbatch = pipeline_forward_backward if recipe.pipeline is not None else forward_backward
+    replicas = recipe.replica_groups if recipe.replica_groups is not None and recipe.replica_groups.per_step else None
     observer.set_phase("zero_grad")
     recipe.optimizers.zero_grad()
+    if replicas is not None:
+        replicas.start_step()
     batches = [next_batch() for _ in range(micro_batches or recipe.grad_accum_steps)]
     tokens = global_valid_tokens(recipe, batches)
-    recipe.loss_fn.set_global_tokens(tokens, data_ranks(recipe.parallel_dims))
+    ranks = data_ranks(recipe.parallel_dims)
+    if replicas is not None:
+        tokens = replicas.sum_tokens(tokens)
+        ranks *= replicas.live_groups
+    recipe.loss_fn.set_global_tokens(tokens, ranks)
     losses = []
     while batches:
         losses.append(run_microbatch(recipe, batches.pop(0), observer))
     observer.set_phase("clip_grad_norm")
     params = [p for part in recipe.model_parts for p in part.parameters()]
+    if replicas is not None:
+        replicas.average_gradients(params)
+        losses = [replicas.average_loss(losses)]
     grad_norm = clip_grad_norm_(params, recipe.job_config.training.max_norm, foreach=True, pp_mesh=recipe.pp_mesh)
+    if replicas is not None and not replicas.should_commit():
+        return tokens
     if not before_optimizer_step(losses, grad_norm):
         return tokens
     del grad_norm

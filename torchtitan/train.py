@@ -8,6 +8,7 @@ the training loop. No mesh is passed around: every builder takes ``parallel_dims
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -27,6 +28,12 @@ from torchtitan.components.validate import PipelineEval
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error
 from torchtitan.config.errors import UserInputError
+from torchtitan.distributed.fault_tolerance import (
+    DataPositionFile,
+    ModelPartsState,
+    ReplicaGroups,
+    replica_dump_folder,
+)
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.pipeline import loss_owner_rank
 from torchtitan.distributed.restarts import maybe_inject_fault, stop_on_crash_loop
@@ -130,6 +137,7 @@ class Trainer:
             train_spec=spec,
             model_args=model_args,
         )
+        self.replicas = self._build_replica_groups()
         self.validator = None
         if job_config.validation.enable and spec.build_validator_fn is not None:
             self.validator = spec.build_validator_fn(
@@ -143,6 +151,21 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ set-up helpers
+    def _build_replica_groups(self) -> ReplicaGroups | None:
+        """Fault tolerance: the torchft manager, what a healing peer receives, and this
+        rank's data-position file (with checkpointing and enable_ft_dataloader_checkpoints)."""
+        job_config = self.job_config
+        self.data_position = None
+        if not job_config.fault_tolerance.enable:
+            return None
+        replicas = ReplicaGroups(job_config, self.device)
+        replicas.register_states({"model": ModelPartsState(self.model_parts), "optimizer": self.optimizers,
+                                  "lr_scheduler": self.lr_schedulers, "train_state": self})
+        self.recipe.replica_groups = replicas
+        if job_config.checkpoint.enable and job_config.checkpoint.enable_ft_dataloader_checkpoints:
+            self.data_position = DataPositionFile(self.checkpointer.root, dist.get_rank())
+        return replicas
+
     def _log_recipe(self) -> None:
         recipe, job_config = self.recipe, self.job_config
         logger.info(
@@ -184,6 +207,13 @@ class Trainer:
         self.applied_step = None
         valid_tokens = train_step(self.recipe, batches, before_optimizer_step=self._before_optimizer_step)
         self.metrics.record_step(batches.tokens, batches.seconds)
+        if self.replicas is not None and not self.replicas.committed:
+            logger.warning(f"step {self.step}: not committed (fewer than fault_tolerance.min_replica_size "
+                           "replica groups took part, or one failed during it); running it again on the next batch")
+            self.step -= 1
+            return
+        if self.data_position is not None:
+            self.data_position.save(self.step, self.dataloader.state_dict())
         applied = self.applied_step
         if applied is None or not self.metrics.should_log(self.step):
             return
@@ -195,7 +225,8 @@ class Trainer:
             grad_norm=applied.grad_norm.item(),
             lr=applied.lr,
             extra={"valid_tokens": int(valid_tokens.item()),
-                   **moe_load_metrics(self.model_parts)},  # no MoE metrics for dense models
+                   **moe_load_metrics(self.model_parts),  # no MoE metrics for dense models
+                   **(self.replicas.metrics(self.step) if self.replicas is not None else {})},
         )
 
     def _before_optimizer_step(self, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> bool:
@@ -239,14 +270,22 @@ class Trainer:
             self.checkpointer.create_seed_checkpoint()
             return
         self.checkpointer.load(step=job_config.checkpoint.load_step)
+        if self.data_position is not None:
+            self.data_position.load_newer(self.step, self.dataloader)
+        if self.replicas is not None and self.replicas.per_step:
+            self.replicas.align_step(self.step)
         data_iterator = iter(self.dataloader)
         snapshotter = maybe_memory_snapshotter(job_config, self.device)
         logger.info(f"training {job_config.training.steps} steps (starting at step {self.step + 1})")
-        with maybe_enable_profiling(job_config, self.step) as profiler:
+        semi_sync = (self.replicas.semi_sync_context(self.model_parts, self.optimizers)
+                     if self.replicas is not None else contextlib.nullcontext())
+        with maybe_enable_profiling(job_config, self.step) as profiler, semi_sync:
             while self.step < job_config.training.steps:
                 self.step += 1
                 self.gc_handler.run(self.step)
                 maybe_inject_fault(job_config.debug, self.step, self.parallel_dims.world_mesh.get_rank())
+                if job_config.debug.step_sleep_seconds:
+                    time.sleep(job_config.debug.step_sleep_seconds)
                 try:
                     self.train_step(data_iterator)
                 except StopIteration:
@@ -275,6 +314,9 @@ class Trainer:
         self.step = int(state_dict["step"])
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.shutdown()
+            self.replicas = None
         self.checkpointer.close()
         self.metrics.close()
         self.gc_handler.close()
@@ -286,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()
     silence_non_logging_ranks(os.environ.get("LOG_RANK"))
     job_config = ConfigManager().parse_args(argv)
+    if job_config.fault_tolerance.enable:
+        job_config.job.dump_folder = replica_dump_folder(job_config.job.dump_folder, job_config.fault_tolerance.replica_id)
     if job_config.job.print_config:
         from torchtitan.config import config_to_toml
 

@@ -33,6 +33,7 @@ BEFORE_LAUNCH = {
     "initial_load_path": (["--checkpoint.enable", "--checkpoint.initial_load_path", "/no/such/ckpt"],
                           "checkpoint.initial_load_path"),
     "unknown converter": (["--model.converters", "nosuch"], "model.converters"),
+    "no lighthouse": (["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"], "fault_tolerance.enable"),
     "CLI choice": (["--parallelism.fsdp_reshard_after_forward", "maybe"],
                    "--parallelism.fsdp_reshard_after_forward: invalid choice 'maybe'; valid: "
                    "'default', 'always', 'never'"),
@@ -63,7 +64,7 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     root = tmp_path_factory.mktemp("user-errors")
     dump = ["--job.dump_folder", str(root / "dump")]
     jobs = {case: (lambda args=args: run_command(["./run_train.sh", *TINY, *dump, *args],
-                                                 env={"NGPU": "1"}, timeout=300))
+                                                 env={"NGPU": "1", "TORCHFT_LIGHTHOUSE": ""}, timeout=300))
             for case, (args, _) in BEFORE_LAUNCH.items()}
     jobs["rank-local"] = lambda: run_command(["./run_train.sh", *TINY, *dump, *RANK_LOCAL],
                                              env={"NGPU": "2"}, timeout=300)

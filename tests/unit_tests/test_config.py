@@ -107,8 +107,8 @@ def test_deprecated_aliases_toml_and_cli(tmp_path, caplog):
 
 
 def test_not_yet_supported_feature_is_refused():
-    with pytest.raises(ConfigError, match="fault tolerance is not supported yet"):
-        parse("--fault_tolerance.enable")
+    with pytest.raises(ConfigError, match="compiled autograd is not supported yet"):
+        parse("--parallelism.enable_compiled_autograd")
 
 
 def test_custom_config_module_merges_sections_and_fields():

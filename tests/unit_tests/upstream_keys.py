@@ -208,7 +208,6 @@ REFUSED_UNLESS_DEFAULT = {
     "parallelism.module_fqns_per_model_part",
     "parallelism.pipeline_parallel_expert_parallel_overlap",
     "parallelism.expert_parallel_comm_backend",
-    "checkpoint.enable_ft_dataloader_checkpoints",
     "checkpoint.initial_load_in_hf_quantized",
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns",
     "activation_checkpoint.early_stop",
@@ -218,5 +217,4 @@ REFUSED_UNLESS_DEFAULT = {
     "activation_checkpoint.debug",
     "comm.mode",
     "memory_estimation.enable",
-    "fault_tolerance.enable",
 }

@@ -243,6 +243,8 @@ def build_dataloader(
     if split == "train":
         section, config = "training", job_config.training
         infinite, global_min = True, None
+        if parallel_dims is not None:
+            dp_rank, dp_degree = parallel_dims.data_layout()
     elif split == "validation":
         section, config = "validation", job_config.validation
         infinite, global_min = False, None if mesh is None else _mesh_global_min(mesh)

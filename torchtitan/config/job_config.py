@@ -337,7 +337,8 @@ class Checkpoint:
     """Quantized Hugging Face checkpoints are not supported here; only the default is accepted."""
 
     enable_ft_dataloader_checkpoints: bool = True
-    """Fault tolerance (TorchFT) is not supported here; only the default is accepted."""
+    """Under fault tolerance, save each replica group's data-loader position after every
+    step, so that a group that rejoins neither repeats nor skips samples."""
 
     last_save_model_only: bool = True
     """At the last step save only the model weights (in export_dtype)."""
@@ -586,32 +587,37 @@ class MemoryEstimation:
 
 @dataclass
 class FaultTolerance:
+    """Replica-group fault tolerance on torchft: each replica group is its own torchrun job
+    (its own FSDP/TP/... layout) and the groups form the fault-tolerant replicate dimension.
+    The lighthouse's address comes from the environment variable TORCHFT_LIGHTHOUSE."""
+
     enable: bool = False
-    """Fault-tolerant training with TorchFT."""
+    """Fault-tolerant training with torchft."""
 
     process_group: Literal["gloo", "nccl"] = "gloo"
-    """Process group for the fault-tolerant replica dimension."""
+    """Backend of the process group between replica groups."""
 
     process_group_timeout_ms: int = 10000
-    """Timeout of that process group."""
+    """Timeout of that process group: how long a collective waits for a lost peer."""
 
     replica_id: int = 0
-    """This replica group's id."""
+    """This replica group's id, 0 .. group_size - 1."""
 
     group_size: int = 0
-    """Number of replica groups."""
+    """Number of replica groups the data is split over."""
 
     min_replica_size: int = 1
-    """Replica groups needed to keep training."""
+    """Replica groups needed to commit a step (or an outer sync)."""
 
     semi_sync_method: str | None = None
-    """DiLoCo or LocalSGD."""
+    """None: fault-tolerant HSDP (gradients averaged over the live groups every step);
+    "diloco" or "local_sgd": groups train alone and synchronise every sync_steps steps."""
 
     sync_steps: int = 5
     """Steps between semi-sync synchronisations."""
 
     should_quantize: bool = False
-    """Quantize the semi-sync outer-optimizer communication."""
+    """Quantize the semi-sync outer-optimizer communication (needs CUDA and triton)."""
 
     fragment_sync_delay: int = 0
     """Steps a model fragment's synchronisation is delayed (streaming DiLoCo)."""
@@ -686,6 +692,10 @@ class Debug:
     fail_every_attempt: bool = False
     """Raise at debug.fail_at_step in every attempt, not only in the first (restarted
     attempts resume past it otherwise): a crash loop."""
+
+    step_sleep_seconds: float = 0.0
+    """Sleep this long at the start of every step: a slow replica group (fault-tolerance
+    tests keep a survivor running while a lost peer restarts)."""
 
 
 @dataclass

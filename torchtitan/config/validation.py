@@ -46,6 +46,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("checkpoint.keep_latest_k", lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
     ("checkpoint.max_failures_at_same_step", lambda v: v >= 1, "must be >= 1"),
     ("debug.fail_at_step", lambda v: v is None or v >= 1, "must be >= 1 (unset = never)"),
+    ("debug.step_sleep_seconds", lambda v: v >= 0, "must be >= 0"),
     ("validation.local_batch_size", lambda v: v >= 1, "must be >= 1"),
     ("validation.seq_len", lambda v: v >= 1, "must be >= 1"),
     ("validation.freq", lambda v: v >= 1, "must be >= 1"),
@@ -65,7 +66,6 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
 # The issue that builds a feature removes its line here.
 _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallelism.enable_compiled_autograd", bool, "compiled autograd"),
-    ("fault_tolerance.enable", bool, "fault tolerance"),
     ("optimizer.early_step_in_backward", bool, "optimizer step in backward"),
     ("memory_estimation.enable", bool, "memory estimation inside the trainer (use scripts/estimate/estimation.py)"),
 ]
@@ -79,7 +79,6 @@ _UPSTREAM_ONLY: dict[str, str] = {
     "parallelism.pipeline_parallel_expert_parallel_overlap": "the DualPipeV EP/PP overlap",
     "parallelism.expert_parallel_comm_backend": "DeepEP dispatch",
     "checkpoint.initial_load_in_hf_quantized": "loading quantized Hugging Face checkpoints",
-    "checkpoint.enable_ft_dataloader_checkpoints": "fault tolerance",
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": "forced matmul recompute by FQN",
     "activation_checkpoint.early_stop": "early-stopped recomputation",
     "activation_checkpoint.memory_budget": "memory-budget activation checkpointing",
@@ -150,6 +149,7 @@ def validate_job_config(config: Any) -> None:
             "the overlapped collectives)"
         )
     _check_checkpoint(config.checkpoint)
+    _check_fault_tolerance(config.fault_tolerance, config.parallelism)
     _check_quantize(config.model.converters, config.quantize)
     _check_attention(config.model, config.training)
     etp, tp = config.parallelism.expert_tensor_parallel_degree, config.parallelism.tensor_parallel_degree
@@ -173,6 +173,46 @@ def _check_dataloaders(config: Any) -> None:
             "validation.dataloader.num_workers: the finite validation loader reads in the training process; "
             "leave it at 0"
         )
+
+
+_SEMI_SYNC_METHODS = (None, "diloco", "local_sgd")
+
+
+def _check_fault_tolerance(ft: Any, parallelism: Any) -> None:
+    if not ft.enable:
+        return
+    if ft.group_size < 1:
+        raise ConfigError(f"fault_tolerance.group_size: must be >= 1 with fault_tolerance.enable, got {ft.group_size}")
+    if not 0 <= ft.replica_id < ft.group_size:
+        raise ConfigError(
+            f"fault_tolerance.replica_id: must be in 0 .. group_size - 1 = {ft.group_size - 1}, got {ft.replica_id}"
+        )
+    if not 1 <= ft.min_replica_size <= ft.group_size:
+        raise ConfigError(
+            f"fault_tolerance.min_replica_size: must be in 1 .. group_size = {ft.group_size}, got {ft.min_replica_size}"
+        )
+    if ft.semi_sync_method not in _SEMI_SYNC_METHODS:
+        raise ConfigError(
+            f"fault_tolerance.semi_sync_method: must be unset, 'diloco' or 'local_sgd', got {ft.semi_sync_method!r}"
+        )
+    if ft.process_group_timeout_ms < 1:
+        raise ConfigError(f"fault_tolerance.process_group_timeout_ms: must be >= 1, got {ft.process_group_timeout_ms}")
+    if ft.semi_sync_method is not None:
+        if parallelism.pipeline_parallel_degree > 1:
+            raise ConfigError(
+                f"fault_tolerance.semi_sync_method={ft.semi_sync_method!r}: not with pipeline parallel "
+                "(the outer optimizer steps one model part); set parallelism.pipeline_parallel_degree = 1"
+            )
+        if ft.sync_steps < 1:
+            raise ConfigError(f"fault_tolerance.sync_steps: must be >= 1, got {ft.sync_steps}")
+        if not 0 <= ft.fragment_sync_delay < ft.sync_steps:
+            raise ConfigError(
+                f"fault_tolerance.fragment_sync_delay: must be in 0 .. sync_steps - 1, got {ft.fragment_sync_delay}"
+            )
+        if not 0.0 <= ft.fragment_update_alpha <= 1.0:
+            raise ConfigError(
+                f"fault_tolerance.fragment_update_alpha: must be in [0, 1], got {ft.fragment_update_alpha}"
+            )
 
 
 def _check_upstream_only(config: Any) -> None:

@@ -100,6 +100,10 @@ class ParallelDims:
     world_size: int
     etp: int = 1
     device_type: str | None = None
+    replica_id: int = 0
+    """Fault tolerance: this job's replica group (the groups are separate jobs, each with
+    this layout inside) and the number of groups; both only split the data."""
+    replica_groups: int = 1
     _world_mesh: WorldMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -291,8 +295,18 @@ class ParallelDims:
             return self.world_mesh[("dp_replicate", "dp_shard_cp")]
         return self.world_mesh["dp_shard_cp"]
 
+    def data_layout(self) -> tuple[int, int]:
+        """(this rank's data rank, the number of data ranks) of the training stream: the
+        dp ranks of this job, and under fault tolerance those of every replica group."""
+        rank, degree = 0, 1
+        if self.dp_enabled:
+            dp_mesh = self.world_mesh["dp"]
+            rank, degree = dp_mesh.get_local_rank(), dp_mesh.size()
+        return self.replica_id * degree + rank, self.replica_groups * degree
+
     def describe(self) -> str:
-        return self._degrees()
+        replicas = f", replica group {self.replica_id} of {self.replica_groups}" if self.replica_groups > 1 else ""
+        return self._degrees() + replicas
 
 
 def parallel_dims_from_config(job_config: Any, world_size: int) -> ParallelDims:
@@ -306,4 +320,6 @@ def parallel_dims_from_config(job_config: Any, world_size: int) -> ParallelDims:
         ep=p.expert_parallel_degree,
         etp=p.expert_tensor_parallel_degree,
         world_size=world_size,
+        replica_id=job_config.fault_tolerance.replica_id if job_config.fault_tolerance.enable else 0,
+        replica_groups=job_config.fault_tolerance.group_size if job_config.fault_tolerance.enable else 1,
     )

@@ -1,0 +1,178 @@
+"""Replica-group fault tolerance on torchft (CPU/gloo, tiny Llama 3, fp32): a torchft
+lighthouse and replica groups that are separate torchrun jobs.
+
+- Without failures, 2 groups x FSDP 2 match one process (loss and grad norm, 1e-4).
+- One group is killed with SIGKILL mid-run: the other keeps stepping alone, the killed group
+  is relaunched, heals from the survivor, and both end with bitwise identical weights.
+- DiLoCo (2 groups, outer sync every 3 steps) trains and logs its outer syncs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.launcher import kill_tree, read_metrics, start_torchrun
+from tests.parity import assert_loss_falls, assert_parity, train, train_args
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+      "--fault_tolerance.process_group_timeout_ms", "5000"]
+QUIET = {"RUST_LOG": "warn"}  # torchft's Rust side logs every quorum at INFO
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lighthouse(request) -> Iterator[str]:
+    """A torchft lighthouse on a free port; ``request.param`` is its min_replicas."""
+    port = _free_port()
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    proc = subprocess.Popen(
+        [str(binary), "--min_replicas", str(request.param), "--bind", f"[::]:{port}",
+         "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        yield f"http://localhost:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class _Group:
+    """One replica group's torchrun job; its output is read continuously (a full pipe would
+    stall the ranks)."""
+
+    def __init__(self, replica: int, nproc: int, folder: Path, address: str, extra: list[str]) -> None:
+        args = train_args(nproc, folder, FT + ["--fault_tolerance.replica_id", str(replica)] + extra, dp=nproc * 2)
+        self.proc = start_torchrun(nproc, args, env={"TORCHFT_LIGHTHOUSE": address, **QUIET})
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        kill_tree(self.proc)
+        self.proc.wait()
+        self.reader.join()
+
+    def finish(self, timeout: float = 300) -> str:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.kill()
+        self.reader.join()
+        assert self.proc.returncode == 0, self.output[-6000:]
+        return self.output
+
+
+def _group_metrics(folder: Path, replica: int) -> list[dict]:
+    return read_metrics(folder / f"replica_{replica}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    return train(1, tmp_path_factory.mktemp("ft-ref"))
+
+
+@pytest.mark.parametrize("lighthouse", [2], indirect=True)
+def test_two_replica_groups_of_fsdp2_match_one_process(lighthouse, reference, tmp_path):
+    both = ["--fault_tolerance.min_replica_size", "2"]
+    groups = [_Group(r, 2, tmp_path, lighthouse, both) for r in (0, 1)]
+    for group in groups:
+        group.finish()
+    for replica in (0, 1):
+        records = _group_metrics(tmp_path, replica)
+        assert_parity(reference, records)
+        assert {r["replica_groups"] for r in records} == {2}
+
+
+def _wait_for(predicate, what: str, group: _Group, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline or group.proc.poll() is not None:
+            group.kill()
+            raise AssertionError(f"gave up waiting for {what}:\n{group.output[-6000:]}")
+        time.sleep(0.1)
+
+
+def _steps(folder: Path, replica: int) -> list[dict]:
+    path = folder / f"replica_{replica}" / "metrics.jsonl"
+    return _group_metrics(folder, replica) if path.exists() else []
+
+
+def _final_weights(folder: Path, replica: int, step: int, out: Path) -> dict[str, torch.Tensor]:
+    dcp_to_torch_save(folder / f"replica_{replica}" / "checkpoint" / f"step-{step}", out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("lighthouse", [1], indirect=True)
+def test_a_killed_group_rejoins_from_the_survivor_with_identical_weights(lighthouse, tmp_path):
+    steps, kill_after = 36, 4
+    # slow steps keep the survivor running while the killed group restarts (~15 s here);
+    # checkpointing on: each rank's data position is written after every committed step
+    extra = ["--training.steps", str(steps), "--debug.step_sleep_seconds", "0.8",
+             "--checkpoint.enable", "--checkpoint.interval", "1000"]
+    survivor = _Group(0, 2, tmp_path, lighthouse, extra)
+    victim = _Group(1, 2, tmp_path, lighthouse, extra)
+    _wait_for(lambda: len(_steps(tmp_path, 1)) >= kill_after, f"replica group 1 to log step {kill_after}",
+              survivor)
+    victim.kill()
+    killed_at = _steps(tmp_path, 1)[-1]["step"]
+    _wait_for(lambda: sum(r["replica_groups"] == 1 for r in _steps(tmp_path, 0)) >= 2,
+              "the survivor to step alone", survivor)
+    relaunched = time.monotonic()
+    log = _Group(1, 2, tmp_path, lighthouse, extra).finish()
+    retried = survivor.finish().count("not committed") // 2  # both ranks warn
+
+    alone = [r for r in _steps(tmp_path, 0) if r["replica_groups"] == 1]
+    survivor_records = _steps(tmp_path, 0)
+    assert [r["step"] for r in survivor_records] == list(range(1, steps + 1))  # no step lost or repeated
+    assert survivor_records[-1]["replica_groups"] == 2, "the relaunched group never rejoined"
+    before = max(r["loss"] for r in survivor_records[killed_at - 3:killed_at])
+    assert all(r["loss"] < before * 1.1 for r in alone), "the survivor's loss jumped after the kill"
+    assert_loss_falls(survivor_records)
+    assert "recovered from a live replica group" in log and "data loader resumes after step" in log, log[-4000:]
+    rejoined_at = next(r["step"] for r in _steps(tmp_path, 1) if r["step"] > killed_at)
+    print(f"killed after step {killed_at}; survivor alone for steps {alone[0]['step']}-{alone[-1]['step']}; "
+          f"rejoined at step {rejoined_at}; survivor steps run again: {retried}; "
+          f"relaunch to exit {time.monotonic() - relaunched:.1f}s")
+
+    weights = [_final_weights(tmp_path, r, steps, tmp_path / f"w{r}.pt") for r in (0, 1)]
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), key
+
+
+@pytest.mark.parametrize("lighthouse", [2], indirect=True)
+def test_diloco_trains_and_logs_its_outer_syncs(lighthouse, tmp_path):
+    extra = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "3",
+             "--fault_tolerance.min_replica_size", "2", "--training.steps", "12"]
+    groups = [_Group(r, 1, tmp_path, lighthouse, extra) for r in (0, 1)]
+    for group in groups:
+        group.finish()
+    for replica in (0, 1):
+        records = _group_metrics(tmp_path, replica)
+        assert_loss_falls(records)
+        assert [r["outer_syncs"] for r in records] == [0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]
