@@ -143,7 +143,11 @@ def test_a_killed_group_rejoins_from_the_survivor_with_identical_weights(lightho
     _wait_for(lambda: sum(r["replica_groups"] == 1 for r in _steps(tmp_path, 0)) >= 2,
               "the survivor to step alone", survivor)
     relaunched = time.monotonic()
-    log = _Group(1, 2, tmp_path, lighthouse, extra).finish()
+    rejoining = _Group(1, 2, tmp_path, lighthouse, extra)
+    _wait_for(lambda: any(r["step"] > killed_at for r in _steps(tmp_path, 1)), "the relaunched group's first step",
+              rejoining)
+    recovery_s = time.monotonic() - relaunched
+    log = rejoining.finish()
     retried = survivor.finish().count("not committed") // 2  # both ranks warn
 
     alone = [r for r in _steps(tmp_path, 0) if r["replica_groups"] == 1]
@@ -156,8 +160,7 @@ def test_a_killed_group_rejoins_from_the_survivor_with_identical_weights(lightho
     assert "recovered from a live replica group" in log and "data loader resumes after step" in log, log[-4000:]
     rejoined_at = next(r["step"] for r in _steps(tmp_path, 1) if r["step"] > killed_at)
     print(f"killed after step {killed_at}; survivor alone for steps {alone[0]['step']}-{alone[-1]['step']}; "
-          f"rejoined at step {rejoined_at}; survivor steps run again: {retried}; "
-          f"relaunch to exit {time.monotonic() - relaunched:.1f}s")
+          f"rejoined at step {rejoined_at}, {recovery_s:.1f}s after the relaunch; survivor steps run again: {retried}")
 
     weights = [_final_weights(tmp_path, r, steps, tmp_path / f"w{r}.pt") for r in (0, 1)]
     assert weights[0].keys() == weights[1].keys()
