@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.launcher import kill_tree, read_metrics, start_torchrun
-from tests.parity import assert_loss_falls, assert_parity, train, train_args
+from tests.parity import assert_loss_falls, assert_parity, train_args
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -91,20 +91,15 @@ def _group_metrics(folder: Path, replica: int) -> list[dict]:
     return read_metrics(folder / f"replica_{replica}")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict]:
-    return train(1, tmp_path_factory.mktemp("ft-ref"))
-
-
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)
-def test_two_replica_groups_of_fsdp2_match_one_process(lighthouse, reference, tmp_path):
+def test_two_replica_groups_of_fsdp2_match_one_process(lighthouse, reference_run, tmp_path):
     both = ["--fault_tolerance.min_replica_size", "2"]
     groups = [_Group(r, 2, tmp_path, lighthouse, both) for r in (0, 1)]
     for group in groups:
         group.finish()
     for replica in (0, 1):
         records = _group_metrics(tmp_path, replica)
-        assert_parity(reference, records)
+        assert_parity(reference_run, records)
         assert {r["replica_groups"] for r in records} == {2}
 
 
