@@ -109,6 +109,17 @@ def _like(template: Any, local: Any) -> Any:
     return local
 
 
+def _attempt_store() -> tuple[dist.TCPStore | None, str, int]:
+    """A TCPStore for this group's managers, new in every attempt: torchrun's store outlives
+    restarts (MAX_RESTARTS), and the manager's keys there would still name the dead
+    attempt's manager server. Rank 0 hosts it; (the store on rank 0, its host, its port)."""
+    host = socket.gethostname()
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
+    address = [host, store.port if store is not None else 0]
+    dist.broadcast_object_list(address, src=0)
+    return store, address[0], address[1]
+
+
 class ModelPartsState:
     """The model parts (several under pipeline parallel) as one Stateful: their FQNs are distinct."""
 
@@ -136,6 +147,7 @@ class ReplicaGroups:
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
         pg = ProcessGroupNCCL(timeout=timeout) if ft.process_group == "nccl" else ProcessGroupGloo(timeout=timeout)
         self.semi_sync = ft.semi_sync_method
+        self._store, store_host, store_port = _attempt_store()
         self.manager = Manager(
             pg=pg,
             load_state_dict=None,
@@ -147,8 +159,10 @@ class ReplicaGroups:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=max(60.0, job_config.comm.train_timeout_seconds)),
             connect_timeout=timedelta(seconds=job_config.comm.init_timeout_seconds),
-            rank=dist.get_rank() if dist.is_initialized() else 0,
-            world_size=dist.get_world_size() if dist.is_initialized() else 1,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            store_addr=store_host,
+            store_port=store_port,
             lighthouse_addr=lighthouse_address(),
             replica_id=f"torchtitan_ft_{ft.replica_id}",
             init_sync=False,  # weights are initialised per FQN from the seed: identical already
