@@ -21,6 +21,7 @@ position from the file it writes after every committed step.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 from collections.abc import Iterator
@@ -283,23 +284,23 @@ class ReplicaGroups:
 
 class DataPositionFile:
     """This rank's data-loader position after its last committed step, written atomically
-    after every step (``checkpoint.enable_ft_dataloader_checkpoints``)."""
+    after every step (``checkpoint.enable_ft_dataloader_checkpoints``), as JSON: plain data,
+    nothing to unpickle."""
 
     def __init__(self, folder: Path, rank: int) -> None:
-        self.path = folder / f"ft_data_rank_{rank}.pt"
+        self.path = folder / f"ft_data_rank_{rank}.json"
 
     def save(self, step: int, dataloader_state: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        torch.save({"step": step, "dataloader": dataloader_state}, tmp)
+        tmp.write_text(json.dumps({"step": step, "dataloader": dataloader_state}))
         os.replace(tmp, self.path)
 
     def load_newer(self, step: int, dataloader: Any) -> None:
         """Take the saved position when it is newer than the checkpoint just loaded."""
         if not self.path.exists():
             return
-        saved = torch.load(self.path, weights_only=False)
+        saved = json.loads(self.path.read_text())
         if saved["step"] > step:
             dataloader.load_state_dict(saved["dataloader"])
             logger.info(f"fault tolerance: data loader resumes after step {saved['step']} of this replica group")
-
