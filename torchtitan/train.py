@@ -292,6 +292,8 @@ class Trainer:
                     logger.warning(f"data exhausted at step {self.step}; stopping")
                     self.step -= 1
                     break
+                if self.replicas is not None and not self.replicas.committed:
+                    continue  # the step runs again: nothing to validate or save
                 if self.validator is not None and self.validator.should_validate(self.step):
                     self.validator.validate(self.model_parts, self.step)
                 if self.stop_requested:
