@@ -379,8 +379,7 @@ def train_step(
     observer.set_phase("clip_grad_norm")
     params = [p for part in recipe.model_parts for p in part.parameters()]
     if replicas is not None:
-        replicas.average_gradients(params)
-        losses = [replicas.average_loss(losses)]
+        losses = [replicas.average_gradients_and_loss(params, losses)]
     grad_norm = clip_grad_norm_(params, recipe.job_config.training.max_norm, foreach=True, pp_mesh=recipe.pp_mesh)
     if replicas is not None and not replicas.should_commit():
         return tokens

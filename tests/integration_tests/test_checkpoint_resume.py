@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
 import threading
 from pathlib import Path
 
 import pytest
 
-from tests.launcher import read_metrics, run_command, run_torchrun, start_torchrun
+from tests.launcher import kill_tree, read_metrics, run_command, run_torchrun, start_torchrun
 from tests.layouts import DDP_2, HSDP_2X2
 from tests.parity import train_args
 from tests.integration_tests.pause_line import PAUSE_LINE
@@ -125,14 +123,14 @@ def test_exact_resume_with_dataloader_workers(straight, tmp_path):
 
 def _kill_when_paused(proc, timeout: float) -> str:
     """Read the run's output until the pause hook fires, then SIGKILL every rank."""
-    watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+    watchdog = threading.Timer(timeout, kill_tree, (proc,))
     watchdog.start()
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
             if PAUSE_LINE in line:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc)
                 break
     finally:
         watchdog.cancel()

@@ -25,7 +25,7 @@ import json
 import os
 import socket
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -218,27 +218,25 @@ class ReplicaGroups:
         self.manager.allreduce(tokens, reduce_op=dist.ReduceOp.SUM).wait()
         return tokens
 
-    def average_gradients(self, params: list[nn.Parameter]) -> None:
-        """One all-reduce per gradient dtype over the flattened local shards (rank r of each
-        group holds the same shards), averaged over the live groups."""
+    def average_gradients_and_loss(self, params: list[nn.Parameter], losses: list[torch.Tensor]) -> torch.Tensor:
+        """Average the gradients over the live groups, and this rank's loss share with them
+        (what one job of all the groups' ranks would log): one all-reduce per dtype over the
+        flattened local shards (rank r of each group holds the same shards) with the loss
+        riding along. Returns the averaged loss."""
+        loss = torch.stack([_local(l) for l in losses]).sum().reshape(1)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is not None:
                 by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        by_dtype.setdefault(loss.dtype, []).append(loss)
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
             self.manager.allreduce(flat).wait()
             offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-
-    def average_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's loss share averaged over the live groups (what one job of all the
-        groups' ranks would log)."""
-        loss = torch.stack([_local(l) for l in losses]).sum()
-        self.manager.allreduce(loss).wait()
-        return loss
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return loss.reshape(())
 
     def should_commit(self) -> bool:
         """Whether every live group finished this step (the same answer on all its ranks)."""
@@ -260,8 +258,7 @@ class ReplicaGroups:
     def semi_sync_context(self, model_parts: list[nn.Module], optimizers: Any) -> Iterator[None]:
         """DiLoCo or LocalSGD hooks on the (single) inner optimizer while training runs."""
         if self.semi_sync is None:
-            with nullcontext():
-                yield
+            yield
             return
         from torchft.local_sgd import DiLoCo, LocalSGD
 
@@ -294,7 +291,7 @@ class DataPositionFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"step": step, "dataloader": dataloader_state}))
-        os.replace(tmp, self.path)
+        os.replace(tmp, self.path)  # atomic against a killed process; no fsync on the step path
 
     def load_newer(self, step: int, dataloader: Any) -> None:
         """Take the saved position when it is newer than the checkpoint just loaded."""
