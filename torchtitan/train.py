@@ -39,6 +39,7 @@ from torchtitan.distributed.pipeline import loss_owner_rank
 from torchtitan.distributed.restarts import maybe_inject_fault, stop_on_crash_loop
 from torchtitan.distributed.utils import (
     dist_reduce,
+    exit_skipping_static_destructors,
     init_distributed,
     leave_together,
     set_determinism,
@@ -50,7 +51,7 @@ from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import MicroBatch, build_recipe, mixed_precision_summary, model_args_from_config, train_step
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
-from torchtitan.tools.profiling import exit_after_profiled_run, maybe_enable_profiling, maybe_memory_snapshotter
+from torchtitan.tools.profiling import maybe_enable_profiling, maybe_memory_snapshotter
 from torchtitan.tools.utils import GarbageCollection
 
 
@@ -344,8 +345,6 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train()
         trainer.close()
         leave_together()
-        if job_config.profiling.enable_profiling:
-            exit_after_profiled_run(0)
     except NonFiniteLossError as e:
         logger.error(str(e))
         sys.exit(1)
@@ -364,3 +363,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_static_destructors(0)

@@ -25,7 +25,7 @@ from torchtitan.distributed.context_parallel import (
     cp_unshard,
     shard_batch_for_cp,
 )
-from torchtitan.distributed.utils import leave_together
+from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import apply_tp
@@ -245,3 +245,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_static_destructors(0)

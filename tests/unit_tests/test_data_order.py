@@ -283,7 +283,9 @@ loader = build_dataloader(job, dims, ByteTokenizer(), split="validation")
 rows = [x + [y[-1]] for inputs, labels in loader for x, y in zip(inputs["input"].tolist(), labels.tolist())]
 with open(os.path.join(os.environ["PROBE_DIR"], f"{dist.get_rank()}.json"), "w") as f:
     json.dump(rows, f)
-dist.destroy_process_group()
+from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+leave_together()
+exit_skipping_static_destructors(0)
 """
 
 

@@ -122,7 +122,9 @@ m = pd.world_mesh
 out = {n: [m[n].size(), m[n].get_local_rank()] for n in m.view_names}
 with open(os.path.join(os.environ["PROBE_DIR"], f"{dist.get_rank()}.json"), "w") as f:
     json.dump(out, f)
-dist.destroy_process_group()
+from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+leave_together()
+exit_skipping_static_destructors(0)
 """
 
 

@@ -16,14 +16,13 @@ import torch.distributed as dist
 
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.parallel_dims import default_device_type
-from torchtitan.distributed.utils import init_distributed, leave_together
+from torchtitan.distributed.utils import exit_skipping_static_destructors, init_distributed, leave_together
 from torchtitan.estimate import report
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
 from torchtitan.estimate.measure import MeasuredOutcome, measure_training_memory
 from torchtitan.estimate.steps import ITERATIONS
 from torchtitan.estimate.trace import in_fresh_process, trace_training_memory
 from torchtitan.estimate.tracing import fake_process_group
-from torchtitan.tools.profiling import exit_after_profiled_run
 
 
 def _validation_device(target: str) -> torch.device:
@@ -98,7 +97,7 @@ def run_validate(job_config: JobConfig) -> int:
         estimates = traced_peaks_in_fresh_process(job_config, world_size, me.target_device)
         print("\n".join(validation_lines(estimates, measured, world_size, launched)))
     if me.target_device == "cpu":  # measured with the torch profiler
-        exit_after_profiled_run(0)
+        exit_skipping_static_destructors(0)
     return 0
 
 

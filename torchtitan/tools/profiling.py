@@ -3,29 +3,12 @@ profiler cycle: wait, ``profiler_warmup`` steps, then ``profiler_active`` record
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import logging
 import os
-import sys
-from typing import NoReturn
 
 import torch
 
 from torchtitan.tools.logging import logger
-
-
-def exit_after_profiled_run(code: int = 0) -> NoReturn:
-    """Leave a process in which the torch profiler ran with gloo process groups, after a
-    clean finish: Python's exit handlers run and the streams are flushed; C++ static
-    destructors do not. Such a process aborts in them in about one run in five ("terminate
-    called without an active exception", torch 2.13 on CPU) although its work is done and
-    its process groups are destroyed, which would turn a finished run into a failed one."""
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.hf_checkpoint import load_hf_weights, save_hf_weights
 from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
-from torchtitan.distributed.utils import leave_together
+from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
 from torchtitan.models.deepseek_v3.state_dict_adapter import from_hf_config as deepseek_v3_args
 from torchtitan.models.llama3.state_dict_adapter import from_hf_config as llama3_args
 from torchtitan.protocols import get_train_spec
@@ -56,3 +56,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_static_destructors(0)
