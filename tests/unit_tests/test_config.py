@@ -77,6 +77,9 @@ def test_bad_toml_gives_one_clear_error(tmp_path, toml, message):
     (["--training.steps", "x"], "--training.steps"),
     (["--optimizer.name", "SGD"], "--optimizer.name"),
     (["--job.config_file", "/nonexistent.toml"], "job.config_file: no such file"),
+    (["--training.enable_cpu_offload", "maybe"], "--training.enable_cpu_offload is a switch and takes no value (got 'maybe')"),
+    (["--compile.enable=true", "--training.steps", "3"], "--compile.enable is a switch"),
+    (["--metrics.no-enable-tensorboard=1"], "or --metrics.no_enable_tensorboard to turn it off"),
 ])
 def test_bad_cli_gives_one_clear_error(args, message):
     with pytest.raises(ConfigError) as e:

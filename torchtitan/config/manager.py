@@ -269,6 +269,26 @@ def _rewrite_cli_aliases(args: list[str]) -> list[str]:
     return out
 
 
+def _check_switches_take_no_value(args: list[str], types_by_flag: dict[str, Any]) -> None:
+    """Boolean fields are switches (--x.y on, --x.no_y off); a value given to one would
+    otherwise reach tyro as a stray token and be reported without the flag's name."""
+    for i, token in enumerate(args):
+        name, eq, value = token.partition("=")
+        if not name.startswith("--"):
+            continue
+        section, _, key = name[2:].rpartition(".")
+        field = f"{section}.{key.removeprefix('no_')}"
+        if types_by_flag.get(field) is not bool:
+            continue
+        if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            value, eq = args[i + 1], "="
+        if eq:
+            raise ConfigError(
+                f"--{field} is a switch and takes no value (got {value!r}): write --{field} to "
+                f"turn it on or --{section}.no_{key.removeprefix('no_')} to turn it off"
+            )
+
+
 def _is_list_type(tp: Any) -> bool:
     if get_origin(tp) in (Union, types.UnionType):
         return any(_is_list_type(a) for a in get_args(tp))
@@ -412,7 +432,9 @@ class ConfigManager:
                     f"{section}: top-level keys must be [sections]; got {section} = {value!r}"
                 )
         default = build_from_dict(config_cls, toml_data)
-        args = _split_comma_lists(args, _field_types(config_cls))
+        types_by_flag = _field_types(config_cls)
+        _check_switches_take_no_value(args, types_by_flag)
+        args = _split_comma_lists(args, types_by_flag)
         config = self._parse_cli(config_cls, args, default)
         validate_job_config(config)
         return config
