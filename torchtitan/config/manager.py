@@ -277,15 +277,15 @@ def _check_switches_take_no_value(args: list[str], types_by_flag: dict[str, Any]
         if not name.startswith("--"):
             continue
         section, _, key = name[2:].rpartition(".")
-        field = f"{section}.{key.removeprefix('no_')}"
-        if types_by_flag.get(field) is not bool:
+        key = key.removeprefix("no_")
+        if types_by_flag.get(f"{section}.{key}") is not bool:
             continue
         if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
             value, eq = args[i + 1], "="
         if eq:
             raise ConfigError(
-                f"--{field} is a switch and takes no value (got {value!r}): write --{field} to "
-                f"turn it on or --{section}.no_{key.removeprefix('no_')} to turn it off"
+                f"--{section}.{key} is a switch and takes no value (got {value!r}): write "
+                f"--{section}.{key} to turn it on or --{section}.no_{key} to turn it off"
             )
 
 

@@ -65,7 +65,8 @@ def exit_skipping_static_destructors(code: int = 0) -> NoReturn:
     torch 2.13 on CPU such a process sometimes aborts in them ("terminate called without an
     active exception"; about one run in five after the torch profiler ran, rarely
     otherwise) although its work is done and its process groups are destroyed, which would
-    turn a finished run into a failed one. Only for process entry points (``__main__``)."""
+    turn a finished run into a failed one. Only where a worker process ends (entry points),
+    never in code that tests call in-process."""
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
