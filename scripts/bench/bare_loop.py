@@ -54,7 +54,8 @@ def build(job_config, device: torch.device):
     with torch.no_grad():
         model.init_weights(seed=job_config.debug.seed or 0)
     ac = job_config.activation_checkpoint
-    apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.save_attention_output)
+    apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state,
+             ac.keeps_attention_output(ring_context_parallel=False))
     cfg = job_config.optimizer
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

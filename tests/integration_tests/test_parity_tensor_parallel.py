@@ -31,6 +31,9 @@ AC_MODES = {
     "full": ["--activation_checkpoint.mode", "full"],
     "selective_every_2nd_block": ["--activation_checkpoint.mode", "selective",
                                   "--activation_checkpoint.selective_ac_option", "2"],
+    "selective_every_2nd_block_recomputing_attention": [
+        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2",
+        "--activation_checkpoint.save_attention_output", "never"],
     "selective_op": ["--activation_checkpoint.mode", "selective",
                      "--activation_checkpoint.selective_ac_option", "op"],
 }

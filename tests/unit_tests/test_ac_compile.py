@@ -3,6 +3,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.config.validation import check_ac_config
 from torchtitan.distributed.activation_checkpoint import _ATTENTION, apply_ac
 from torchtitan.tools.compile import CompileError, compile_blocks
@@ -103,6 +104,19 @@ def test_saving_attention_output_skips_its_recompute_with_equal_gradients(save_a
     assert counter.calls == attention_calls  # forward (+ recompute)
     for a, b in zip(ref.parameters(), ac.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy, mode, option, ring, kept", [
+    ("selective", "selective", "2", False, True),
+    ("selective", "selective", "2", True, False),  # ring CP would keep every ring step's output
+    ("selective", "full", "2", False, False),
+    ("selective", "selective", "op", False, False),  # the op policy keeps it by itself
+    ("always", "full", "2", True, True),
+    ("never", "selective", "2", False, False),
+])
+def test_which_recomputed_blocks_keep_their_attention_output(policy, mode, option, ring, kept):
+    ac = ActivationCheckpoint(mode=mode, selective_ac_option=option, save_attention_output=policy)
+    assert ac.keeps_attention_output(ring_context_parallel=ring) is kept
 
 
 def test_compile_failure_names_the_block():

@@ -411,11 +411,21 @@ class ActivationCheckpoint:
     debug: bool = False
     """Not supported here; only the default is accepted."""
 
-    save_attention_output: bool = False
-    """Blocks recomputed whole (full, or selective every N-th) keep their attention output
-    (one [tokens, heads x head_dim] tensor and the log-sum-exp per block) instead of
-    recomputing attention in backward: faster, at most one such tensor more per block. The "op"
+    save_attention_output: Literal["selective", "always", "never"] = "selective"
+    """Whether blocks recomputed whole keep their attention output (one [tokens, heads x
+    head_dim] tensor and the fp32 log-sum-exp per block) instead of recomputing attention in
+    backward, the costliest op to recompute. "selective" (default): the blocks that selective
+    every-N AC recomputes keep it, full AC (whose purpose is the least memory) does not, and
+    nor does ring context parallelism (alltoall), which would keep every ring step's partial
+    output; "always": also under full AC and ring CP (there up to cp partial outputs per
+    block); "never": recompute whole blocks, as upstream's layer-level AC does. The "op"
     policy always keeps it."""
+
+    def keeps_attention_output(self, ring_context_parallel: bool) -> bool:
+        """What ``save_attention_output`` means for this mode and layout."""
+        if self.save_attention_output != "selective":
+            return self.save_attention_output == "always"
+        return self.mode == "selective" and self.selective_ac_option != "op" and not ring_context_parallel
 
 
 @dataclass

@@ -144,7 +144,7 @@ class Run:
     pp_all_in_flight: bool = False  # GPipe, LoopedBFS: every micro-batch's forward before any backward
     cp_rotate: str = "allgather"  # parallelism.context_parallel_rotate_method
     cp_headtail: bool = True  # parallelism.context_parallel_load_balancer == "headtail"
-    ac_keeps_attention: bool = False  # activation_checkpoint.save_attention_output
+    ac_keeps_attention: bool = False  # activation_checkpoint.keeps_attention_output()
 
 
 @dataclass
@@ -362,7 +362,8 @@ class _Stage:
     tokens: float  # per micro-batch on this rank
     a_in: float  # one block's input (all that full AC keeps)
     a_layer: float  # everything one block keeps without AC
-    kept: float  # what one block keeps under the configured AC
+    kept: float  # what one block keeps under the configured AC (mean over blocks)
+    recompute: float  # what a recomputed block rebuilds in its backward (0 without AC)
     ring_backward: float  # CP ring attention's backward temporaries
 
 
@@ -380,17 +381,16 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         u_layer, u_root = 0, (layers * layer_local + root_local) * a if a < 4 else 0
     a_in = a * tokens * g.dim / lay.tp
     a_layer = _layer_activation_bytes(g, lay, run, a, tokens)
-    kept = a_layer
-    recomputed_keeps = a_in
-    if run.ac_keeps_attention:  # the attention output and its fp32 log-sum-exp
-        recomputed_keeps += tokens * (a * g.n_heads * g.head_dim + 4 * g.n_heads) / lay.tp
+    kept, recompute = a_layer, 0.0
+    # the attention output and its fp32 log-sum-exp, kept by a recomputed block (not rebuilt)
+    attention_kept = tokens * (a * g.n_heads * g.head_dim + 4 * g.n_heads) / lay.tp if run.ac_keeps_attention else 0
     if lay.ac == "full":
-        kept = recomputed_keeps
+        kept, recompute = a_in + attention_kept, a_layer - attention_kept
     elif lay.ac.startswith("selective:"):
         every = int(lay.ac.split(":")[1])
-        kept = (a_layer * (every - 1) + recomputed_keeps) / every
+        kept, recompute = (a_layer * (every - 1) + a_in + attention_kept) / every, a_layer - attention_kept
     return _Stage(4 * params_sharded, 8 * params_sharded, u_layer, u_root, root_local,
-                  layer_local, layer_sharded, layers, tokens, a_in, a_layer, kept,
+                  layer_local, layer_sharded, layers, tokens, a_in, a_layer, kept, recompute,
                   _ring_backward_bytes(g, lay, run, batch, tokens))
 
 
@@ -468,9 +468,8 @@ def _pipeline_backward(st: _Stage, g: Geometry, lay: Layout, run: Run, base: flo
     activations, the stage's held gradients, gathered parameters and buffers, the block's
     recomputation under AC and its gradient temporaries."""
     a = run.param_bytes
-    recompute = st.a_layer if st.kept != st.a_layer else 0
     temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim) + (a + 4) * st.layer_local
-    return base + sum(_pipeline_held(st, lay, run, first, last)) + activations + recompute + temps
+    return base + sum(_pipeline_held(st, lay, run, first, last)) + activations + st.recompute + temps
 
 
 def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -> float:
@@ -479,10 +478,9 @@ def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -
     (prefetch), its recomputed activations under AC, gradient temporaries, its low-precision
     gradients and fp32 reduce-scatter input. Linear in the block index, so the maximum is
     at the first or the last block."""
-    recompute = st.a_layer if st.kept != st.a_layer else 0
     mlp_temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim)
     temps = max(mlp_temps, st.ring_backward) + (a + 4) * st.layer_local
-    current = base + 2 * st.u_layer + st.kept + recompute + temps
+    current = base + 2 * st.u_layer + st.kept + st.recompute + temps
     top_block = current + (st.layers - 1) * st.kept
     bottom_block = current + (st.layers - 1) * 4 * st.layer_sharded
     return max(top_block, bottom_block)
@@ -516,6 +514,7 @@ def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, targ
         pp_all_in_flight=job_config.parallelism.pipeline_parallel_schedule in ("GPipe", "LoopedBFS"),
         cp_rotate=job_config.parallelism.context_parallel_rotate_method,
         cp_headtail=job_config.parallelism.context_parallel_load_balancer == "headtail",
-        ac_keeps_attention=ac.save_attention_output,
+        ac_keeps_attention=ac.keeps_attention_output(
+            parallel_dims.cp > 1 and job_config.parallelism.context_parallel_rotate_method == "alltoall"),
     )
     return Geometry.from_model_args(model_args), layout, run
