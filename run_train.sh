@@ -31,8 +31,11 @@ CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 # Validate the merged config, the parallel layout and the inputs (data, tokenizer,
 # checkpoint, converters, device features) once, in one process, so that bad input prints
 # one line once (exit 2) instead of a traceback per rank. It prints the rank
-# that shows the loss (the last pipeline stage's first rank), the default LOG_RANK.
-loss_rank=$("$PYTHON" -m torchtitan.config --world-size $((NGPU * NNODES)) --print-loss-rank \
+# that shows the loss (the last pipeline stage's first rank), the default LOG_RANK. Its
+# warnings only on a dry run: the trainer prints them again.
+quiet=--quiet
+if [ "${DRY_RUN:-0}" = 1 ]; then quiet=""; fi
+loss_rank=$("$PYTHON" -m torchtitan.config --world-size $((NGPU * NNODES)) --print-loss-rank $quiet \
   --job.config_file "$CONFIG_FILE" "$@") || exit $?
 LOG_RANK=${LOG_RANK:-$loss_rank}
 

@@ -6,6 +6,7 @@ values) and the layers whose rules it applies."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from torch._dynamo import list_backends
@@ -24,6 +25,7 @@ from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_
 from torchtitan.protocols import get_train_spec
 from torchtitan.protocols.model_converter import check_converter_names
 from torchtitan.recipe import grad_accumulation_steps
+from torchtitan.tools.logging import logger
 
 
 def preflight(job_config: JobConfig, world_size: int, device_type: str) -> ParallelDims:
@@ -180,10 +182,21 @@ def _check_validation(job_config, parallel_dims) -> None:
 
 @config_errors_exit
 def main(argv: list[str]) -> int:
-    """``--world-size N [--print-loss-rank] [config flags]``: run the checks for N
-    processes; print the rank that shows the loss (run_train.sh's default LOG_RANK)."""
+    """``--world-size N [--print-loss-rank] [--quiet] [config flags]``: run the checks for N
+    processes; print the rank that shows the loss (run_train.sh's default LOG_RANK).
+    ``--quiet``: errors only (run_train.sh, whose trainer repeats every warning)."""
+    level = logger.level
+    if "--quiet" in argv:
+        logger.setLevel(logging.ERROR)
+    try:
+        return _check(argv)
+    finally:
+        logger.setLevel(level)
+
+
+def _check(argv: list[str]) -> int:
     print_loss_rank = "--print-loss-rank" in argv
-    argv = [a for a in argv if a != "--print-loss-rank"]
+    argv = [a for a in argv if a not in ("--print-loss-rank", "--quiet")]
     at = argv.index("--world-size")
     value = argv[at + 1] if at + 1 < len(argv) else ""
     if not value.isdigit():

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import typing
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -167,3 +168,18 @@ def test_several_nodes_need_the_rendezvous_address():
     result = run_command(["./run_train.sh"], env={"NGPU": "1", "NNODES": "2", "DRY_RUN": "1", "MASTER_ADDR": ""})
     assert result.returncode == 2
     assert result.stdout.strip() == "error: MASTER_ADDR: set it to the address of node 0 for a run on NNODES=2 nodes"
+
+
+def test_run_train_sh_leaves_warnings_to_the_trainer(tmp_path):
+    """The one-process check before launch prints warnings (here: a deprecated alias) only on a
+    dry run; otherwise the trainer prints them (a stand-in launcher here), so they show once."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$2" = torchtitan.distributed.launch ]; then echo launched; exit 0; fi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    warning = "'training.seed' is deprecated; use 'debug.seed'"
+    for dry_run, shown in (("1", 1), ("0", 0)):
+        result = run_command(["./run_train.sh", *TINY, "--training.seed", "3"],
+                             env={"NGPU": "1", "DRY_RUN": dry_run, "PYTHON": str(python)})
+        assert result.returncode == 0, result.stdout
+        assert result.stdout.count(warning) == shown, result.stdout

@@ -337,3 +337,11 @@ def test_build_dataloader_from_job_config():
     assert len(list(val)) > 0
     with pytest.raises(ValueError, match="unknown data split 'test'"):
         build_dataloader(job, None, ByteTokenizer(), split="test")
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning works where there is an accelerator")
+def test_pin_memory_without_accelerator_warns_naming_the_section(caplog):
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        _loader(section="validation", pin_memory=True)
+    assert "validation.dataloader.pin_memory: no accelerator" in caplog.text
+    assert "training.dataloader" not in caplog.text

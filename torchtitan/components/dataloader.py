@@ -71,8 +71,6 @@ class TextDataLoader:
         self._persistent_workers = persistent_workers
         self._prefetch_factor = prefetch_factor or 2
         self._pin_memory = pin_memory and torch.accelerator.is_available()
-        if pin_memory and not self._pin_memory:
-            logger.warning("training.dataloader.pin_memory: no accelerator on this machine; batches are not pinned")
         self._worker_samples: Iterator[Sample] | None = None
 
     def __iter__(self) -> Iterator[Batch]:
@@ -182,6 +180,8 @@ def build_text_dataloader(
             f"{section}.data_shards ({data_shards}) must be divisible by the data-parallel degree ({dp_degree})"
         )
     _check_workers(num_workers, data_shards // dp_degree, infinite, section)
+    if loader_options.get("pin_memory") and not torch.accelerator.is_available():
+        logger.warning(f"{section}.dataloader.pin_memory: no accelerator on this machine; batches are not pinned")
     config, documents = load_documents(dataset, dataset_path, section)
     encode, pad_id = _encoding(config, tokenizer, section)
     text_dataset = ShardedTextDataset(
