@@ -55,7 +55,7 @@ def build(job_config, device: torch.device):
         model.init_weights(seed=job_config.debug.seed or 0)
     ac = job_config.activation_checkpoint
     apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state,
-             ac.keeps_attention_output(ring_context_parallel=False))
+             ac.keeps_attention_output(job_config.parallelism))
     cfg = job_config.optimizer
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

@@ -82,30 +82,29 @@ def test_analytic_counts_kept_attention_outputs_like_the_trace(ac):
     """What keeping the recomputed blocks' attention outputs adds to the peak (FSDP 2): the
     closed form's increase within 10 % of the trace's (the closed form's AC peak itself is
     within a few % only: it averages the kept activations over the blocks)."""
-    increases = []
-    for estimate in (lambda c: trace_training_memory(c, 2, "cpu").result.peak_bytes, _analytic_peak):
-        peaks = [estimate(ConfigManager().parse_args(
+    (traced_keep, closed_keep), (traced_never, closed_never) = (
+        _traced_and_closed_form(ConfigManager().parse_args(
             TINY[:-4] + ["--training.seq_len", "256", "--training.local_batch_size", "8",
-                         "--activation_checkpoint.mode", *ac, "--activation_checkpoint.save_attention_output", policy]))
-            for policy in ("always", "never")]
-        increases.append(peaks[0] - peaks[1])
-    traced, closed_form = increases
+                         "--activation_checkpoint.mode", *ac, "--activation_checkpoint.save_attention_output", policy]),
+            2, "cpu")
+        for policy in ("always", "never"))
+    traced, closed_form = traced_keep - traced_never, closed_keep - closed_never
     assert traced > 0
     assert abs(closed_form / traced - 1) < 0.1, (closed_form, traced)
 
 
-def _analytic_peak(config) -> int:
-    setup = trace_training_memory(config, 2, "cpu").setup
-    geometry, layout, run = analytic.from_job_config(config, setup.model_args, setup.parallel_dims, 1, "cpu")
-    return analytic.estimate(geometry, layout, run).peak_bytes
+def _traced_and_closed_form(config, world_size: int, target: str) -> tuple[int, int]:
+    """The traced peak and the closed form's."""
+    outcome = trace_training_memory(config, world_size, target)
+    setup = outcome.setup
+    geometry, layout, run = analytic.from_job_config(config, setup.model_args, setup.parallel_dims, 1, target)
+    return outcome.result.peak_bytes, analytic.estimate(geometry, layout, run).peak_bytes
 
 
 def _analytic_error(config, world_size: int, target: str) -> float:
     """The closed form relative to the trace."""
-    outcome = trace_training_memory(config, world_size, target)
-    setup = outcome.setup
-    geometry, layout, run = analytic.from_job_config(config, setup.model_args, setup.parallel_dims, 1, target)
-    return analytic.estimate(geometry, layout, run).peak_bytes / outcome.result.peak_bytes - 1
+    traced, closed_form = _traced_and_closed_form(config, world_size, target)
+    return closed_form / traced - 1
 
 
 @pytest.mark.timeout(300)

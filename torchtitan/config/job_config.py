@@ -421,11 +421,12 @@ class ActivationCheckpoint:
     block); "never": recompute whole blocks, as upstream's layer-level AC does. The "op"
     policy always keeps it."""
 
-    def keeps_attention_output(self, ring_context_parallel: bool) -> bool:
-        """What ``save_attention_output`` means for this mode and layout."""
+    def keeps_attention_output(self, parallelism: Parallelism) -> bool:
+        """What ``save_attention_output`` means for this mode and parallel layout."""
         if self.save_attention_output != "selective":
             return self.save_attention_output == "always"
-        return self.mode == "selective" and self.selective_ac_option != "op" and not ring_context_parallel
+        ring = parallelism.context_parallel_degree > 1 and parallelism.context_parallel_rotate_method == "alltoall"
+        return self.mode == "selective" and self.selective_ac_option != "op" and not ring
 
 
 @dataclass

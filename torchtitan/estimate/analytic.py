@@ -514,7 +514,6 @@ def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, targ
         pp_all_in_flight=job_config.parallelism.pipeline_parallel_schedule in ("GPipe", "LoopedBFS"),
         cp_rotate=job_config.parallelism.context_parallel_rotate_method,
         cp_headtail=job_config.parallelism.context_parallel_load_balancer == "headtail",
-        ac_keeps_attention=ac.keeps_attention_output(
-            parallel_dims.cp > 1 and job_config.parallelism.context_parallel_rotate_method == "alltoall"),
+        ac_keeps_attention=ac.keeps_attention_output(job_config.parallelism),
     )
     return Geometry.from_model_args(model_args), layout, run

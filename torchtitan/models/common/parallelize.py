@@ -181,8 +181,8 @@ def parallelize_decoder(model: Decoder, parallel_dims: ParallelDims, job_config:
                     f"(expert tensor parallel {parallel_dims.etp})")
 
     ac = job_config.activation_checkpoint
-    ring = parallel_dims.cp_enabled and job_config.parallelism.context_parallel_rotate_method == "alltoall"
-    apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.keeps_attention_output(ring))
+    apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state,
+             ac.keeps_attention_output(job_config.parallelism))
     if job_config.compile.enable and "model" in job_config.compile.components:
         compile_blocks(model.layers, job_config.compile.backend)
 
