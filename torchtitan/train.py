@@ -39,9 +39,9 @@ from torchtitan.distributed.pipeline import loss_owner_rank
 from torchtitan.distributed.restarts import maybe_inject_fault, stop_on_crash_loop
 from torchtitan.distributed.utils import (
     dist_reduce,
-    exit_skipping_static_destructors,
     init_distributed,
     leave_together,
+    run_worker_entry_point,
     set_determinism,
     set_pg_timeouts,
 )
@@ -362,5 +362,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    exit_skipping_static_destructors(0)
+    run_worker_entry_point(main)

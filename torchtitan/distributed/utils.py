@@ -8,7 +8,7 @@ import math
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import NoReturn
 
@@ -60,18 +60,40 @@ def leave_together() -> None:
 
 
 def exit_skipping_static_destructors(code: int = 0) -> NoReturn:
-    """End a worker process that used gloo process groups, after a clean finish: Python's
-    exit handlers run and the streams are flushed; C++ static destructors do not. With
-    torch 2.13 on CPU such a process sometimes aborts in them ("terminate called without an
-    active exception"; about one run in five after the torch profiler ran, rarely
-    otherwise) although its work is done and its process groups are destroyed, which would
-    turn a finished run into a failed one. Only where a worker process ends (entry points),
-    never in code that tests call in-process."""
+    """End a worker process that used gloo process groups, after a clean finish or a
+    planned early exit (a user error: 2): Python's exit handlers run and the streams are
+    flushed; C++ static destructors do not. With torch 2.13 on CPU such a process sometimes
+    aborts in them ("terminate called without an active exception"; about one run in five
+    after the torch profiler ran, rarely otherwise) although its work is done and its
+    process groups are destroyed, which would turn a finished run into a failed one, and a
+    refused input into a crash (SIGABRT instead of exit 2). Only where a worker process
+    ends (entry points), never in code that tests call in-process."""
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_worker_entry_point(main: Callable[[], int | None]) -> NoReturn:
+    """Run a worker process's ``main`` and end the process with its return value as the exit
+    status, without C++ static destructors (see above), also when ``main`` ends with
+    ``sys.exit`` (a user error, a non-finite loss); an uncaught exception still ends the
+    process with its traceback."""
+    try:
+        code = _exit_status(main())
+    except SystemExit as e:
+        code = _exit_status(e.code)
+    exit_skipping_static_destructors(code)
+
+
+def _exit_status(code: object) -> int:
+    """The status ``sys.exit(code)`` ends with: None is 0, an int itself, anything else is
+    printed to stderr and gives 1."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
 
 
 def _set_nccl_env(job_config) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.parallel_dims import default_device_type
-from torchtitan.distributed.utils import exit_skipping_static_destructors, init_distributed, leave_together
+from torchtitan.distributed.utils import init_distributed, leave_together
 from torchtitan.estimate import report
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
 from torchtitan.estimate.measure import MeasuredOutcome, measure_training_memory
@@ -96,8 +96,6 @@ def run_validate(job_config: JobConfig) -> int:
     if int(os.environ["RANK"]) == 0:
         estimates = traced_peaks_in_fresh_process(job_config, world_size, me.target_device)
         print("\n".join(validation_lines(estimates, measured, world_size, launched)))
-    if me.target_device == "cpu":  # measured with the torch profiler
-        exit_skipping_static_destructors(0)
     return 0
 
 
