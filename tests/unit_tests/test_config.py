@@ -34,6 +34,18 @@ def test_precedence_cli_over_toml_over_defaults():
     assert config.training.gc_freq == 50  # default
 
 
+def test_the_last_config_file_flag_is_the_file_read(tmp_path):
+    """run_train.sh passes --job.config_file $CONFIG_FILE before the user's arguments."""
+    own = write(tmp_path, """
+        [training]
+        seq_len = 96
+    """)
+    for flags in (["--job.config_file", DEBUG_TOML, "--job.config_file", own],
+                  [f"--job.config_file={DEBUG_TOML}", f"--job.config_file={own}"]):
+        config = parse(*flags)
+        assert config.job.config_file == own and config.training.seq_len == 96
+
+
 def test_boolean_flags_and_comma_lists():
     config = parse(
         "--metrics.enable_tensorboard", "--metrics.no-disable-color-printing",

@@ -320,12 +320,15 @@ def _split_comma_lists(args: list[str], types_by_flag: dict[str, Any]) -> list[s
 
 
 def _find_flag_value(args: list[str], flag: str) -> str | None:
+    """The value of the last ``flag`` in ``args``, as for every other flag: run_train.sh
+    passes ``--job.config_file $CONFIG_FILE`` first, and a user's own one must win."""
+    value = None
     for i, token in enumerate(args):
         if token == flag and i + 1 < len(args):
-            return args[i + 1]
-        if token.startswith(flag + "="):
-            return token.split("=", 1)[1]
-    return None
+            value = args[i + 1]
+        elif token.startswith(flag + "="):
+            value = token.split("=", 1)[1]
+    return value
 
 
 _BOX_CHARS = re.compile(r"[╭╮╰╯│─━┃┏┓┗┛]")
