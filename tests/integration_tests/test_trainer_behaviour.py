@@ -46,3 +46,12 @@ def test_tensorboard_and_profiler_traces_are_written(tmp_path):
                          "--profiling.enable_profiling", "--profiling.profile_freq", "4"), timeout=200)
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
     assert list((tmp_path / "profile_traces").rglob("rank0_trace.json"))
+
+
+def test_cpu_training_keeps_freed_memory_unless_switched_off(tmp_path):
+    line = "CPU allocator: freed memory stays with the process for reuse"
+    kept = run_torchrun(1, args(tmp_path / "kept", "--training.steps", "1"), timeout=200)
+    assert line in kept.stdout
+    default = run_torchrun(1, args(tmp_path / "off", "--training.steps", "1",
+                                   "--training.no-cpu_keep_freed_memory"), timeout=200)
+    assert line not in default.stdout

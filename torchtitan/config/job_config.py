@@ -236,6 +236,12 @@ class Training:
     skip_nonfinite_steps: bool = False
     """Skip (instead of stopping at) a step whose loss or grad norm is not finite."""
 
+    cpu_keep_freed_memory: bool = True
+    """Training on the CPU (glibc): memory that tensors free stays with the process for the
+    next step instead of going back to the OS, which would fault it in and zero it again
+    (benchmark preset, 1 process: ~8% more tokens/s, half the system time); the peak RSS
+    is higher (+15% there). No effect on CUDA."""
+
     dataloader: DataLoader = field(default_factory=DataLoader)
     """Data loader keyword arguments."""
 
