@@ -49,7 +49,7 @@ from torchtitan.models.moe import moe_load_metrics
 from torchtitan.preflight import build_tokenizer, preflight
 from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import MicroBatch, build_recipe, mixed_precision_summary, model_args_from_config, train_step
-from torchtitan.tools.cpu_allocator import keep_freed_cpu_memory
+from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
 from torchtitan.tools.profiling import maybe_enable_profiling, maybe_memory_snapshotter
@@ -100,8 +100,7 @@ class Trainer:
         )
         parallel_dims = self.parallel_dims
         self.device = init_distributed(job_config)
-        if self.device.type == "cpu" and job_config.training.cpu_keep_freed_memory:
-            keep_freed_cpu_memory()
+        maybe_keep_freed_cpu_memory(job_config, self.device)
         logger.info(f"parallel layout {parallel_dims.describe()}, mesh views {parallel_dims.world_mesh.view_names}")
 
         self.gc_handler = GarbageCollection(job_config.training.gc_freq, job_config.training.gc_debug)

@@ -34,7 +34,7 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import apply_ac  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
-from torchtitan.tools.cpu_allocator import keep_freed_cpu_memory  # noqa: E402
+from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory  # noqa: E402
 from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: E402
 from torchtitan.tools.utils import peak_flops, peak_memory_gib  # noqa: E402
 
@@ -81,8 +81,7 @@ def prefetch(job_config, tokenizer, steps: int, device: torch.device) -> list[tu
 def train(job_config, trace: Path | None) -> dict:
     torch.manual_seed(job_config.debug.seed or 0)
     device = torch.device(default_device_type())
-    if device.type == "cpu" and job_config.training.cpu_keep_freed_memory:
-        keep_freed_cpu_memory()  # as the trainer: the comparison is of the loops, not of malloc
+    maybe_keep_freed_cpu_memory(job_config, device)  # as the trainer: loops compared, not malloc
     dtype = TORCH_DTYPES[job_config.training.mixed_precision_param]
     steps = job_config.training.steps
     model, optimizer, lr_schedule, tokenizer, flops_per_token = build(job_config, device)

@@ -23,12 +23,22 @@ from __future__ import annotations
 import ctypes
 import platform
 
+import torch
+
 from torchtitan.tools.logging import logger
 
 # mallopt's parameter numbers, from glibc's <malloc.h>
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _INT_MAX = 2**31 - 1  # mallopt takes a C int: trimming only past 2 GiB of free heap top
+
+
+def maybe_keep_freed_cpu_memory(job_config, device: torch.device) -> bool:
+    """Apply ``training.cpu_keep_freed_memory`` for a process training on ``device`` (the
+    trainer and the bare benchmark loop alike); returns whether it applied."""
+    if device.type != "cpu" or not job_config.training.cpu_keep_freed_memory:
+        return False
+    return keep_freed_cpu_memory()
 
 
 def keep_freed_cpu_memory() -> bool:
