@@ -35,7 +35,7 @@ CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 # warnings only on a dry run: the trainer prints them again.
 quiet=--quiet
 if [ "${DRY_RUN:-0}" = 1 ]; then quiet=""; fi
-loss_rank=$("$PYTHON" -m torchtitan.config --world-size $((NGPU * NNODES)) --print-loss-rank $quiet \
+loss_rank=$("$PYTHON" -m torchtitan.preflight --world-size $((NGPU * NNODES)) --print-loss-rank $quiet \
   --job.config_file "$CONFIG_FILE" "$@") || exit $?
 LOG_RANK=${LOG_RANK:-$loss_rank}
 

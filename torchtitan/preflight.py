@@ -1,5 +1,5 @@
 """Checks that need the world size, the model flavor and the pipeline plan, run once before
-any process group exists (by run_train.sh through ``python -m torchtitan.config --world-size
+any process group exists (by run_train.sh through ``python -m torchtitan.preflight --world-size
 N``, by the trainer and by the memory estimator), so bad layouts fail with one line instead
 of one traceback per rank. It sits above ``config/`` (which knows only the config's own
 values) and the layers whose rules it applies."""
@@ -7,13 +7,14 @@ values) and the layers whose rules it applies."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 
 from torch._dynamo import list_backends
 
 from torchtitan.components.checkpoint import check_checkpoint_inputs
 from torchtitan.components.quantization import check_quantization
-from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.datasets.registry import check_dataset_fields
@@ -209,3 +210,7 @@ def _check(argv: list[str]) -> int:
     if print_loss_rank:
         print(loss_owner_rank(config, parallel_dims))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -29,12 +29,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.batch import InputRules, MicroBatch, model_inputs
-from torchtitan.components.loss import GlobalTokenMeanLoss, valid_tokens
+from torchtitan.layers.loss import GlobalTokenMeanLoss, valid_tokens
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline import BuiltPipeline
 from torchtitan.distributed.utils import clip_grad_norm_
-from torchtitan.models.moe import moe_layers
+from torchtitan.layers.moe import moe_layers
 from torchtitan.protocols import ModelConvertersContainer, TrainSpec
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.compile import compile_loss

@@ -45,7 +45,7 @@ from torchtitan.distributed.utils import (
     set_determinism,
     set_pg_timeouts,
 )
-from torchtitan.models.moe import moe_load_metrics
+from torchtitan.layers.moe import moe_load_metrics
 from torchtitan.preflight import build_tokenizer, preflight
 from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import MicroBatch, build_recipe, mixed_precision_summary, model_args_from_config, train_step

@@ -11,7 +11,7 @@ import argparse
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.layers.loss import cross_entropy_loss
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.protocols import get_train_spec
 

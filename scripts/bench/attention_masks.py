@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from torchtitan.models.attention import FlexAttention, MaskSpec, ScaledDotProductAttention
-from torchtitan.models.blockwise_attention import visible
+from torchtitan.layers.attention import FlexAttention, MaskSpec, ScaledDotProductAttention
+from torchtitan.layers.blockwise_attention import visible
 
 MiB = 2**20
 

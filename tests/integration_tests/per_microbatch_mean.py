@@ -5,7 +5,7 @@ counts it must fail the parity check."""
 
 from __future__ import annotations
 
-from torchtitan.components.loss import GlobalTokenMeanLoss, valid_tokens
+from torchtitan.layers.loss import GlobalTokenMeanLoss, valid_tokens
 
 MICRO_BATCHES = 4
 

@@ -19,7 +19,7 @@ VOCAB, TOLERANCE = 96, 1e-5
 
 def tiny_args():
     from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-    from torchtitan.models.moe import MoEArgs
+    from torchtitan.layers.moe import MoEArgs
 
     # 1 dense + 2 MoE blocks, 8 experts in 4 groups (2 kept), low-rank queries, YaRN.
     return DeepSeekV3ModelArgs(

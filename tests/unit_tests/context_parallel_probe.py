@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.layers.loss import cross_entropy_loss
 from torchtitan.distributed.context_parallel import (
     ContextParallelAttention,
     apply_cp,
@@ -29,8 +29,8 @@ from torchtitan.distributed.utils import exit_skipping_static_destructors, leave
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import apply_tp
-from torchtitan.models.attention import MaskSpec
-from torchtitan.models.blockwise_attention import visible
+from torchtitan.layers.attention import MaskSpec
+from torchtitan.layers.blockwise_attention import visible
 
 METHODS = ("allgather", "alltoall", "ulysses")
 BALANCERS = ("headtail", "none")

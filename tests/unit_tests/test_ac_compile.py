@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan.config.job_config import ActivationCheckpoint, Parallelism
+from torchtitan.config.job_config import ActivationCheckpointConfig, ParallelismConfig
 from torchtitan.config.validation import check_ac_config
 from torchtitan.distributed.activation_checkpoint import _ATTENTION, apply_ac
 from torchtitan.tools.compile import CompileError, compile_blocks
@@ -115,9 +115,9 @@ def test_saving_attention_output_skips_its_recompute_with_equal_gradients(save_a
     ("never", "selective", "2", False, False),
 ])
 def test_which_recomputed_blocks_keep_their_attention_output(policy, mode, option, ring, kept):
-    ac = ActivationCheckpoint(mode=mode, selective_ac_option=option, save_attention_output=policy)
-    ring_cp = Parallelism(context_parallel_degree=2, context_parallel_rotate_method="alltoall")
-    assert ac.keeps_attention_output(ring_cp if ring else Parallelism()) is kept
+    ac = ActivationCheckpointConfig(mode=mode, selective_ac_option=option, save_attention_output=policy)
+    ring_cp = ParallelismConfig(context_parallel_degree=2, context_parallel_rotate_method="alltoall")
+    assert ac.keeps_attention_output(ring_cp if ring else ParallelismConfig()) is kept
 
 
 def test_compile_failure_names_the_block():

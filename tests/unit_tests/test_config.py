@@ -137,9 +137,9 @@ def test_custom_config_module_merges_sections_and_fields():
     assert dataclasses.is_dataclass(config.training)
 
 
-def _run_cli(*args):
+def _run_cli(*args, module: str = "torchtitan.config"):
     return subprocess.run(
-        [sys.executable, "-m", "torchtitan.config", *args],
+        [sys.executable, "-m", module, *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
 
@@ -152,8 +152,11 @@ def test_cli_prints_merged_config_and_exit_codes():
     assert bad_key.stderr.strip().count("\n") == 0 and "error:" in bad_key.stderr
     bad_value = _run_cli("--job.config_file", DEBUG_TOML, "--training.steps", "-1")
     assert bad_value.returncode == 2 and "training.steps: must be >= 1" in bad_value.stderr
-    degrees = _run_cli("--world-size", "4", "--parallelism.data_parallel_shard_degree", "3")
+    degrees = _run_cli("--world-size", "4", "--parallelism.data_parallel_shard_degree", "3",
+                       module="torchtitan.preflight")
     assert degrees.returncode == 2 and "must equal world_size 4" in degrees.stderr
+    moved = _run_cli("--world-size", "4")
+    assert moved.returncode == 2 and "python -m torchtitan.preflight --world-size" in moved.stderr
 
 
 def test_help_lists_every_flag_with_docstrings():

@@ -21,7 +21,7 @@ from torchtitan.distributed.context_parallel import (
     cp_positions,
     cp_shard,
 )
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.layers.attention import ScaledDotProductAttention
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 

@@ -22,7 +22,7 @@ from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     from_hf_config,
     to_hf_config,
 )
-from torchtitan.models.moe import MoEArgs  # noqa: E402
+from torchtitan.layers.moe import MoEArgs  # noqa: E402
 
 VOCAB, SEQ_LEN, TOLERANCE = 96, 40, 1e-5
 

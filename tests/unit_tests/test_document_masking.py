@@ -14,8 +14,8 @@ from tests.launcher import run_command
 from tests.layouts import single_process_dims
 from torchtitan.components.batch import InputRules, MicroBatch, model_inputs
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.models.attention import FlexAttention, MaskSpec, document_positions, prepare_mask
-from torchtitan.models.blockwise_attention import blockwise_attention, build_block_plan, visible
+from torchtitan.layers.attention import FlexAttention, MaskSpec, document_positions, prepare_mask
+from torchtitan.layers.blockwise_attention import blockwise_attention, build_block_plan, visible
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 

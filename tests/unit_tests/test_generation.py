@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.launcher import REPO_ROOT
 from torchtitan.generation import CheckpointError, generate, kv_cache, load_model_weights
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.layers.attention import ScaledDotProductAttention
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 

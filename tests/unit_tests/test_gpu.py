@@ -44,8 +44,8 @@ def test_fused_adamw_is_used_on_cuda():
 
 def test_flex_block_causal_forward_and_backward_on_cuda_match_a_dense_mask():
     """The compiled FlexAttention kernel (with its backward) under documents and a window."""
-    from torchtitan.models.attention import FlexAttention, MaskSpec
-    from torchtitan.models.blockwise_attention import visible
+    from torchtitan.layers.attention import FlexAttention, MaskSpec
+    from torchtitan.layers.blockwise_attention import visible
 
     docs = torch.tensor([[0] * 40 + [1] * 70 + [2] * 146, [0] * 256]).cuda()
     kernel = FlexAttention(MaskSpec(block_causal=True, sliding_window=96))

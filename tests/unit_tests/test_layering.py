@@ -1,20 +1,38 @@
-"""config/ is the bottom layer: its modules import nothing else from torchtitan, and they
-import one another without a cycle. Read from the source (every import statement, including
-those inside functions), so no module is executed."""
+"""The package's rooms form layers that only point down: a module imports nothing from a
+room above its own or beside it, and modules never import one another in a cycle. Read
+from the source (every import statement, including those inside functions and under
+TYPE_CHECKING), so no module is executed."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.launcher import REPO_ROOT
 
-CONFIG = REPO_ROOT / "torchtitan" / "config"
-# Entry points and re-exports that are not part of the layer:
-# __main__.py dispatches `python -m torchtitan.config --world-size N` (run_train.sh) to
-# torchtitan.preflight; preflight.py re-exports it for scripts/generate/test_generate.py
-# until that script imports torchtitan.preflight.
-NOT_IN_LAYER = {"__main__.py", "preflight.py"}
+PACKAGE = REPO_ROOT / "torchtitan"
+
+ROOMS: list[tuple[str, ...]] = [
+    ("config",),
+    ("tools",),
+    ("layers",),
+    ("distributed",),
+    ("protocols",),
+    ("datasets",),
+    ("components",),
+    ("models",),
+    ("recipe",),
+    ("preflight",),
+    ("estimate", "generation"),
+    ("train",),
+]
+"""Lowest first; the README's Layout section lists the same order. Rooms on one line are
+peers: neither imports the other."""
+
+LAZY_EXCEPTIONS = {("torchtitan.protocols.train_spec", "torchtitan.models")}
+"""The train-spec registry imports the built-in models on first use (inside a function)."""
 
 
 def torchtitan_imports(path: Path) -> set[str]:
@@ -24,35 +42,110 @@ def torchtitan_imports(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return {n for n in names if n.split(".")[0] == "torchtitan"}
 
 
-def config_graph() -> dict[str, set[str]]:
-    return {
-        f"torchtitan.config.{path.stem}".removesuffix(".__init__"): torchtitan_imports(path)
-        for path in sorted(CONFIG.glob("*.py")) if path.name not in NOT_IN_LAYER
-    }
+def import_graph(root: Path = REPO_ROOT) -> dict[str, set[str]]:
+    """Module -> the torchtitan modules it imports (``from torchtitan.x import y`` counts
+    as importing ``torchtitan.x.y`` when that is a module, else ``torchtitan.x``)."""
+    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in sorted((root / "torchtitan").rglob("*.py"))}
+    graph = {}
+    for name, path in modules.items():
+        imported = {n if n in modules else n.rsplit(".", 1)[0] for n in torchtitan_imports(path)}
+        graph[name] = {n for n in imported if n in modules and n != name}
+    return graph
 
 
-def test_config_imports_nothing_above_it() -> None:
-    upward = {module: sorted(n for n in names if not n.startswith("torchtitan.config"))
-              for module, names in config_graph().items()}
-    assert {m: names for m, names in upward.items() if names} == {}
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
-def test_config_modules_import_one_another_without_a_cycle() -> None:
-    graph = config_graph()
+def level_of(room: str) -> int:
+    for level, rooms in enumerate(ROOMS):
+        if room in rooms:
+            return level
+    raise AssertionError(f"room {room!r} is not in ROOMS: add it at its level (and to the README's Layout)")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, names in sorted(graph.items()):
+        room = room_of(module)
+        for name in sorted(names):
+            other = room_of(name)
+            if other == room or room == "torchtitan" or (module, room_of_package(name)) in LAZY_EXCEPTIONS:
+                continue
+            if level_of(other) >= level_of(room):
+                found.append(f"{module} ({room}) imports {name} ({other})")
+    return found
+
+
+def room_of_package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
     state: dict[str, str] = {}
+    found: list[str] = []
 
     def visit(module: str, path: list[str]) -> None:
         state[module] = "open"
         for name in sorted(graph.get(module, ())):
+            if (module, room_of_package(name)) in LAZY_EXCEPTIONS:
+                continue
             if state.get(name) == "open":
-                raise AssertionError("import cycle: " + " -> ".join(path + [name]))
-            if name in graph and name not in state:
+                found.append(" -> ".join(path[path.index(name):] + [name]))
+            elif name not in state:
                 visit(name, path + [name])
         state[module] = "done"
 
-    for module in graph:
+    for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+    return found
+
+
+def test_every_room_has_a_level() -> None:
+    rooms = {room_of(m) for m in import_graph()} - {"torchtitan"}
+    for room in sorted(rooms):
+        level_of(room)
+
+
+def test_no_module_imports_a_room_above_or_beside_its_own() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_modules_import_one_another_without_a_cycle() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_readme_lists_the_rooms_in_this_order() -> None:
+    layout = (REPO_ROOT / "README.md").read_text().split("## Layout", 1)[1].split("```", 1)[0]
+    order = " < ".join(" | ".join(peers) for peers in ROOMS)
+    assert f"`{order}`" in " ".join(layout.split())
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("components/optimizer.py", "from torchtitan.models.llama3 import Transformer"),
+    ("layers/moe.py", "from torchtitan.distributed import ParallelDims"),
+    ("estimate/report.py", "from torchtitan.generation import generate"),
+    ("config/manager.py", "import torchtitan.tools.logging"),
+])
+def test_a_planted_upward_import_is_found(tmp_path: Path, importer: str, imported: str) -> None:
+    for path in PACKAGE.rglob("*.py"):
+        copy = tmp_path / path.relative_to(REPO_ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text())
+    planted = tmp_path / "torchtitan" / importer
+    planted.write_text(planted.read_text() + f"\n{imported}\n")
+    assert upward_imports(import_graph(tmp_path)), f"{importer}: {imported!r} was not reported"
+
+
+def test_a_planted_cycle_is_found() -> None:
+    graph = import_graph()
+    graph["torchtitan.tools.logging"] = graph["torchtitan.tools.logging"] | {"torchtitan.tools.utils"}
+    graph["torchtitan.tools.utils"] = graph["torchtitan.tools.utils"] | {"torchtitan.tools.logging"}
+    assert cycles(graph)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan.models.init import clean_fqn, init_param_, normal_init, param_seed
+from torchtitan.layers.init import clean_fqn, init_param_, normal_init, param_seed
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer, apply_rotary_emb, precompute_rope_cache

@@ -206,7 +206,7 @@ def test_fake_routing_counts_are_balanced():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torchtitan.estimate.tracing import balanced_moe_routing
-    from torchtitan.models import moe
+    from torchtitan.layers import moe
 
     assert moe.host_counts(torch.tensor([3, 0, 5]), 8) == [3, 0, 5]
     with FakeTensorMode(), balanced_moe_routing():

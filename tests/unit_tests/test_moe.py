@@ -7,7 +7,7 @@ from torch import nn
 
 from torchtitan.components.optimizer import build_moe_optimizers
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.moe import (
+from torchtitan.layers.moe import (
     GroupedExperts,
     MoE,
     MoEArgs,

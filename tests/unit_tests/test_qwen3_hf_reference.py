@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from torchtitan.models.moe import MoEArgs  # noqa: E402
+from torchtitan.layers.moe import MoEArgs  # noqa: E402
 from torchtitan.models.qwen3.args import Qwen3ModelArgs  # noqa: E402
 from torchtitan.models.qwen3.flavors import qwen3_flavors  # noqa: E402
 from torchtitan.models.qwen3.model import Qwen3Model  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.models.moe import GroupedExperts
+from torchtitan.layers.moe import GroupedExperts
 from torchtitan.models.qwen3.flavors import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.preflight import preflight

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from torchtitan.components.dataloader import build_dataloader, build_text_dataloader
-from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.layers.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import ByteTokenizer, HuggingFaceTokenizer
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets import load_documents

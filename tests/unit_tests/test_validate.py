@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.layouts import single_process_dims
-from torchtitan.components.loss import cross_entropy_sum
+from torchtitan.layers.loss import cross_entropy_sum
 from torchtitan.components.metrics import build_metrics_processor
 from torchtitan.components.tokenizer import ByteTokenizer
 from torchtitan.components.validate import build_validator

@@ -8,7 +8,7 @@ import torch
 
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import cp_shard, shard_batch_for_cp
-from torchtitan.models.attention import document_positions
+from torchtitan.layers.attention import document_positions
 
 
 @dataclass

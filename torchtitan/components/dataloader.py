@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.datasets import DatasetConfig, ShardedTextDataset, load_documents
 from torchtitan.datasets.chat_template import ChatEncoder

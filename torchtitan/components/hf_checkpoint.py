@@ -32,7 +32,7 @@ from torchtitan.components.safe_loading import (
     safetensors_files,
 )
 from torchtitan.config.errors import UserInputError
-from torchtitan.models.init import clean_fqn
+from torchtitan.layers.init import clean_fqn
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.logging import logger
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.models.moe import moe_layers, update_expert_biases
+from torchtitan.layers.moe import moe_layers, update_expert_biases
 from torchtitan.tools.logging import logger
 
 _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}

@@ -21,7 +21,7 @@ from torch import nn
 
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.moe import GroupedExperts
+from torchtitan.layers.moe import GroupedExperts
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 

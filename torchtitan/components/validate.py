@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.batch import InputRules, MicroBatch, model_inputs
 from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.loss import GlobalTokenMeanLoss, LossFn, valid_tokens
+from torchtitan.layers.loss import GlobalTokenMeanLoss, LossFn, valid_tokens
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger

@@ -1,5 +1,49 @@
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import (
+    ActivationCheckpointConfig,
+    CheckpointConfig,
+    CommConfig,
+    CompileConfig,
+    DataLoaderConfig,
+    DebugConfig,
+    FaultToleranceConfig,
+    JobConfig,
+    JobSectionConfig,
+    LRSchedulerConfig,
+    MemoryEstimationConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    ProfilingConfig,
+    QuantizeConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
 from torchtitan.config.manager import ConfigManager, config_to_toml, save_config_file
 
-__all__ = ["JobConfig", "ConfigError", "ConfigManager", "config_to_toml", "save_config_file"]
+__all__ = [
+    "ActivationCheckpointConfig",
+    "CheckpointConfig",
+    "CommConfig",
+    "CompileConfig",
+    "ConfigError",
+    "ConfigManager",
+    "DataLoaderConfig",
+    "DebugConfig",
+    "FaultToleranceConfig",
+    "JobConfig",
+    "JobSectionConfig",
+    "LRSchedulerConfig",
+    "MemoryEstimationConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "ProfilingConfig",
+    "QuantizeConfig",
+    "TrainingConfig",
+    "ValidationConfig",
+    "config_to_toml",
+    "save_config_file",
+]

@@ -8,7 +8,7 @@ from typing import Literal
 
 
 @dataclass
-class Job:
+class JobSectionConfig:
     config_file: str | None = None
     """TOML job config to load; CLI flags override its values."""
 
@@ -34,7 +34,7 @@ class Job:
 
 
 @dataclass
-class Profiling:
+class ProfilingConfig:
     enable_profiling: bool = False
     """Record torch profiler traces."""
 
@@ -60,7 +60,7 @@ class Profiling:
 
 
 @dataclass
-class Metrics:
+class MetricsConfig:
     log_freq: int = 10
     """Log metrics every this many steps (and always at step 1)."""
 
@@ -83,7 +83,7 @@ class Metrics:
 
 
 @dataclass
-class Model:
+class ModelConfig:
     name: str = "llama3"
     """Registered train spec (model family) to train."""
 
@@ -116,7 +116,7 @@ class Model:
 
 
 @dataclass
-class Optimizer:
+class OptimizerConfig:
     name: Literal["AdamW", "Adam"] = "AdamW"
     """Optimizer class."""
 
@@ -143,7 +143,7 @@ class Optimizer:
 
 
 @dataclass
-class LRScheduler:
+class LRSchedulerConfig:
     warmup_steps: int = 200
     """Linear warmup steps."""
 
@@ -163,7 +163,7 @@ class LRScheduler:
 
 
 @dataclass
-class DataLoader:
+class DataLoaderConfig:
     num_workers: int = 0
     """Worker processes per rank that tokenize and pack the data (0: the training process does
     it). Training only (validation reads in the training process); must divide
@@ -183,7 +183,7 @@ class DataLoader:
 
 
 @dataclass
-class Training:
+class TrainingConfig:
     dataset: str = "python_stdlib"
     """Registered dataset; python_stdlib is embedded (needs no download)."""
 
@@ -242,12 +242,12 @@ class Training:
     (benchmark preset, 1 process: ~8% more tokens/s, half the system time); the peak RSS
     is higher (+15% there). No effect on CUDA."""
 
-    dataloader: DataLoader = field(default_factory=DataLoader)
+    dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """Data loader keyword arguments."""
 
 
 @dataclass
-class Parallelism:
+class ParallelismConfig:
     data_parallel_replicate_degree: int = 1
     """Replicas (DDP, or the replicate dimension of HSDP)."""
 
@@ -320,7 +320,7 @@ class Parallelism:
 
 
 @dataclass
-class Checkpoint:
+class CheckpointConfig:
     enable: bool = False
     """Save and load checkpoints."""
 
@@ -386,7 +386,7 @@ class Checkpoint:
 
 
 @dataclass
-class ActivationCheckpoint:
+class ActivationCheckpointConfig:
     mode: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: none, full (every block) or selective."""
 
@@ -427,7 +427,7 @@ class ActivationCheckpoint:
     block); "never": recompute whole blocks, as upstream's layer-level AC does. The "op"
     policy always keeps it."""
 
-    def keeps_attention_output(self, parallelism: Parallelism) -> bool:
+    def keeps_attention_output(self, parallelism: ParallelismConfig) -> bool:
         """What ``save_attention_output`` means for this mode and parallel layout."""
         if self.save_attention_output != "selective":
             return self.save_attention_output == "always"
@@ -436,7 +436,7 @@ class ActivationCheckpoint:
 
 
 @dataclass
-class Compile:
+class CompileConfig:
     enable: bool = False
     """torch.compile each transformer block (and the loss)."""
 
@@ -448,7 +448,7 @@ class Compile:
 
 
 @dataclass
-class Float8Linear:
+class Float8LinearConfig:
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
     """Scaling recipe: tensorwise (one scale per tensor; also what None means), rowwise (one
     per row) or rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
@@ -483,7 +483,7 @@ class Float8Linear:
 
 
 @dataclass
-class MXLinear:
+class MXLinearConfig:
     recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8", "mxfp8_cublas"] = "mxfp8_rceil"
     """MXFP8 recipe (blocks of 32 share an e8m0 scale; needs SM100 unless emulate). Upstream's
     names for older torchao (mxfp8, mxfp8_cublas) load but are refused when MX is enabled."""
@@ -502,23 +502,23 @@ class MXLinear:
 
 
 @dataclass
-class LinearQuantize:
-    float8: Float8Linear = field(default_factory=Float8Linear)
+class LinearQuantizeConfig:
+    float8: Float8LinearConfig = field(default_factory=Float8LinearConfig)
     """Float8 linears (converter quantize.linear.float8, or float8)."""
 
-    mx: MXLinear = field(default_factory=MXLinear)
+    mx: MXLinearConfig = field(default_factory=MXLinearConfig)
     """MX linears (converter quantize.linear.mx, or mx)."""
 
 
 @dataclass
-class Float8GroupedMM:
+class Float8GroupedMMConfig:
     fqns: list[str] = field(default_factory=list)
     """MoE expert modules whose FQN contains one of these strings run their grouped GEMMs in
     float8 rowwise (comma-separated), e.g. experts. Needs CUDA SM90+."""
 
 
 @dataclass
-class MXGroupedMM:
+class MXGroupedMMConfig:
     recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8", "mxfp8_cublas"] = "mxfp8_rceil"
     """MXFP8 recipe of the expert grouped GEMMs. Needs CUDA SM100. Upstream's names for
     older torchao (mxfp8, mxfp8_cublas) load but are refused when MX is enabled."""
@@ -528,25 +528,25 @@ class MXGroupedMM:
 
 
 @dataclass
-class GroupedMMQuantize:
-    float8: Float8GroupedMM = field(default_factory=Float8GroupedMM)
+class GroupedMMQuantizeConfig:
+    float8: Float8GroupedMMConfig = field(default_factory=Float8GroupedMMConfig)
     """Float8 expert grouped GEMMs (converter quantize.grouped_mm.float8)."""
 
-    mx: MXGroupedMM = field(default_factory=MXGroupedMM)
+    mx: MXGroupedMMConfig = field(default_factory=MXGroupedMMConfig)
     """MXFP8 expert grouped GEMMs (converter quantize.grouped_mm.mx)."""
 
 
 @dataclass
-class Quantize:
-    linear: LinearQuantize = field(default_factory=LinearQuantize)
+class QuantizeConfig:
+    linear: LinearQuantizeConfig = field(default_factory=LinearQuantizeConfig)
     """Low-precision nn.Linear training (torchao), read by the converters in model.converters."""
 
-    grouped_mm: GroupedMMQuantize = field(default_factory=GroupedMMQuantize)
+    grouped_mm: GroupedMMQuantizeConfig = field(default_factory=GroupedMMQuantizeConfig)
     """Low-precision MoE grouped GEMMs (torchao), read by the converters in model.converters."""
 
 
 @dataclass
-class Comm:
+class CommConfig:
     init_timeout_seconds: int = 300
     """Collective timeout during initialisation and the first step."""
 
@@ -563,12 +563,12 @@ class Comm:
     """Flight-recorder dump file name prefix (the rank is appended)."""
 
     mode: Literal["default", "fake_backend", "local_tensor"] = "default"
-    """Upstream's dry-run modes are not supported here (use python -m torchtitan.config
+    """Upstream's dry-run modes are not supported here (use python -m torchtitan.preflight
     --world-size N); only the default is accepted."""
 
 
 @dataclass
-class MemoryEstimation:
+class MemoryEstimationConfig:
     enable: bool = False
     """Estimate memory instead of training."""
 
@@ -603,7 +603,7 @@ class MemoryEstimation:
 
 
 @dataclass
-class FaultTolerance:
+class FaultToleranceConfig:
     """Replica-group fault tolerance on torchft: each replica group is its own torchrun job
     (its own FSDP/TP/... layout) and the groups form the fault-tolerant replicate dimension.
     The lighthouse's address comes from the environment variable TORCHFT_LIGHTHOUSE."""
@@ -644,13 +644,13 @@ class FaultTolerance:
 
 
 @dataclass
-class Experimental:
+class ExperimentalConfig:
     custom_import: str = ""
     """Module imported at start, e.g. to register a train spec."""
 
 
 @dataclass
-class Validation:
+class ValidationConfig:
     enable: bool = False
     """Evaluate on the validation split every `freq` steps."""
 
@@ -677,12 +677,12 @@ class Validation:
     """Data shards of the validation split (the data-parallel degree must divide it). The
     split ends where its shortest shard ends, so fewer shards keep more of it."""
 
-    dataloader: DataLoader = field(default_factory=DataLoader)
+    dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """Data loader keyword arguments of the validation loader."""
 
 
 @dataclass
-class Debug:
+class DebugConfig:
     seed: int | None = None
     """Seed for weights and RNG; unset = a random seed shared by all ranks."""
 
@@ -717,39 +717,39 @@ class Debug:
 
 @dataclass
 class JobConfig:
-    job: Job = field(default_factory=Job)
+    job: JobSectionConfig = field(default_factory=JobSectionConfig)
     """Job-level settings."""
-    profiling: Profiling = field(default_factory=Profiling)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     """Profiler settings."""
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Logging of metrics."""
-    model: Model = field(default_factory=Model)
+    model: ModelConfig = field(default_factory=ModelConfig)
     """Model and tokenizer."""
-    optimizer: Optimizer = field(default_factory=Optimizer)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer."""
-    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     """Learning-rate schedule."""
-    training: Training = field(default_factory=Training)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
     """Training loop and data."""
-    parallelism: Parallelism = field(default_factory=Parallelism)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     """Parallel degrees and their options."""
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
-    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     """Activation checkpointing."""
-    compile: Compile = field(default_factory=Compile)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     """torch.compile."""
-    quantize: Quantize = field(default_factory=Quantize)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     """Low-precision training."""
-    comm: Comm = field(default_factory=Comm)
+    comm: CommConfig = field(default_factory=CommConfig)
     """Communication timeouts and tracing."""
-    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+    memory_estimation: MemoryEstimationConfig = field(default_factory=MemoryEstimationConfig)
     """Memory estimation and layout planning."""
-    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     """Fault tolerance (TorchFT)."""
-    experimental: Experimental = field(default_factory=Experimental)
+    experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
     """Experimental extensions."""
-    validation: Validation = field(default_factory=Validation)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     """Validation during training."""
-    debug: Debug = field(default_factory=Debug)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     """Seeds, determinism and test-only switches."""

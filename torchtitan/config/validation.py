@@ -85,7 +85,7 @@ _UPSTREAM_ONLY: dict[str, str] = {
     "activation_checkpoint.visualize_memory_budget_pareto": "memory-budget activation checkpointing",
     "activation_checkpoint.determinism_check": "recomputation determinism checks",
     "activation_checkpoint.debug": "activation-checkpoint debug mode",
-    "comm.mode": "fake-backend dry runs (python -m torchtitan.config --world-size N checks a layout)",
+    "comm.mode": "fake-backend dry runs (python -m torchtitan.preflight --world-size N checks a layout)",
     "quantize.linear.float8.force_recompute_fp8_weight_in_bwd": "forced float8 weight recomputation",
     "quantize.linear.float8.moe_fqns_prototype": "float8 MoE prototype (use quantize.grouped_mm.float8.fqns)",
     "quantize.linear.mx.use_fp8_dim1_cast_triton_kernel": "choice of MX cast kernel",

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.datasets.packing import EncodedDocument
 from torchtitan.datasets.sft import ChatSample

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.layers.loss import IGNORE_INDEX
 from torchtitan.config.errors import ConfigError
 from torchtitan.datasets.registry import Documents, is_indexable
 from torchtitan.datasets.sources import IndexedDocuments, ShardedDocuments, StreamedDocuments

@@ -9,7 +9,7 @@ as ``S_local * cp`` and its own chunks from its cp rank, which must match how th
 (:func:`shard_batch_for_cp` with the same ``load_balancer``).
 
 Attention (:class:`ContextParallelAttention`, the drop-in for the local kernels of
-``torchtitan/models/attention.py``; it keeps the replaced kernel's mask):
+``torchtitan/layers/attention.py``; it keeps the replaced kernel's mask):
 
 - ``allgather``: all-gather K and V (the backward reduce-scatters dK and dV); under the plain
   causal mask each local query chunk runs SDPA against the keys up to its end with a
@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.models.attention import LOCAL_KERNELS, AttentionKernel, MaskSpec, chunk_size
-from torchtitan.models.blockwise_attention import (
+from torchtitan.layers.attention import LOCAL_KERNELS, AttentionKernel, MaskSpec, chunk_size
+from torchtitan.layers.blockwise_attention import (
     BlockPlan,
     block_backward,
     block_forward,
@@ -553,7 +553,7 @@ def apply_cp(
     if not owners:
         raise ValueError(
             "context parallel found no `inner_attention` local attention module to replace; the "
-            "model must compute attention through torchtitan.models.attention"
+            "model must compute attention through torchtitan.layers.attention"
         )
     for owner in owners:
         spec = owner.inner_attention.spec

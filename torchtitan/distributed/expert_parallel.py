@@ -1,6 +1,6 @@
 """Expert parallel (EP), expert tensor parallel (ETP) and tensor parallel inside MoE layers.
 
-Per MoE layer (``torchtitan.models.moe.MoE``):
+Per MoE layer (``torchtitan.layers.moe.MoE``):
 
 - Routed experts: weights ``Shard(0)`` over ``world_mesh["ep"]`` (each EP rank holds
   ``num_experts / ep`` experts); with ETP also sharded over ``tp`` (``w1``/``w3`` on their
@@ -44,8 +44,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models import moe as moe_module
-from torchtitan.models.moe import MoE
+from torchtitan.layers import moe as moe_module
+from torchtitan.layers.moe import MoE
 
 
 # ---------------------------------------------------------------------------- dispatch

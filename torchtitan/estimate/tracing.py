@@ -134,7 +134,7 @@ def cuda_kernel_emulation() -> Iterator[None]:
 
 
 def balanced_host_counts(counts: torch.Tensor, rows: int) -> list:
-    """``models.moe.host_counts`` during a trace. Fake tensors have no values: every row
+    """``layers.moe.host_counts`` during a trace. Fake tensors have no values: every row
     of ``counts`` is a perfectly balanced split of ``rows``. Real tensors (the grouped_mm
     probe's) report their own counts."""
     if not is_fake(counts):
@@ -149,7 +149,7 @@ def balanced_moe_routing() -> Iterator[None]:
     """MoE layers traced on fake tensors: token counts read on the host (the expert loop's
     and expert parallel's splits) come out balanced, and the grouped_mm capability probe
     runs on real tensors (its comparison needs values)."""
-    from torchtitan.models import moe
+    from torchtitan.layers import moe
 
     host_counts, probe = moe.host_counts, moe.grouped_mm_works
 

@@ -1,4 +1,4 @@
-"""A KV cache that plugs into the attention seam (``torchtitan/models/attention.py``).
+"""A KV cache that plugs into the attention seam (``torchtitan/layers/attention.py``).
 
 ``kv_cache(model, max_len)`` swaps every local attention kernel of the model (SDPA or
 FlexAttention) for a ``KVCacheAttention`` and restores them on exit. A prompt is one
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import LOCAL_KERNELS, AttentionKernel
-from torchtitan.models.blockwise_attention import visible
+from torchtitan.layers.attention import LOCAL_KERNELS, AttentionKernel
+from torchtitan.layers.blockwise_attention import visible
 
 
 class KVCacheAttention(AttentionKernel):
@@ -74,7 +74,7 @@ def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[KVCacheAttention]]
     if not sites:
         raise ValueError(
             f"{type(model).__name__} has no local attention kernel: the KV cache plugs "
-            "into the attention seam of torchtitan/models/attention.py"
+            "into the attention seam of torchtitan/layers/attention.py"
         )
     caches = [KVCacheAttention(max_len, child.spec.sliding_window) for _, _, child in sites]
     for (parent, name, _), cache in zip(sites, caches):

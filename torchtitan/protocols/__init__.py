@@ -5,6 +5,7 @@ from torchtitan.protocols.model_converter import (
     register_model_converter,
 )
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.protocols.train_spec import (
     TrainSpec,
     apply_to_train_specs,
@@ -14,6 +15,7 @@ from torchtitan.protocols.train_spec import (
 
 __all__ = [
     "BaseModelArgs",
+    "BaseTokenizer",
     "ModelProtocol",
     "ModelConverter",
     "ModelConvertersContainer",

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from torchtitan.models.attention import MaskSpec
+from torchtitan.layers.attention import MaskSpec
 
 if TYPE_CHECKING:
-    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.protocols.tokenizer import BaseTokenizer
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
 
@@ -23,7 +23,7 @@ class BaseModelArgs(ABC):
 
     The attention fields come from the job config (``model.attn_type``, ``attn_mask_type``,
     ``sliding_window``); models build their kernels from them with
-    ``torchtitan.models.attention.build_attention(args.attn_type, args.mask_spec)``.
+    ``torchtitan.layers.attention.build_attention(args.attn_type, args.mask_spec)``.
     """
 
     attn_type: str = "sdpa"

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.moe import GroupedExperts, MoEArgs
+from torchtitan.layers.moe import GroupedExperts, MoEArgs
 
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims

@@ -1,6 +1,6 @@
 """Hugging Face interop shared by the models' state-dict adapters.
 
-:class:`DecoderStateDictAdapter` renames keys of decoders built on ``common/decoder.py``:
+:class:`DecoderStateDictAdapter` renames keys of decoders built on ``layers/decoder.py``:
 ``tok_embeddings``/``norm``/``output`` at the top, ``layers.N.<ours>`` <->
 ``model.layers.N.<theirs>`` by a per-model table, and routed experts held fused
 (``moe.experts.w1`` ``[E, hidden, dim]``) <-> one tensor per expert

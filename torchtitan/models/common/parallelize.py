@@ -1,4 +1,4 @@
-"""Parallelisms for the shared decoder (``common/decoder.py``), applied in one fixed order:
+"""Parallelisms for the shared decoder (``layers/decoder.py``), applied in one fixed order:
 tensor parallel (+ sequence and loss parallel), context parallel, expert / expert-tensor
 parallel for MoE layers, activation checkpointing, per-block compile, then FSDP/HSDP
 (routed experts over ``efsdp`` first) or DDP. A model supplies the tensor-parallel plan of
@@ -30,8 +30,8 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward_policy
 from torchtitan.distributed.expert_parallel import apply_expert_fsdp, parallelize_moe
-from torchtitan.models.common.decoder import Decoder, TransformerBlock
-from torchtitan.models.common.gqa import GQAttention
+from torchtitan.layers.decoder import Decoder, TransformerBlock
+from torchtitan.layers.gqa import GQAttention
 from torchtitan.tools.compile import compile_blocks
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.layers.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_moe_optimizers, build_optimizers
 from torchtitan.components.tokenizer import build_tokenizer

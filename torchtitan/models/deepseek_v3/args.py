@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from torchtitan.models.common.rope import yarn_mscale
+from torchtitan.layers.rope import yarn_mscale
 from torchtitan.models.common.args import check_expert_layout, check_tp_divides_heads, nparams_and_flops, require
-from torchtitan.models.moe import MoEArgs
+from torchtitan.layers.moe import MoEArgs
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
-    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.protocols.tokenizer import BaseTokenizer
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.moe import MoEArgs
+from torchtitan.layers.moe import MoEArgs
 
 deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
     # Tiny and CPU-friendly: 1 dense + 3 MoE blocks, 8 routed experts (EP up to 8) in 4

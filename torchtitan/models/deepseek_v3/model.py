@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import build_attention
-from torchtitan.models.common.decoder import Decoder, InitRules, TransformerBlock
-from torchtitan.models.common.feed_forward import FeedForward
-from torchtitan.models.common.rope import apply_rope, rope_frequencies, yarn_scaled
+from torchtitan.layers.attention import build_attention
+from torchtitan.layers.decoder import Decoder, InitRules, TransformerBlock
+from torchtitan.layers.feed_forward import FeedForward
+from torchtitan.layers.rope import apply_rope, rope_frequencies, yarn_scaled
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.moe import MoE
+from torchtitan.layers.moe import MoE
 
 _INIT_RULES = InitRules.for_attention(("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"))
 
@@ -68,7 +68,7 @@ class MLA(nn.Module):
         self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None,
         mask: Any = None,
     ) -> torch.Tensor:
-        """``mask``: the batch's prepared attention mask (``models/attention.py``)."""
+        """``mask``: the batch's prepared attention mask (``layers/attention.py``)."""
         bsz, seq_len, _ = x.shape
         q = self._queries(x).view(bsz, seq_len, -1, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -99,7 +99,7 @@ def build_block(layer_id: int, args: DeepSeekV3ModelArgs) -> TransformerBlock:
 
 
 class DeepSeekV3Model(Decoder):
-    """DeepSeek-V3 decoder (see :class:`~torchtitan.models.common.decoder.Decoder`)."""
+    """DeepSeek-V3 decoder (see :class:`~torchtitan.layers.decoder.Decoder`)."""
 
     def __init__(self, model_args: DeepSeekV3ModelArgs) -> None:
         super().__init__(

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.common.decoder import TransformerBlock
+from torchtitan.layers.decoder import TransformerBlock
 from torchtitan.models.common.parallelize import (
     attention_input_plan,
     ffn_tp_plan,

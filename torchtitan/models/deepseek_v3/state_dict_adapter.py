@@ -28,7 +28,7 @@ from torchtitan.models.common.hf import (
     rope_settings,
 )
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.moe import MoEArgs
+from torchtitan.layers.moe import MoEArgs
 from torchtitan.tools.logging import logger
 
 _MLA = {

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.models.common.decoder import Decoder, InitRules, TransformerBlock
-from torchtitan.models.common.feed_forward import FeedForward
-from torchtitan.models.common.gqa import GQAttention
-from torchtitan.models.common.rope import apply_rotary_emb, llama3_scaled, rope_frequencies, rope_table
+from torchtitan.layers.decoder import Decoder, InitRules, TransformerBlock
+from torchtitan.layers.feed_forward import FeedForward
+from torchtitan.layers.gqa import GQAttention
+from torchtitan.layers.rope import apply_rotary_emb, llama3_scaled, rope_frequencies, rope_table
 from torchtitan.models.llama3.args import TransformerModelArgs
 
 __all__ = ["Transformer", "apply_rotary_emb", "precompute_rope_cache", "rope_inv_freq"]
@@ -38,7 +38,7 @@ def build_block(args: TransformerModelArgs) -> TransformerBlock:
 
 
 class Transformer(Decoder):
-    """Llama 3 decoder (see :class:`~torchtitan.models.common.decoder.Decoder`)."""
+    """Llama 3 decoder (see :class:`~torchtitan.layers.decoder.Decoder`)."""
 
     def __init__(self, model_args: TransformerModelArgs) -> None:
         super().__init__(

@@ -15,12 +15,12 @@ from torchtitan.models.common.args import (
     nparams_and_flops,
     require,
 )
-from torchtitan.models.common.rope import yarn_mscale
-from torchtitan.models.moe import MoEArgs
+from torchtitan.layers.rope import yarn_mscale
+from torchtitan.layers.moe import MoEArgs
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
-    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.protocols.tokenizer import BaseTokenizer
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
 
@@ -38,7 +38,7 @@ class Qwen3ModelArgs(BaseModelArgs):
     norm_eps: float = 1e-6  # every RMSNorm, the per-head q/k norms included
     rope_theta: float = 1_000_000.0
     # YaRN context extension (config.json rope_type "yarn"), on when rope_factor > 1: the
-    # frequencies are YaRN-scaled (models/common/rope.py) and attention logits multiplied by
+    # frequencies are YaRN-scaled (layers/rope.py) and attention logits multiplied by
     # rope_attention_factor ** 2, as Hugging Face's cos and sin scaled by it do (None: YaRN's
     # default 0.1 ln(rope_factor) + 1).
     rope_factor: float = 1.0

@@ -4,7 +4,7 @@ two CPU-sized debug models."""
 
 from __future__ import annotations
 
-from torchtitan.models.moe import MoEArgs
+from torchtitan.layers.moe import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtitan.models.common.decoder import Decoder, InitRules, TransformerBlock
-from torchtitan.models.common.feed_forward import FeedForward
-from torchtitan.models.common.gqa import GQAttention
-from torchtitan.models.common.rope import rope_frequencies, yarn_scaled
-from torchtitan.models.moe import MoE
+from torchtitan.layers.decoder import Decoder, InitRules, TransformerBlock
+from torchtitan.layers.feed_forward import FeedForward
+from torchtitan.layers.gqa import GQAttention
+from torchtitan.layers.rope import rope_frequencies, yarn_scaled
+from torchtitan.layers.moe import MoE
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 
 _INIT_RULES = InitRules.for_attention(("wq", "wk", "wv"))
@@ -41,7 +41,7 @@ def build_block(args: Qwen3ModelArgs) -> TransformerBlock:
 
 
 class Qwen3Model(Decoder):
-    """Qwen3 decoder (see :class:`~torchtitan.models.common.decoder.Decoder`)."""
+    """Qwen3 decoder (see :class:`~torchtitan.layers.decoder.Decoder`)."""
 
     def __init__(self, model_args: Qwen3ModelArgs) -> None:
         super().__init__(

@@ -23,7 +23,7 @@ from torchtitan.models.common.hf import (
     require,
     rope_settings,
 )
-from torchtitan.models.moe import MoEArgs
+from torchtitan.layers.moe import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 
 _QK_NORMS = {

@@ -13,7 +13,7 @@ Kernels here:
   sequence never see each other) and sliding-window masks. It runs the compiled FlexAttention
   kernel with a ``BlockMask`` built once per batch, except where FlexAttention has no
   backward (the CPU, in 2.11 - 2.13): training there runs the same mask block by block
-  (``torchtitan/models/blockwise_attention.py``), skipping fully masked blocks.
+  (``torchtitan/layers/blockwise_attention.py``), skipping fully masked blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.blockwise_attention import BlockPlan, blockwise_attention, build_block_plan, visible
+from torchtitan.layers.blockwise_attention import BlockPlan, blockwise_attention, build_block_plan, visible
 
 MAX_BLOCK = 512
 """Largest chunk of the block-by-block path (a [chunk, chunk] fp32 block per step)."""

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.models.attention import prepare_mask
-from torchtitan.models.common.rope import rope_table
-from torchtitan.models.init import InitFn, clean_fqn, init_param_, normal_init, ones_init, trunc_normal_init
-from torchtitan.models.moe import MoE
+from torchtitan.layers.attention import prepare_mask
+from torchtitan.layers.rope import rope_table
+from torchtitan.layers.init import InitFn, clean_fqn, init_param_, normal_init, ones_init, trunc_normal_init
+from torchtitan.layers.moe import MoE
 
 BASE_STD = 0.02
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.(.+)")
@@ -105,7 +105,7 @@ class Decoder(nn.Module):
         self.tie_embeddings()
 
     def precompute_rope_cache(self, device: torch.device | None = None) -> torch.Tensor:
-        """``[max_seq_len, rotary_dim]`` table (``common/rope.py``)."""
+        """``[max_seq_len, rotary_dim]`` table (``layers/rope.py``)."""
         return rope_table(self._rope_frequencies(self.model_args, device), self.model_args.max_seq_len)
 
     def tie_embeddings(self) -> None:
@@ -128,7 +128,7 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """``tokens`` ``[batch, seq]`` (or hidden states ``[batch, seq, dim]`` when this
         stage has no embedding) -> logits ``[batch, seq, vocab]`` (or hidden states when it
-        has no output). ``positions``: see :func:`~torchtitan.models.common.rope.apply_rope`.
+        has no output). ``positions``: see :func:`~torchtitan.layers.rope.apply_rope`.
         ``document_ids`` ``[batch, seq]`` (of the whole sequence under context parallel):
         which packed document each token belongs to, for the block-causal mask."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

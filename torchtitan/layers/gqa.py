@@ -1,4 +1,4 @@
-"""Grouped-query attention with RoPE around the attention seam (``models/attention.py``).
+"""Grouped-query attention with RoPE around the attention seam (``layers/attention.py``).
 
 Queries, keys and values come from ``wq``/``wk``/``wv``; with ``qk_norm_eps`` set, each
 query and key head is RMS-normalised over its channels before RoPE (Qwen3). Head counts are
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.models.attention import MaskSpec, build_attention
-from torchtitan.models.common.rope import apply_rotary_emb
+from torchtitan.layers.attention import MaskSpec, build_attention
+from torchtitan.layers.rope import apply_rotary_emb
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ class GQAttention(nn.Module):
         self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None,
         mask: Any = None,
     ) -> torch.Tensor:
-        """``mask``: the batch's prepared attention mask (``models/attention.py``)."""
+        """``mask``: the batch's prepared attention mask (``layers/attention.py``)."""
         bsz, seq_len, _ = x.shape
         xq = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
         xk = self.wk(x).view(bsz, seq_len, -1, self.head_dim)

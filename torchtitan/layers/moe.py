@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.models.init import clean_fqn
+from torchtitan.layers.init import clean_fqn
 from torchtitan.tools.logging import logger
 
 
