@@ -23,7 +23,7 @@ from torchtitan.distributed.context_parallel import check_cp_config
 from torchtitan.distributed.fault_tolerance import check_fault_tolerance_inputs
 from torchtitan.distributed.parallel_dims import default_device_type, parallel_dims_from_config
 from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_stages
-from torchtitan.protocols import get_train_spec
+from torchtitan.protocols import BaseModelArgs, TrainSpec, get_train_spec
 from torchtitan.protocols.model_converter import check_converter_names
 from torchtitan.recipe import grad_accumulation_steps
 from torchtitan.tools.logging import logger
@@ -33,7 +33,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     """Validate the parallel layout for this config, world size and device; return the
     ParallelDims (not yet holding a mesh)."""
     try:
-        parallel_dims = parallel_dims_from_config(job_config, world_size)
+        parallel_dims = parallel_dims_from_config(job_config.parallelism, job_config.fault_tolerance, world_size)
         spec = get_train_spec(job_config.model.name)
         model_args = spec.flavor_args(job_config.model.flavor)
     except ValueError as e:
@@ -57,12 +57,12 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     if parallel_dims.cp_enabled:
         _check_context_parallel(job_config, parallel_dims, model_args)
     if parallel_dims.pp_enabled:
-        plan = plan_stages(job_config, model_args.n_layers, parallel_dims.pp)
-        microbatches(job_config, plan.num_stages)
-    grad_accumulation_steps(job_config, parallel_dims)
+        plan = plan_stages(job_config.parallelism, model_args.n_layers, parallel_dims.pp)
+        microbatches(job_config.parallelism, job_config.training.local_batch_size, plan.num_stages)
+    grad_accumulation_steps(job_config.training, parallel_dims)
     if job_config.validation.enable:
         _check_validation(job_config, parallel_dims)
-    check_quantization(job_config, parallel_dims, model_args, device_type)
+    check_quantization(job_config.model, job_config.quantize, parallel_dims, model_args, device_type)
     if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             "checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1, all parallel "
@@ -83,6 +83,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
             "training.enable_cpu_offload: needs FSDP (data_parallel_shard_degree > 1), which "
             "does the offloading"
         )
+    _check_hf_export(job_config, spec, model_args)
     if job_config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
         raise ConfigError(
             "parallelism.enable_async_tensor_parallel: needs CUDA (symmetric memory); this "
@@ -91,16 +92,31 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     return parallel_dims
 
 
-def build_tokenizer(job_config: JobConfig) -> BaseTokenizer | None:
-    """The model's tokenizer (None if the model has none); a ``model.tokenizer_path`` that
-    holds no usable tokenizer is a ConfigError."""
+def load_tokenizer(job_config: JobConfig) -> BaseTokenizer | None:
+    """The run's tokenizer, built by its train spec (None if the model has none); a
+    ``model.tokenizer_path`` that holds no usable tokenizer is a ConfigError."""
     spec = get_train_spec(job_config.model.name)
     if spec.build_tokenizer_fn is None:
         return None
     try:
-        return spec.build_tokenizer_fn(job_config)
+        return spec.build_tokenizer_fn(job_config.model)
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_hf_export(job_config: JobConfig, spec: TrainSpec, model_args: BaseModelArgs) -> None:
+    """With ``checkpoint.last_save_in_hf``, fail before launch, not after training, when the
+    model has no Hugging Face equivalent (e.g. a softmax-routed DeepSeek-V3 flavor)."""
+    if not (job_config.checkpoint.enable and job_config.checkpoint.last_save_in_hf):
+        return
+    field = "checkpoint.last_save_in_hf"
+    adapter = spec.hf_adapter(model_args)
+    if adapter is None:
+        raise ConfigError(f"{field}: this model has no Hugging Face state-dict adapter")
+    try:
+        adapter.hf_config()
+    except (ValueError, NotImplementedError) as e:
+        raise ConfigError(f"{field}: {e}") from None
 
 
 # Features that only work on CUDA: (field, whether the config uses it, what needs CUDA).
@@ -137,10 +153,10 @@ def check_inputs(job_config: JobConfig, device_type: str) -> None:
             check_dataset_fields(section.dataset, section.dataset_path, name)
         except (ValueError, OSError) as e:
             raise ConfigError(str(e)) from None
-    build_tokenizer(job_config)
+    load_tokenizer(job_config)
     check_converter_names(job_config.model.converters)
-    check_checkpoint_inputs(job_config)
-    check_fault_tolerance_inputs(job_config)
+    check_checkpoint_inputs(job_config.checkpoint, job_config.job.dump_folder)
+    check_fault_tolerance_inputs(job_config.fault_tolerance)
     _check_device_features(job_config, device_type)
 
 
@@ -208,7 +224,7 @@ def _check(argv: list[str]) -> int:
     parallel_dims = preflight(config, world_size, device_type)
     check_inputs(config, device_type)
     if print_loss_rank:
-        print(loss_owner_rank(config, parallel_dims))
+        print(loss_owner_rank(config.parallelism, parallel_dims))
     return 0
 
 

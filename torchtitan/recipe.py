@@ -28,15 +28,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.components.batch import InputRules, MicroBatch, model_inputs
+from torchtitan.components.batch import MicroBatch, model_inputs
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.layers.loss import GlobalTokenMeanLoss, valid_tokens
-from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config import CompileConfig, ConfigError, JobConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.fault_tolerance import ReplicaGroups
 from torchtitan.distributed.pipeline import BuiltPipeline
 from torchtitan.distributed.utils import clip_grad_norm_
 from torchtitan.layers.moe import moe_layers
 from torchtitan.protocols import ModelConvertersContainer, TrainSpec
 from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.tools.compile import compile_loss
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
@@ -65,10 +69,9 @@ UNOBSERVED: StepObserver = _Unobserved()
 
 
 # ---------------------------------------------------------------------------- derived quantities
-def grad_accumulation_steps(job_config: JobConfig, parallel_dims: ParallelDims) -> int:
+def grad_accumulation_steps(training: TrainingConfig, parallel_dims: ParallelDims) -> int:
     """Micro-batches per optimizer step: the global batch over local batch x dp degree (under
     fault tolerance the global batch spans every replica group)."""
-    training = job_config.training
     dp = parallel_dims.dp_degree * parallel_dims.replica_groups
     per_pass = training.local_batch_size * dp
     global_batch = training.global_batch_size if training.global_batch_size > 0 else per_pass
@@ -87,23 +90,44 @@ def set_moe_aux_loss_scale(model: nn.Module, grad_accum_steps: int) -> None:
         moe.aux_loss_scale = 1 / grad_accum_steps
 
 
-def model_args_from_config(spec: TrainSpec, job_config: JobConfig, tokenizer: Any) -> BaseModelArgs:
+def max_seq_len(job_config: JobConfig) -> int:
+    """The longest sequence the model sees: training's, or validation's if that is longer."""
+    seq_len = job_config.training.seq_len
+    if job_config.validation.enable:
+        seq_len = max(seq_len, job_config.validation.seq_len)
+    return seq_len
+
+
+def model_args_from_config(spec: TrainSpec, job_config: JobConfig, tokenizer: BaseTokenizer | None) -> BaseModelArgs:
     """The flavor's args updated from the config (and the tokenizer's vocabulary, if any)."""
     try:
         model_args = spec.flavor_args(job_config.model.flavor)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model_args.update_from_config(job_config, tokenizer)
+    model_args.update_from_config(
+        job_config.model, max_seq_len=max_seq_len(job_config), tokenizer=tokenizer,
+        moe_force_load_balance=job_config.debug.moe_force_load_balance,
+    )
     return model_args
 
 
-def build_loss_fn(spec: TrainSpec, job_config: JobConfig) -> GlobalTokenMeanLoss:
+def build_loss_fn(spec: TrainSpec, compile_config: CompileConfig) -> GlobalTokenMeanLoss:
     """The spec's summed loss (compiled if asked), divided per step by the global batch's
     valid tokens (``train_step`` sets the divisor)."""
-    loss_fn = spec.build_loss_fn(job_config)
-    if job_config.compile.enable and "loss" in job_config.compile.components:
-        loss_fn = compile_loss(loss_fn, job_config.compile.backend)
+    loss_fn = spec.build_loss_fn()
+    if compile_config.enable and "loss" in compile_config.components:
+        loss_fn = compile_loss(loss_fn, compile_config.backend)
     return GlobalTokenMeanLoss(loss_fn)
+
+
+def parallelize_settings(job_config: JobConfig) -> dict[str, Any]:
+    """The config slices a train spec's ``parallelize_fn`` takes as keyword arguments."""
+    return {
+        "training": job_config.training,
+        "parallelism": job_config.parallelism,
+        "activation_checkpoint": job_config.activation_checkpoint,
+        "compile_config": job_config.compile,
+    }
 
 
 # ---------------------------------------------------------------------------- build
@@ -122,9 +146,9 @@ class MetaModel:
     flops_per_token: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class Recipe:
-    """Everything one training step needs, built in the recipe's order."""
+    """Everything one training step needs, built in the recipe's order; not changed after."""
 
     job_config: JobConfig
     parallel_dims: ParallelDims
@@ -135,13 +159,11 @@ class Recipe:
     pipeline: BuiltPipeline | None
     loss_fn: GlobalTokenMeanLoss
     grad_accum_steps: int
-    optimizers: Any
-    lr_schedulers: Any
+    optimizers: OptimizersContainer
+    lr_schedulers: LRSchedulersContainer
     train_context: Callable[[], contextlib.AbstractContextManager]
     nparams: int
     flops_per_token: int
-    replica_groups: Any = None
-    """Fault tolerance's ReplicaGroups (the trainer sets it), or None."""
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -164,18 +186,21 @@ def build_meta_model(
         logger.info(f"model after the converters:\n{model}")
     cast_parameters(model, TORCH_DTYPES[job_config.training.dtype])
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
-    accum = grad_accumulation_steps(job_config, parallel_dims)
+    accum = grad_accumulation_steps(job_config.training, parallel_dims)
     set_moe_aux_loss_scale(model, accum)
-    loss_fn = build_loss_fn(spec, job_config)
+    loss_fn = build_loss_fn(spec, job_config.compile)
+    settings = parallelize_settings(job_config)
     pipeline = None
     if parallel_dims.pp_enabled:
         if spec.pipelining_fn is None:
             raise ConfigError(f"parallelism.pipeline_parallel_degree: model {spec.name!r} has no pipelining support")
-        pipeline = spec.pipelining_fn(model, parallel_dims, job_config, device, model_args,
-                                      spec.parallelize_fn, loss_fn)
+        pipeline = spec.pipelining_fn(
+            model, parallel_dims, job_config.parallelism, job_config.training.local_batch_size, device,
+            lambda stage: spec.parallelize_fn(stage, parallel_dims, **settings), loss_fn,
+        )
         parts = pipeline.model_parts
     else:
-        parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
+        parts = [spec.parallelize_fn(model, parallel_dims, **settings)]
     return MetaModel(spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token)
 
 
@@ -206,8 +231,8 @@ def materialize(
             with torch.no_grad():
                 part.init_weights(seed=seed, buffer_device=device)
         part.train()
-    optimizers = meta.spec.build_optimizers_fn(meta.model_parts, job_config, parallel_dims)
-    lr_schedulers = meta.spec.build_lr_schedulers_fn(optimizers, job_config)
+    optimizers = meta.spec.build_optimizers_fn(meta.model_parts, job_config.optimizer, parallel_dims)
+    lr_schedulers = meta.spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, job_config.training.steps)
     optimizers.register_step_post_hook(
         lambda *args, **kwargs: meta.converters.post_optimizer_hook(meta.model_parts)
     )
@@ -223,7 +248,7 @@ def materialize(
         grad_accum_steps=meta.grad_accum_steps,
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
-        train_context=train_context_factory(job_config, parallel_dims, device.type),
+        train_context=train_context_factory(job_config.training, job_config.parallelism, parallel_dims, device.type),
         nparams=meta.nparams,
         flops_per_token=meta.flops_per_token,
     )
@@ -239,17 +264,16 @@ def build_recipe(
 
 
 # ---------------------------------------------------------------------------- train context
-def _autocast_dtype(job_config: JobConfig, parallel_dims: ParallelDims) -> torch.dtype | None:
+def _autocast_dtype(training: TrainingConfig, parallel_dims: ParallelDims) -> torch.dtype | None:
     """FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does."""
-    dtype = TORCH_DTYPES[job_config.training.mixed_precision_param]
+    dtype = TORCH_DTYPES[training.mixed_precision_param]
     return None if dtype == torch.float32 or parallel_dims.fsdp_enabled else dtype
 
 
-def mixed_precision_summary(job_config: JobConfig, parallel_dims: ParallelDims, device_type: str) -> str:
-    training = job_config.training
+def mixed_precision_summary(training: TrainingConfig, parallel_dims: ParallelDims, device_type: str) -> str:
     if training.dtype == "bfloat16":
         return "full bf16 training: parameters, gradients and optimizer states in bfloat16"
-    autocast_dtype = _autocast_dtype(job_config, parallel_dims)
+    autocast_dtype = _autocast_dtype(training, parallel_dims)
     if autocast_dtype is not None:
         return f"mixed precision: autocast to {autocast_dtype} on {device_type}"
     if training.mixed_precision_param == "float32":
@@ -259,12 +283,12 @@ def mixed_precision_summary(job_config: JobConfig, parallel_dims: ParallelDims, 
 
 
 def train_context_factory(
-    job_config: JobConfig, parallel_dims: ParallelDims, device_type: str
+    training: TrainingConfig, parallelism: ParallelismConfig, parallel_dims: ParallelDims, device_type: str
 ) -> Callable[[], contextlib.AbstractContextManager]:
     """The context every forward (and backward) runs in: loss parallel under TP (unless
     disabled), and autocast where FSDP does not cast parameters itself."""
-    autocast_dtype = _autocast_dtype(job_config, parallel_dims)
-    use_loss_parallel = parallel_dims.tp_enabled and not job_config.parallelism.disable_loss_parallel
+    autocast_dtype = _autocast_dtype(training, parallel_dims)
+    use_loss_parallel = parallel_dims.tp_enabled and not parallelism.disable_loss_parallel
 
     @contextlib.contextmanager
     def context():
@@ -286,7 +310,7 @@ BeforeOptimizerStep = Callable[[list, torch.Tensor], bool]
 def forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> torch.Tensor:
     """One micro-batch through the whole model; returns its detached loss (its share of
     the global-batch mean)."""
-    inputs, labels, kwargs = model_inputs(batch, recipe.parallel_dims, InputRules.from_config(recipe.job_config))
+    inputs, labels, kwargs = model_inputs(batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document)
     observer.start_microbatch()
     observer.set_phase("forward")
     with recipe.train_context():
@@ -303,7 +327,7 @@ def pipeline_forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepO
     """One local batch through the pipeline schedule; only the last stage has a loss (the
     sum of its micro-batches' shares), other stages report -1. Model kwargs (document ids,
     positions) are split into pipeline micro-batches and reach every stage."""
-    inputs, labels, kwargs = model_inputs(batch, recipe.parallel_dims, InputRules.from_config(recipe.job_config))
+    inputs, labels, kwargs = model_inputs(batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document)
     pipeline = recipe.pipeline
     losses: list[torch.Tensor] = []
     targets = {"target": labels, "losses": losses} if pipeline.has_last_stage else {}
@@ -345,6 +369,7 @@ def train_step(
     observer: StepObserver = UNOBSERVED,
     before_optimizer_step: BeforeOptimizerStep = _always,
     run_microbatch: ForwardBackward | None = None,
+    replica_groups: ReplicaGroups | None = None,
 ) -> torch.Tensor:
     """One optimizer step over ``micro_batches`` (default: the gradient-accumulation steps);
     returns the global batch's number of valid tokens (a device tensor).
@@ -356,12 +381,12 @@ def train_step(
     Unless it keeps ``grad_norm``, the norm is freed before the optimizer runs (the
     estimator's traced peaks rely on that). ``run_microbatch`` replaces the forward/backward
     of a micro-batch (the estimator's pipeline replay). Under fault-tolerant HSDP
-    (``recipe.replica_groups``) the quorum comes first, token counts and gradients are
+    (``replica_groups``) the quorum comes first, token counts and gradients are
     summed / averaged over the live replica groups, and an uncommitted step is not applied.
     """
     if run_microbatch is None:
         run_microbatch = pipeline_forward_backward if recipe.pipeline is not None else forward_backward
-    replicas = recipe.replica_groups if recipe.replica_groups is not None and recipe.replica_groups.per_step else None
+    replicas = replica_groups if replica_groups is not None and replica_groups.per_step else None
     observer.set_phase("zero_grad")
     recipe.optimizers.zero_grad()
     if replicas is not None:

@@ -9,6 +9,7 @@ the training loop. No mesh is passed around: every builder takes ``parallel_dims
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.metrics import build_metrics_processor
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.validate import PipelineEval
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error
@@ -46,7 +47,7 @@ from torchtitan.distributed.utils import (
     set_pg_timeouts,
 )
 from torchtitan.layers.moe import moe_load_metrics
-from torchtitan.preflight import build_tokenizer, preflight
+from torchtitan.preflight import load_tokenizer, preflight
 from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import MicroBatch, build_recipe, mixed_precision_summary, model_args_from_config, train_step
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory
@@ -95,12 +96,13 @@ class AppliedStep:
 class Trainer:
     def __init__(self, job_config: JobConfig) -> None:
         self.job_config = job_config
+        logger.info(f"starting job: {job_config.job.description}")
         self.parallel_dims = preflight(
             job_config, int(os.environ.get("WORLD_SIZE", "1")), default_device_type()
         )
         parallel_dims = self.parallel_dims
-        self.device = init_distributed(job_config)
-        maybe_keep_freed_cpu_memory(job_config, self.device)
+        self.device = init_distributed(job_config.comm, job_config.job.dump_folder, job_config.training.enable_cpu_offload)
+        maybe_keep_freed_cpu_memory(job_config.training.cpu_keep_freed_memory, self.device)
         logger.info(f"parallel layout {parallel_dims.describe()}, mesh views {parallel_dims.world_mesh.view_names}")
 
         self.gc_handler = GarbageCollection(job_config.training.gc_freq, job_config.training.gc_debug)
@@ -109,8 +111,8 @@ class Trainer:
             warn_only=job_config.debug.deterministic_warn_only,
         )
         spec = get_train_spec(job_config.model.name)
-        self.tokenizer = build_tokenizer(job_config)
-        self.dataloader = spec.build_dataloader_fn(job_config, parallel_dims, self.tokenizer)
+        self.tokenizer = load_tokenizer(job_config)
+        self.dataloader = spec.build_dataloader_fn(job_config.training, parallel_dims, self.tokenizer)
 
         model_args = model_args_from_config(spec, job_config, self.tokenizer)
         # With CPU offload FSDP keeps parameters on the CPU; buffers stay on the device.
@@ -125,29 +127,32 @@ class Trainer:
         self.stop_requested = False
         self.applied_step: AppliedStep | None = None
         self._install_preemption_handlers()
-        self.metrics = build_metrics_processor(
-            job_config, parallel_dims, self.device, recipe.flops_per_token,
+        self.metrics = MetricsProcessor(
+            job_config.metrics, dump_folder=job_config.job.dump_folder, total_steps=job_config.training.steps,
+            parallel_dims=parallel_dims, device=self.device, flops_per_token=recipe.flops_per_token,
             owns_loss=self._owns_loss(), compute_dtype=TORCH_DTYPES[job_config.training.mixed_precision_param],
+            run_config=dataclasses.asdict(job_config), description=job_config.job.description,
         )
         self.checkpointer = CheckpointManager(
+            job_config.checkpoint,
+            dump_folder=job_config.job.dump_folder,
             dataloader=self.dataloader,
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self},
-            job_config=job_config,
             parallel_dims=parallel_dims,
-            train_spec=spec,
-            model_args=model_args,
+            state_dict_adapter=spec.hf_adapter(model_args, job_config.model.hf_assets_path),
         )
         self.replicas = self._build_replica_groups()
         self.validator = None
         if job_config.validation.enable and spec.build_validator_fn is not None:
             self.validator = spec.build_validator_fn(
-                job_config=job_config,
+                validation=job_config.validation,
+                reset_positions=job_config.training.reset_position_ids_per_document,
                 parallel_dims=parallel_dims,
                 tokenizer=self.tokenizer,
-                loss_fn=spec.build_loss_fn(job_config),
+                loss_fn=spec.build_loss_fn(),
                 train_context=recipe.train_context,
                 metrics_processor=self.metrics,
                 pipeline=self._pipeline_eval(),
@@ -161,10 +166,9 @@ class Trainer:
         self.data_position = None
         if not job_config.fault_tolerance.enable:
             return None
-        replicas = ReplicaGroups(job_config, self.device)
+        replicas = ReplicaGroups(job_config.fault_tolerance, job_config.comm, self.device)
         replicas.register_states({"model": ModelPartsState(self.model_parts), "optimizer": self.optimizers,
                                   "lr_scheduler": self.lr_schedulers, "train_state": self})
-        self.recipe.replica_groups = replicas
         if job_config.checkpoint.enable and job_config.checkpoint.enable_ft_dataloader_checkpoints:
             self.data_position = DataPositionFile(self.checkpointer.root, dist.get_rank())
         return replicas
@@ -177,7 +181,7 @@ class Trainer:
         )
         if recipe.grad_accum_steps > 1:
             logger.info(f"gradient accumulation: {recipe.grad_accum_steps} micro-batches per step")
-        logger.info(mixed_precision_summary(job_config, self.parallel_dims, self.device.type))
+        logger.info(mixed_precision_summary(job_config.training, self.parallel_dims, self.device.type))
 
     def _pipeline_eval(self) -> PipelineEval | None:
         pipeline = self.recipe.pipeline
@@ -200,7 +204,7 @@ class Trainer:
 
     def _owns_loss(self) -> bool:
         """The first rank holding the last pipeline stage (global rank 0 without PP)."""
-        return self.parallel_dims.world_mesh.get_rank() == loss_owner_rank(self.job_config, self.parallel_dims)
+        return self.parallel_dims.world_mesh.get_rank() == loss_owner_rank(self.job_config.parallelism, self.parallel_dims)
 
     # ------------------------------------------------------------------ the loop
     def train_step(self, data_iterator: Iterator) -> None:
@@ -208,7 +212,8 @@ class Trainer:
         logs afterwards."""
         batches = DeviceBatches(data_iterator, self.device)
         self.applied_step = None
-        valid_tokens = train_step(self.recipe, batches, before_optimizer_step=self._before_optimizer_step)
+        valid_tokens = train_step(self.recipe, batches, before_optimizer_step=self._before_optimizer_step,
+                                  replica_groups=self.replicas)
         self.metrics.record_step(batches.tokens, batches.seconds)
         if self.replicas is not None and not self.replicas.committed:
             logger.warning(f"step {self.step}: not committed (fewer than fault_tolerance.min_replica_size "
@@ -278,11 +283,11 @@ class Trainer:
         if self.replicas is not None and self.replicas.per_step:
             self.replicas.align_step(self.step)
         data_iterator = iter(self.dataloader)
-        snapshotter = maybe_memory_snapshotter(job_config, self.device)
+        snapshotter = maybe_memory_snapshotter(job_config.profiling, job_config.job.dump_folder, self.device)
         logger.info(f"training {job_config.training.steps} steps (starting at step {self.step + 1})")
         semi_sync = (self.replicas.semi_sync_context(self.model_parts, self.optimizers)
                      if self.replicas is not None else contextlib.nullcontext())
-        with maybe_enable_profiling(job_config, self.step) as profiler, semi_sync:
+        with maybe_enable_profiling(job_config.profiling, job_config.job.dump_folder, self.step) as profiler, semi_sync:
             while self.step < job_config.training.steps:
                 self.step += 1
                 self.gc_handler.run(self.step)

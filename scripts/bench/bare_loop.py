@@ -31,9 +31,10 @@ sys.path.insert(0, str(REPO_ROOT))
 from torchtitan.components.dataloader import build_dataloader  # noqa: E402
 from torchtitan.components.lr_scheduler import configured_lr_factor  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.distributed.activation_checkpoint import apply_ac  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import apply_ac, keeps_attention_output  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
+from torchtitan.recipe import model_args_from_config  # noqa: E402
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory  # noqa: E402
 from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: E402
 from torchtitan.tools.utils import peak_flops, peak_memory_gib  # noqa: E402
@@ -45,9 +46,8 @@ def build(job_config, device: torch.device):
     """(model, optimizer, LR schedule, tokenizer, flops per token) as configured, built
     without the trainer."""
     spec = get_train_spec(job_config.model.name)
-    tokenizer = spec.build_tokenizer_fn(job_config)
-    model_args = spec.flavor_args(job_config.model.flavor)
-    model_args.update_from_config(job_config, tokenizer)
+    tokenizer = spec.build_tokenizer_fn(job_config.model)
+    model_args = model_args_from_config(spec, job_config, tokenizer)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     _, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
@@ -56,7 +56,7 @@ def build(job_config, device: torch.device):
         model.init_weights(seed=job_config.debug.seed or 0)
     ac = job_config.activation_checkpoint
     apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state,
-             ac.keeps_attention_output(job_config.parallelism))
+             keeps_attention_output(ac, ring_cp=False))  # one process: no context parallel
     cfg = job_config.optimizer
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -67,13 +67,13 @@ def build(job_config, device: torch.device):
 
 
 def _lr_schedule(optimizer: torch.optim.Optimizer, job_config) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, configured_lr_factor(job_config))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, configured_lr_factor(job_config.lr_scheduler, job_config.training.steps))
 
 
 def prefetch(job_config, tokenizer, steps: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``steps`` batches of the trainer's data loader (one process), on device."""
     batches = []
-    for _, (input_dict, labels) in zip(range(steps), build_dataloader(job_config, None, tokenizer)):
+    for _, (input_dict, labels) in zip(range(steps), build_dataloader(job_config.training, None, tokenizer)):
         batches.append((input_dict["input"].to(device), labels.to(device)))
     return batches
 
@@ -81,7 +81,7 @@ def prefetch(job_config, tokenizer, steps: int, device: torch.device) -> list[tu
 def train(job_config, trace: Path | None) -> dict:
     torch.manual_seed(job_config.debug.seed or 0)
     device = torch.device(default_device_type())
-    maybe_keep_freed_cpu_memory(job_config, device)  # as the trainer: loops compared, not malloc
+    maybe_keep_freed_cpu_memory(job_config.training.cpu_keep_freed_memory, device)  # as the trainer: loops compared, not malloc
     dtype = TORCH_DTYPES[job_config.training.mixed_precision_param]
     steps = job_config.training.steps
     model, optimizer, lr_schedule, tokenizer, flops_per_token = build(job_config, device)

@@ -34,6 +34,7 @@ from torchtitan.distributed.utils import init_distributed, run_worker_entry_poin
 from torchtitan.generation import CheckpointError, generate, load_model_weights  # noqa: E402
 from torchtitan.generation.tensor_parallel import apply_tp_minus_sp  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
+from torchtitan.recipe import model_args_from_config  # noqa: E402
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 
 
@@ -76,8 +77,7 @@ def build_model(job_config, tokenizer, max_len: int, dtype: torch.dtype, device:
     """The model with parameters in ``dtype``; ``init_weights`` recomputes the RoPE table in
     fp32, as in training (DCP converts the checkpoint's weights to ``dtype`` on load)."""
     spec = get_train_spec(job_config.model.name)
-    model_args = spec.flavor_args(job_config.model.flavor)
-    model_args.update_from_config(job_config, tokenizer)
+    model_args = model_args_from_config(spec, job_config, tokenizer)
     model_args.max_seq_len = max(model_args.max_seq_len, max_len)
     with torch.device("meta"):
         model = spec.model_cls(model_args).to(dtype)
@@ -93,9 +93,9 @@ def build_model(job_config, tokenizer, max_len: int, dtype: torch.dtype, device:
 def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     job_config = load_job_config(args, overrides, world_size)
-    device = init_distributed(job_config) if world_size > 1 else torch.device(default_device_type())
+    device = init_distributed(job_config.comm, job_config.job.dump_folder) if world_size > 1 else torch.device(default_device_type())
     spec = get_train_spec(job_config.model.name)
-    tokenizer = spec.build_tokenizer_fn(job_config)
+    tokenizer = spec.build_tokenizer_fn(job_config.model)
     prompt_ids = tokenizer.encode(args.prompt, add_bos=True, add_eos=False)
     model = build_model(job_config, tokenizer, len(prompt_ids) + args.max_new_tokens,
                         TORCH_DTYPES[args.dtype], device, world_size)

@@ -9,8 +9,8 @@ from torchtitan.protocols import get_train_spec, register_train_spec
 _base = get_train_spec("llama3")
 
 
-def _failing_loader(job_config, parallel_dims, tokenizer, split="train"):
-    loader = _base.build_dataloader_fn(job_config, parallel_dims, tokenizer, split)
+def _failing_loader(data, parallel_dims, tokenizer, split="train"):
+    loader = _base.build_dataloader_fn(data, parallel_dims, tokenizer, split)
     if os.environ.get("RANK") != "1":
         return loader
 

@@ -11,10 +11,10 @@ from torchtitan.protocols import get_train_spec, register_train_spec
 _base = get_train_spec("llama3")
 
 
-def _loader_refused_on_rank_1(job_config, parallel_dims, tokenizer, split="train"):
+def _loader_refused_on_rank_1(data, parallel_dims, tokenizer, split="train"):
     if os.environ.get("RANK") == "1":
         raise ConfigError("training.dataset_path: planted error found on rank 1 only")
-    return _base.build_dataloader_fn(job_config, parallel_dims, tokenizer, split)
+    return _base.build_dataloader_fn(data, parallel_dims, tokenizer, split)
 
 
 register_train_spec(replace(_base, name="llama3_rank1_user_error",

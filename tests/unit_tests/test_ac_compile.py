@@ -3,9 +3,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan.config.job_config import ActivationCheckpointConfig, ParallelismConfig
+from torchtitan.config import ActivationCheckpointConfig
+from torchtitan.distributed import ParallelDims
 from torchtitan.config.validation import check_ac_config
-from torchtitan.distributed.activation_checkpoint import _ATTENTION, apply_ac
+from torchtitan.distributed.activation_checkpoint import _ATTENTION, apply_ac, keeps_attention_output
 from torchtitan.tools.compile import CompileError, compile_blocks
 
 
@@ -116,8 +117,13 @@ def test_saving_attention_output_skips_its_recompute_with_equal_gradients(save_a
 ])
 def test_which_recomputed_blocks_keep_their_attention_output(policy, mode, option, ring, kept):
     ac = ActivationCheckpointConfig(mode=mode, selective_ac_option=option, save_attention_output=policy)
-    ring_cp = ParallelismConfig(context_parallel_degree=2, context_parallel_rotate_method="alltoall")
-    assert ac.keeps_attention_output(ring_cp if ring else ParallelismConfig()) is kept
+    assert keeps_attention_output(ac, ring_cp=ring) is kept
+
+
+@pytest.mark.parametrize("cp, rotate, ring", [(2, "alltoall", True), (2, "allgather", False), (1, "alltoall", False)])
+def test_ring_cp_is_read_from_the_parallel_layout(cp, rotate, ring):
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=1, pp=1, ep=1, world_size=cp, cp_rotate_method=rotate)
+    assert dims.ring_cp is ring
 
 
 def test_compile_failure_names_the_block():

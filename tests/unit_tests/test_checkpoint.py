@@ -86,13 +86,13 @@ class Run:
         self.model = torch.compile(Net().to(device))  # an OptimizedModule: keys lose _orig_mod too
         self.device = device
         dims = single_process_dims()
-        self.optimizers = build_optimizers([self.model], self.job_config, dims)
-        self.lr_schedulers = build_lr_schedulers(self.optimizers, self.job_config)
+        self.optimizers = build_optimizers([self.model], self.job_config.optimizer, dims)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, self.job_config.lr_scheduler, self.job_config.training.steps)
         self.loader, self.train_state = Loader(), TrainState()
         self.checkpointer = CheckpointManager(
+            self.job_config.checkpoint, dump_folder=self.job_config.job.dump_folder,
             dataloader=self.loader, model_parts=[self.model], optimizers=self.optimizers,
-            lr_schedulers=self.lr_schedulers, states={"train_state": self.train_state},
-            job_config=self.job_config, parallel_dims=dims,
+            lr_schedulers=self.lr_schedulers, states={"train_state": self.train_state}, parallel_dims=dims,
         )
         self.folder = folder / "checkpoint"
 
@@ -259,7 +259,7 @@ def test_checkpoint_of_another_model_is_one_clear_error(tmp_path):
     run.checkpointer.close()
     other = Run(tmp_path)
     other.model._orig_mod.b = nn.Linear(8, 3)  # another output size
-    other.optimizers = build_optimizers([other.model], other.job_config, None)
+    other.optimizers = build_optimizers([other.model], other.job_config.optimizer, None)
     other.checkpointer.optimizers = other.optimizers
     with pytest.raises(ConfigError, match=r"step-2/\.metadata: 'b\.(weight|bias)' has shape \(2,.*\), "
                                           r"the model has \(3,.*; load it with the model flavor"):
@@ -308,17 +308,12 @@ def test_loading_runs_no_code_from_the_files(tmp_path, monkeypatch):
 
 
 def test_hf_export_of_a_model_without_hf_equivalent_fails_at_start(tmp_path):
-    from torchtitan.protocols import get_train_spec
+    from torchtitan.preflight import preflight
 
-    spec = get_train_spec("deepseek_v3")
     job_config = ConfigManager().parse_args([
         "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+        "--model.name", "deepseek_v3", "--model.flavor", "16B",  # softmax routing: no Hugging Face DeepseekV3
     ])
-    dims = single_process_dims()
     with pytest.raises(ConfigError, match="checkpoint.last_save_in_hf: this model routes with "
                                           "softmax scores"):
-        CheckpointManager(
-            dataloader=None, model_parts=[Net()], optimizers=None, lr_schedulers=None,
-            states={}, job_config=job_config, parallel_dims=dims, train_spec=spec,
-            model_args=spec.flavor_args("16B"),  # softmax routing: no Hugging Face DeepseekV3
-        )
+        preflight(job_config, 1, "cpu")

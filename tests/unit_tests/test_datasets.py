@@ -330,13 +330,13 @@ def test_build_dataloader_from_job_config():
         "--validation.dataset", "test_random", "--validation.seq_len", "16",
         "--validation.local_batch_size", "4",
     ])
-    train = build_dataloader(job, None, ByteTokenizer())
+    train = build_dataloader(job.training, None, ByteTokenizer())
     assert next(iter(train))[0]["input"].shape == (2, 16)
-    val = build_dataloader(job, SimpleNamespace(dp_enabled=False), ByteTokenizer(), split="validation")
+    val = build_dataloader(job.validation, SimpleNamespace(dp_enabled=False), ByteTokenizer(), split="validation")
     assert val.dataset.state_dict()["data_shards"] == 8
     assert len(list(val)) > 0
     with pytest.raises(ValueError, match="unknown data split 'test'"):
-        build_dataloader(job, None, ByteTokenizer(), split="test")
+        build_dataloader(job.training, None, ByteTokenizer(), split="test")
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning works where there is an accelerator")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tests.launcher import run_command
 from tests.layouts import single_process_dims
-from torchtitan.components.batch import InputRules, MicroBatch, model_inputs
+from torchtitan.components.batch import MicroBatch, model_inputs
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.layers.attention import FlexAttention, MaskSpec, document_positions, prepare_mask
 from torchtitan.layers.blockwise_attention import blockwise_attention, build_block_plan, visible
@@ -153,9 +153,9 @@ def test_model_inputs_carry_document_ids_and_per_document_positions():
     ids = _document_ids([[2, 3, 3]])
     batch = MicroBatch(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long), ids)
     dims = single_process_dims()
-    _, _, kwargs = model_inputs(batch, dims, InputRules(reset_positions=True))
+    _, _, kwargs = model_inputs(batch, dims, reset_positions=True)
     assert kwargs["document_ids"] is ids and kwargs["positions"].tolist() == [[0, 1, 0, 1, 2, 0, 1, 2]]
-    _, _, plain = model_inputs(batch, dims, InputRules())
+    _, _, plain = model_inputs(batch, dims)
     assert "positions" not in plain
 
 

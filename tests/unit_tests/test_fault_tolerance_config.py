@@ -38,7 +38,7 @@ def test_bad_setting_is_one_line_naming_it(args, message):
 def test_fault_tolerance_needs_the_lighthouse_address(monkeypatch):
     monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
     with pytest.raises(ConfigError, match=f"fault_tolerance.enable: set {LIGHTHOUSE_ENV}"):
-        check_fault_tolerance_inputs(parse(*FT))
+        check_fault_tolerance_inputs(parse(*FT).fault_tolerance)
 
 
 def test_unreachable_lighthouse_is_one_line_naming_the_address(monkeypatch):
@@ -47,7 +47,7 @@ def test_unreachable_lighthouse_is_one_line_naming_the_address(monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setenv(LIGHTHOUSE_ENV, f"http://localhost:{port}")
     with pytest.raises(ConfigError) as error:
-        check_fault_tolerance_inputs(parse(*FT, "--fault_tolerance.process_group_timeout_ms", "2000"))
+        check_fault_tolerance_inputs(parse(*FT, "--fault_tolerance.process_group_timeout_ms", "2000").fault_tolerance)
     assert f"no torchft lighthouse reachable at {LIGHTHOUSE_ENV}=http://localhost:{port}" in str(error.value)
 
 
@@ -56,14 +56,14 @@ def test_reachable_lighthouse_passes(monkeypatch):
         server.bind(("localhost", 0))
         server.listen()
         monkeypatch.setenv(LIGHTHOUSE_ENV, f"http://localhost:{server.getsockname()[1]}")
-        check_fault_tolerance_inputs(parse(*FT))
+        check_fault_tolerance_inputs(parse(*FT).fault_tolerance)
 
 
 def test_replica_groups_split_the_data_and_the_global_batch():
     config = parse(*FT, "--fault_tolerance.replica_id", "1", "--training.local_batch_size", "2",
                    "--training.global_batch_size", "8")
-    dims = parallel_dims_from_config(config, world_size=1)
+    dims = parallel_dims_from_config(config.parallelism, config.fault_tolerance, world_size=1)
     assert dims.data_layout() == (1, 2)  # group 1's only rank is data rank 1 of 2
-    assert grad_accumulation_steps(config, dims) == 2  # 8 = 2 x (1 rank x 2 groups) x 2
+    assert grad_accumulation_steps(config.training, dims) == 2  # 8 = 2 x (1 rank x 2 groups) x 2
     plain = parse("--training.local_batch_size", "2", "--training.global_batch_size", "8")
-    assert parallel_dims_from_config(plain, world_size=1).data_layout() == (0, 1)
+    assert parallel_dims_from_config(plain.parallelism, plain.fault_tolerance, world_size=1).data_layout() == (0, 1)

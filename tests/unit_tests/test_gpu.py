@@ -38,7 +38,7 @@ def test_fused_adamw_is_used_on_cuda():
     from torchtitan.config import ConfigManager
 
     model = torch.nn.Linear(4, 4).cuda()
-    optimizers = build_optimizers([model], ConfigManager().parse_args([]), None)
+    optimizers = build_optimizers([model], ConfigManager().parse_args([]).optimizer, None)
     assert optimizers.optimizers[0].defaults["fused"] is True
 
 

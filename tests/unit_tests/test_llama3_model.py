@@ -308,14 +308,16 @@ def test_tiny_flavor_is_small() -> None:
 def test_update_from_config() -> None:
     from torchtitan.config import ConfigManager
 
+    from torchtitan.recipe import max_seq_len
+
     args = tiny_args()
     job_config = ConfigManager().parse_args(["--training.seq_len", "512"])
-    args.update_from_config(job_config)
+    args.update_from_config(job_config.model, max_seq_len=max_seq_len(job_config))
     assert args.max_seq_len == 512 and args.vocab_size == TINY.vocab_size
     with_validation = ConfigManager().parse_args(
         ["--training.seq_len", "512", "--validation.enable", "--validation.seq_len", "1024"])
-    args.update_from_config(with_validation)
+    args.update_from_config(with_validation.model, max_seq_len=max_seq_len(with_validation))
     assert args.max_seq_len == 1024  # RoPE covers the longer validation sequences
-    args.update_from_config(job_config, tokenizer=SimpleNamespace(vocab_size=1000))
+    args.update_from_config(job_config.model, max_seq_len=512, tokenizer=SimpleNamespace(vocab_size=1000))
     assert args.vocab_size == 1000
     assert TINY.max_seq_len == 2048  # the flavor itself is untouched

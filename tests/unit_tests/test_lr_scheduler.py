@@ -46,8 +46,8 @@ def test_schedulers_drive_optimizer_lr():
         ["--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "1.0",
          "--optimizer.implementation", "for-loop"])
     model = torch.nn.Linear(2, 2)
-    optimizers = build_optimizers([model], config, None)
-    schedulers = build_lr_schedulers(optimizers, config)
+    optimizers = build_optimizers([model], config.optimizer, None)
+    schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
     seen = []
     for _ in range(6):
         seen.append(optimizers.param_groups[0]["lr"])

@@ -1,6 +1,7 @@
 """Weights & Biases logging, in wandb's offline mode (no network): the run folder holds the
 same scalars as TensorBoard and the job config."""
 
+import dataclasses
 import importlib.util
 import json
 import struct
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tests.layouts import single_process_dims
-from torchtitan.components.metrics import build_metrics_processor
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import ConfigError, ConfigManager
 
 pytest.importorskip("wandb")
@@ -55,8 +56,9 @@ def _finished_run_records(folder: Path, timeout: float = 60.0) -> list[Record]:
 def _processor(tmp_path: Path, owns_loss: bool):
     config = ConfigManager().parse_args(["--metrics.enable_wandb", "--metrics.enable_tensorboard",
                                          "--job.dump_folder", str(tmp_path), "--training.steps", "2"])
-    return build_metrics_processor(config, single_process_dims(), torch.device("cpu"), 0,
-                                   owns_loss=owns_loss, compute_dtype=torch.float32)
+    return MetricsProcessor(config.metrics, dump_folder=config.job.dump_folder, total_steps=config.training.steps,
+                            parallel_dims=single_process_dims(), device=torch.device("cpu"), flops_per_token=0,
+                            owns_loss=owns_loss, compute_dtype=torch.float32, run_config=dataclasses.asdict(config))
 
 
 @pytest.fixture(autouse=True)

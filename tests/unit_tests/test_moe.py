@@ -126,7 +126,7 @@ def test_moe_optimizer_updates_biases_before_each_step():
     model(torch.randint(0, 264, (2, 16))).sum().backward()
     config = ConfigManager().parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"])
     dims = single_process_dims()
-    optimizers = build_moe_optimizers([model], config, dims)
+    optimizers = build_moe_optimizers([model], config.optimizer, dims)
     optimizers.step()
     for moe in moe_layers([model]).values():
         assert moe.tokens_per_expert.sum() == 0 and moe.expert_bias.abs().sum() > 0

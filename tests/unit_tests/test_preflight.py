@@ -94,7 +94,7 @@ def test_stage_plans():
 
     def plan(*args):
         config = ConfigManager().parse_args(["--model.flavor", "debugmodel_tiny", *args])
-        return plan_stages(config, 4, 2)
+        return plan_stages(config.parallelism, 4, 2)
 
     assert plan().layers == [[0, 1], [2, 3]]  # embedding and output count as a layer each
     assert plan("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B").layers == [[0], [1, 2], [3], []]

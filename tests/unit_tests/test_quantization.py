@@ -29,7 +29,7 @@ def convert(args: list[str]) -> nn.Module:
     spec = get_train_spec("llama3")
     with torch.device("meta"):
         model = spec.model_cls(spec.flavor_args("debugmodel_tiny"))
-    ModelConvertersContainer(config, parallel_dims_from_config(config, 1)).convert(model)
+    ModelConvertersContainer(config, parallel_dims_from_config(config.parallelism, config.fault_tolerance, 1)).convert(model)
     return model
 
 
@@ -76,7 +76,7 @@ def test_emulated_float8_recipes_train_on_cpu(recipe):
     x = torch.randn(8, 32)
     expected = model(x).detach()
     config = ConfigManager().parse_args(EMULATED_FLOAT8 + ["--quantize.linear.float8.recipe_name", recipe])
-    ModelConvertersContainer(config, parallel_dims_from_config(config, 1)).convert(model)
+    ModelConvertersContainer(config, parallel_dims_from_config(config.parallelism, config.fault_tolerance, 1)).convert(model)
     assert len(float8_linears(model)) == 2
     out = model(x)
     out.sum().backward()

@@ -244,7 +244,7 @@ def _error(tmp_path, rows, tokenizer=None, **job_overrides) -> str:
             "--training.seq_len", "64", "--training.local_batch_size", "1"]
     job = ConfigManager().parse_args(args)
     with pytest.raises(ConfigError) as info:
-        next(iter(build_dataloader(job, None, tokenizer or ByteTokenizer())))
+        next(iter(build_dataloader(job.training, None, tokenizer or ByteTokenizer())))
     message = str(info.value)
     assert "\n" not in message and info.value.__cause__ is None
     return message
@@ -276,7 +276,7 @@ def test_bad_lines_name_the_file_line_and_field(tmp_path, row, expected):
 def test_missing_dataset_path_is_a_config_error():
     job = ConfigManager().parse_args(["--training.dataset", "chat"])
     with pytest.raises(ConfigError, match=r"^training.dataset_path: dataset 'chat' reads local files"):
-        build_dataloader(job, None, ByteTokenizer())
+        build_dataloader(job.training, None, ByteTokenizer())
 
 
 def test_hf_tokenizer_without_chat_template(chatml_dir, tmp_path):

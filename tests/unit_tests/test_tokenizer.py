@@ -4,13 +4,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import pytest
 from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
 
 from torchtitan.components.tokenizer import ByteTokenizer, HuggingFaceTokenizer, build_tokenizer
+from torchtitan.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = "def f(x):\n    return x + 1  # héllo ✓\n"
@@ -32,8 +33,8 @@ def bpe_dir(tmp_path_factory) -> Path:
     return train_tokenizer_script.train_tokenizer(out, vocab_size=384, max_docs=60)
 
 
-def _job(tokenizer_path=None, hf_assets_path=None) -> SimpleNamespace:
-    return SimpleNamespace(model=SimpleNamespace(tokenizer_path=tokenizer_path, hf_assets_path=hf_assets_path))
+def _job(tokenizer_path=None, hf_assets_path=None) -> ModelConfig:
+    return ModelConfig(tokenizer_path=tokenizer_path, hf_assets_path=hf_assets_path)
 
 
 def _with_bos_post_processor(bpe_dir: Path, out: Path, with_config: bool) -> Path:

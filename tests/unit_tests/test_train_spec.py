@@ -44,7 +44,7 @@ def test_apply_to_train_specs_rewrites_builders():
     try:
         apply_to_train_specs(wrap)
         get_train_spec("llama3").build_optimizers_fn([__import__("torch").nn.Linear(1, 1)],
-                                                     ConfigManager().parse_args([]), None)
+                                                     ConfigManager().parse_args([]).optimizer, None)
         assert calls == [1]
     finally:
         spec.build_optimizers_fn = original
@@ -53,7 +53,7 @@ def test_apply_to_train_specs_rewrites_builders():
 class _Recorder:
     seen = []
 
-    def __init__(self, job_config, parallel_dims):
+    def __init__(self, settings, parallel_dims):
         pass
 
     def convert(self, model):

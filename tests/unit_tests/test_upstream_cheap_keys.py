@@ -31,8 +31,8 @@ def _config(*args: str):
 def _lrs(*args: str, steps: int) -> list[float]:
     config = _config("--optimizer.lr", "1.0", "--optimizer.implementation", "for-loop",
                      "--lr_scheduler.warmup_steps", "0", *args)
-    optimizers = build_optimizers([nn.Linear(2, 2)], config, None)
-    schedulers = build_lr_schedulers(optimizers, config)
+    optimizers = build_optimizers([nn.Linear(2, 2)], config.optimizer, None)
+    schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
     seen = []
     for _ in range(steps):
         seen.append(optimizers.param_groups[0]["lr"])
@@ -54,7 +54,7 @@ def _profiled_steps(tmp_path, warmup: int, active: int) -> list[int]:
     config = _config("--profiling.enable_profiling", "--profiling.profile_freq", "4",
                      "--profiling.profiler_warmup", str(warmup), "--profiling.profiler_active",
                      str(active), "--job.dump_folder", str(tmp_path))
-    with maybe_enable_profiling(config) as profiler:
+    with maybe_enable_profiling(config.profiling, config.job.dump_folder) as profiler:
         for _ in range(4):
             torch.ones(8).sum()
             profiler.step()
@@ -136,8 +136,8 @@ def test_validation_loader_uses_validation_dataloader_options(monkeypatch) -> No
     monkeypatch.setattr(dataloader.TextDataLoader, "__init__", recording_init)
     config = _config("--validation.seq_len", "16", "--training.seq_len", "16",
                      "--validation.dataloader.pin_memory")
-    build_dataloader(config, None, ByteTokenizer(), split="validation")
-    build_dataloader(config, None, ByteTokenizer())
+    build_dataloader(config.validation, None, ByteTokenizer(), split="validation")
+    build_dataloader(config.training, None, ByteTokenizer())
     assert requested == [True, False]
 
 
@@ -145,5 +145,6 @@ def test_flight_recorder_files_use_the_configured_prefix(tmp_path, monkeypatch) 
     from torchtitan.distributed.utils import _set_nccl_env
 
     monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", raising=False)
-    _set_nccl_env(_config("--job.dump_folder", str(tmp_path), "--comm.save_traces_file_prefix", "trace_"))
+    config = _config("--job.dump_folder", str(tmp_path), "--comm.save_traces_file_prefix", "trace_")
+    _set_nccl_env(config.comm, config.job.dump_folder)
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "comm_traces" / "trace_")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tests.layouts import single_process_dims
 from torchtitan.layers.loss import cross_entropy_sum
-from torchtitan.components.metrics import build_metrics_processor
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.tokenizer import ByteTokenizer
 from torchtitan.components.validate import build_validator
 from torchtitan.config import ConfigError, ConfigManager
@@ -50,7 +50,8 @@ def _job_config(tmp_path, steps: int = -1):
 
 def _validator(tmp_path, steps: int = -1, metrics_processor=None):
     return build_validator(
-        job_config=_job_config(tmp_path, steps),
+        validation=_job_config(tmp_path, steps).validation,
+        reset_positions=False,
         parallel_dims=single_process_dims(),
         tokenizer=ByteTokenizer(),
         loss_fn=cross_entropy_sum,
@@ -113,8 +114,10 @@ def test_model_is_back_in_train_mode(model, tmp_path) -> None:
 
 def test_writes_validation_jsonl_and_tensorboard(model, tmp_path) -> None:
     scalars = []
-    processor = build_metrics_processor(_job_config(tmp_path, 1), single_process_dims(), torch.device("cpu"),
-                                        0, owns_loss=True, compute_dtype=torch.float32)
+    config = _job_config(tmp_path, 1)
+    processor = MetricsProcessor(config.metrics, dump_folder=config.job.dump_folder, total_steps=config.training.steps,
+                                 parallel_dims=single_process_dims(), device=torch.device("cpu"), flops_per_token=0,
+                                 owns_loss=True, compute_dtype=torch.float32)
     processor.tb = SimpleNamespace(add_scalar=lambda tag, value, step: scalars.append((tag, step)))
     (tmp_path / "validation.jsonl").write_text('{"step": 2, "validation_loss": 9.0}\n')  # a stale run
     validator = _validator(tmp_path, steps=1, metrics_processor=processor)

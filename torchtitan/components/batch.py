@@ -22,37 +22,24 @@ class MicroBatch:
     document_ids: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class InputRules:
-    """How a batch becomes model inputs (from the job config)."""
-
-    reset_positions: bool = False
-    cp_load_balancer: str = "headtail"
-
-    @classmethod
-    def from_config(cls, job_config) -> InputRules:
-        return cls(
-            reset_positions=job_config.training.reset_position_ids_per_document,
-            cp_load_balancer=job_config.parallelism.context_parallel_load_balancer,
-        )
-
-
 def model_inputs(
-    batch: MicroBatch, parallel_dims: ParallelDims, rules: InputRules
+    batch: MicroBatch, parallel_dims: ParallelDims, reset_positions: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``(inputs, labels, model kwargs)`` of this rank: under context parallel its share of
     the sequences with their global positions; the document ids of the whole sequences (the
     attention kernels read the sequence length from them and mask documents under
-    block_causal), and positions restarting at each document when asked."""
+    block_causal), and positions restarting at each document with ``reset_positions``
+    (``training.reset_position_ids_per_document``)."""
     inputs, labels, document_ids = batch.inputs, batch.labels, batch.document_ids
     kwargs: dict[str, torch.Tensor] = {}
     positions = None
-    if document_ids is not None and rules.reset_positions:
+    if document_ids is not None and reset_positions:
         positions = document_positions(document_ids)
     if parallel_dims.cp_enabled:
         cp_mesh = parallel_dims.world_mesh["cp"]
-        inputs, labels, cp_positions = shard_batch_for_cp(inputs, labels, cp_mesh, rules.cp_load_balancer)
-        positions = cp_positions if positions is None else cp_shard(positions, 1, cp_mesh, rules.cp_load_balancer)
+        balancer = parallel_dims.cp_load_balancer
+        inputs, labels, cp_positions = shard_batch_for_cp(inputs, labels, cp_mesh, balancer)
+        positions = cp_positions if positions is None else cp_shard(positions, 1, cp_mesh, balancer)
     if positions is not None:
         kwargs["positions"] = positions
     if document_ids is not None:

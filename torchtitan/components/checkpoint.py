@@ -26,11 +26,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -52,6 +53,11 @@ from torchtitan.config import ConfigError
 from torchtitan.datasets.packing import merge_data_states
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
 from torchtitan.tools.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan.config import CheckpointConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols import StateDictAdapter
 
 MANIFEST = MANIFEST_FILE
 FORMAT = "torchtitan-dcp-1"
@@ -122,14 +128,13 @@ def _not_a_folder_error(path: Path) -> str:
     return f"checkpoint.initial_load_path: {path} is not a checkpoint folder"
 
 
-def check_checkpoint_inputs(job_config: Any) -> None:
+def check_checkpoint_inputs(config: CheckpointConfig, dump_folder: str) -> None:
     """Refuse, before any process starts, a ``checkpoint.load_step`` or
     ``checkpoint.initial_load_path`` that names nothing on disk. Loading checks the same
     again, and the contents, on rank 0."""
-    config = job_config.checkpoint
     if not config.enable or config.create_seed_checkpoint:
         return
-    root = Path(job_config.job.dump_folder) / config.folder
+    root = Path(dump_folder) / config.folder
     folders = step_folders(root)
     if config.load_step != -1 and config.load_step not in folders:
         raise ConfigError(_missing_step_error(root, config.load_step))
@@ -219,21 +224,22 @@ class _PendingSave:
 
 
 class CheckpointManager:
-    """Saves and loads the whole training state; see the module docstring for the format.
+    """Saves and loads the whole training state of the ``[checkpoint]`` section under
+    ``{dump_folder}/{checkpoint.folder}``; see the module docstring for the format.
 
     ``states`` holds extra Stateful objects whose state_dict() is plain JSON data (the
-    trainer's ``{"step": N}``). Coordination uses a dedicated gloo group, so that async saves
-    never interleave with training collectives; the data-loader state is gathered over
-    ``parallel_dims.world_mesh["dp"]``.
+    trainer's ``{"step": N}``). ``state_dict_adapter``: the model's Hugging Face mapping, for
+    ``initial_load_in_hf`` and ``last_save_in_hf`` (None: the model has none). Coordination
+    uses a dedicated gloo group, so that async saves never interleave with training
+    collectives; the data-loader state is gathered over ``parallel_dims.world_mesh["dp"]``.
     """
 
-    def __init__(self, *, dataloader, model_parts, optimizers, lr_schedulers,
-                 states: dict[str, Any], job_config, parallel_dims, train_spec=None,
-                 model_args=None) -> None:
-        self.config = job_config.checkpoint
-        self.train_spec = train_spec
-        self.model_args = model_args
-        self.hf_assets_path = job_config.model.hf_assets_path
+    def __init__(self, checkpoint: CheckpointConfig, *, dump_folder: str, dataloader: Any,
+                 model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any,
+                 states: dict[str, Any], parallel_dims: ParallelDims,
+                 state_dict_adapter: StateDictAdapter | None = None) -> None:
+        self.config = checkpoint
+        self.state_dict_adapter = state_dict_adapter
         self.enable = self.config.enable
         self.dataloader = dataloader
         self.model_parts = model_parts
@@ -241,11 +247,10 @@ class CheckpointManager:
         self.lr_schedulers = lr_schedulers
         self.states = dict(states)
         self.parallel_dims = parallel_dims
-        self.root = Path(job_config.job.dump_folder) / self.config.folder
+        self.root = Path(dump_folder) / self.config.folder
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.excluded = self._check_exclusions(self.config.exclude_from_loading)
-        self._check_hf_export()
         self._async = self.config.async_mode != "disabled"
         self._pending: _PendingSave | None = None
         self._stager = None
@@ -268,18 +273,6 @@ class CheckpointManager:
                 f"choose from {', '.join(valid)}"
             )
         return set(names)
-
-    def _check_hf_export(self) -> None:
-        """With last_save_in_hf, fail at start-up, not after training, when the model has no
-        Hugging Face equivalent (e.g. a softmax-routed DeepSeek-V3 flavor)."""
-        if not (self.enable and self.config.last_save_in_hf) or self.model_args is None:
-            return
-        field = "checkpoint.last_save_in_hf"
-        adapter = self._adapter(field)
-        try:
-            adapter.hf_config()
-        except (ValueError, NotImplementedError) as e:
-            raise ConfigError(f"{field}: {e}") from None
 
     @staticmethod
     def _pinned_memory_stager() -> DefaultStager | None:
@@ -465,10 +458,10 @@ class CheckpointManager:
             self._load(Path(choice.path), choice.manifest, choice.model_only)
         return True
 
-    def _adapter(self, field: str):
-        if self.train_spec is None or self.train_spec.state_dict_adapter is None:
+    def _adapter(self, field: str) -> StateDictAdapter:
+        if self.state_dict_adapter is None:
             raise ConfigError(f"{field}: this model has no Hugging Face state-dict adapter")
-        return self.train_spec.state_dict_adapter(self.model_args, self.hf_assets_path)
+        return self.state_dict_adapter
 
     def _load_hf(self, path: Path) -> None:
         field = "checkpoint.initial_load_path"
@@ -545,7 +538,8 @@ class CheckpointManager:
         return _LoadChoice(str(folders[step]), manifest, manifest["model_only"])
 
     def _choose_hf(self) -> _LoadChoice:
-        path = self.config.initial_load_path or self.hf_assets_path
+        adapter = self.state_dict_adapter
+        path = self.config.initial_load_path or (adapter.hf_assets_path if adapter is not None else None)
         if not path:
             return _LoadChoice(error=(
                 "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path (or "

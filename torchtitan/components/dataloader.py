@@ -27,7 +27,8 @@ from torchtitan.datasets.packing import EncodedDocument, Encoder, PartitionItem,
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
-    from torchtitan.config import JobConfig
+    from torchtitan.config import TrainingConfig, ValidationConfig
+    from torchtitan.distributed import ParallelDims
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -231,22 +232,23 @@ def _mesh_global_min(mesh: Any) -> Callable[[int], int]:
 
 
 def build_dataloader(
-    job_config: JobConfig, parallel_dims: Any, tokenizer: BaseTokenizer, split: str = "train"
+    data: TrainingConfig | ValidationConfig, parallel_dims: ParallelDims | None, tokenizer: BaseTokenizer,
+    split: str = "train",
 ) -> TextDataLoader:
-    """The train loader (infinite) or the validation loader (finite) of ``job_config``.
+    """The train loader (infinite, from ``[training]``) or the validation loader (finite, from
+    ``[validation]``): ``data`` is that section.
 
-    Each uses its section's ``dataloader`` options (``training.dataloader`` or
-    ``validation.dataloader``); the finite validation loader reads in the training process
-    (``num_workers`` 0). Bad data or data fields raise ``ConfigError``.
+    Each uses its section's ``dataloader`` options; the finite validation loader reads in the
+    training process (``num_workers`` 0). Bad data or data fields raise ``ConfigError``.
     """
     dp_rank, dp_degree, mesh = _dp_layout(parallel_dims)
     if split == "train":
-        section, config = "training", job_config.training
+        section, config = "training", data
         infinite, global_min = True, None
         if parallel_dims is not None:
             dp_rank, dp_degree = parallel_dims.data_layout()
     elif split == "validation":
-        section, config = "validation", job_config.validation
+        section, config = "validation", data
         infinite, global_min = False, None if mesh is None else _mesh_global_min(mesh)
     else:
         raise ValueError(f"unknown data split {split!r}; expected 'train' or 'validation'")

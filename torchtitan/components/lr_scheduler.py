@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.tools.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan.config import LRSchedulerConfig
 
 
 def lr_factor(
@@ -80,10 +85,11 @@ class LRSchedulersContainer(Stateful):
             s.load_state_dict(dict(state_dict))
 
 
-def configured_lr_factor(job_config) -> Callable[[int], float]:
-    """step index -> learning-rate factor, for the schedule ``job_config`` describes."""
-    cfg = job_config.lr_scheduler
-    total = cfg.total_steps or job_config.training.steps
+def configured_lr_factor(lr_scheduler: LRSchedulerConfig, training_steps: int) -> Callable[[int], float]:
+    """step index -> learning-rate factor, for the ``[lr_scheduler]`` schedule (its length
+    ``lr_scheduler.total_steps``, default ``training_steps``)."""
+    cfg = lr_scheduler
+    total = cfg.total_steps or training_steps
     warmup, decay = schedule_lengths(total, cfg.warmup_steps, cfg.decay_ratio)
     return functools.partial(
         lr_factor, warmup_steps=warmup, decay_steps=decay, total_steps=total,
@@ -91,5 +97,7 @@ def configured_lr_factor(job_config) -> Callable[[int], float]:
     )
 
 
-def build_lr_schedulers(optimizers, job_config) -> LRSchedulersContainer:
-    return LRSchedulersContainer(optimizers, configured_lr_factor(job_config))
+def build_lr_schedulers(
+    optimizers: Iterable[torch.optim.Optimizer], lr_scheduler: LRSchedulerConfig, training_steps: int
+) -> LRSchedulersContainer:
+    return LRSchedulersContainer(optimizers, configured_lr_factor(lr_scheduler, training_steps))

@@ -9,7 +9,6 @@ run whose config is the job config (project from ``WANDB_PROJECT``, default ``to
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -17,13 +16,17 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import peak_flops, peak_memory_gib
+
+if TYPE_CHECKING:
+    from torchtitan.config import MetricsConfig
+    from torchtitan.distributed import ParallelDims
 
 
 class _Colors:
@@ -45,27 +48,37 @@ class StepTimer:
 
 
 class MetricsProcessor:
+    """The ``[metrics]`` outputs of one rank. ``run_config``: the whole job config as plain
+    data (a Weights & Biases run records it); ``description``: ``job.description``."""
+
     def __init__(
         self,
-        job_config,
-        parallel_dims,
+        metrics: MetricsConfig,
+        *,
+        dump_folder: str,
+        total_steps: int,
+        parallel_dims: ParallelDims,
         device: torch.device,
         flops_per_token: int,
         owns_loss: bool,
         compute_dtype: torch.dtype,
+        run_config: dict[str, Any] | None = None,
+        description: str = "",
     ) -> None:
-        self.job_config = job_config
+        self.config = metrics
         self.parallel_dims = parallel_dims
         self.device = device
         self.flops_per_token = flops_per_token
         self.owns_loss = owns_loss
-        self.total_steps = job_config.training.steps
-        self.colors = _Colors(not job_config.metrics.disable_color_printing and sys.stderr.isatty())
+        self.total_steps = total_steps
+        self.run_config = run_config or {}
+        self.description = description
+        self.colors = _Colors(not metrics.disable_color_printing and sys.stderr.isatty())
         self.peak_flops = peak_flops(device, compute_dtype)
         self.timer = StepTimer()
         self.total_tokens = 0
         self.run_start = time.perf_counter()
-        dump = Path(job_config.job.dump_folder)
+        dump = Path(dump_folder)
         self.jsonl_path = dump / "metrics.jsonl" if owns_loss else None
         self.jsonl = None
         self.validation_jsonl_started = False
@@ -73,7 +86,7 @@ class MetricsProcessor:
         self.wandb = self._build_wandb(dump)
 
     def _build_wandb(self, dump: Path):
-        if not self.job_config.metrics.enable_wandb or not self.owns_loss:
+        if not self.config.enable_wandb or not self.owns_loss:
             return None
         import wandb
 
@@ -82,7 +95,8 @@ class MetricsProcessor:
             return wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "torchtitan"),
                 dir=str(dump),
-                config=dataclasses.asdict(self.job_config),
+                config=self.run_config,
+                notes=self.description or None,
             )
         except wandb.errors.Error as e:
             message = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -91,7 +105,7 @@ class MetricsProcessor:
             ) from None
 
     def _build_tensorboard(self, dump: Path):
-        cfg = self.job_config.metrics
+        cfg = self.config
         if not cfg.enable_tensorboard or not (self.owns_loss or cfg.save_for_all_ranks):
             return None
         from torch.utils.tensorboard import SummaryWriter
@@ -99,10 +113,13 @@ class MetricsProcessor:
         folder = dump / cfg.save_tb_folder / datetime.now().strftime("%Y%m%d-%H%M")
         if cfg.save_for_all_ranks:
             folder = folder / f"rank_{self.parallel_dims.world_mesh.get_rank()}"
-        return SummaryWriter(str(folder))
+        writer = SummaryWriter(str(folder))
+        if self.description:
+            writer.add_text("job/description", self.description)
+        return writer
 
     def should_log(self, step: int) -> bool:
-        return step == 1 or step % self.job_config.metrics.log_freq == 0
+        return step == 1 or step % self.config.log_freq == 0
 
     def record_step(self, tokens: int, data_seconds: float) -> None:
         """Called every step with this rank's tokens and data-loading time (no syncs)."""
@@ -208,9 +225,3 @@ def _format_seconds(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}"
-
-
-def build_metrics_processor(job_config, parallel_dims, device, flops_per_token, owns_loss,
-                            compute_dtype) -> MetricsProcessor:
-    return MetricsProcessor(job_config, parallel_dims, device, flops_per_token, owns_loss,
-                            compute_dtype)

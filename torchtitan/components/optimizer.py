@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.layers.moe import moe_layers, update_expert_biases
 from torchtitan.tools.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan.config import OptimizerConfig
+    from torchtitan.distributed import ParallelDims
 
 _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
@@ -88,8 +92,11 @@ def _fused_supported_devices() -> tuple[str, ...]:
     return tuple(_get_fused_kernels_supported_devices())
 
 
-def build_optimizers(model_parts: list[nn.Module], job_config, parallel_dims) -> OptimizersContainer:
-    cfg = job_config.optimizer
+def build_optimizers(
+    model_parts: list[nn.Module], optimizer: OptimizerConfig, parallel_dims: ParallelDims | None
+) -> OptimizersContainer:
+    """One ``optimizer.name`` optimizer per model part over its trainable parameters."""
+    cfg = optimizer
     param = next(p for part in model_parts for p in part.parameters())
     kwargs = {
         "lr": cfg.lr,
@@ -101,11 +108,13 @@ def build_optimizers(model_parts: list[nn.Module], job_config, parallel_dims) ->
     return OptimizersContainer(model_parts, _OPTIMIZERS[cfg.name], kwargs)
 
 
-def build_moe_optimizers(model_parts: list[nn.Module], job_config, parallel_dims) -> OptimizersContainer:
+def build_moe_optimizers(
+    model_parts: list[nn.Module], optimizer: OptimizerConfig, parallel_dims: ParallelDims
+) -> OptimizersContainer:
     """``build_optimizers`` plus a step pre-hook per model part that updates its MoE
     layers' expert biases (aux-loss-free load balancing, with the token counts of the
     gradients about to be applied)."""
-    optimizers = build_optimizers(model_parts, job_config, parallel_dims)
+    optimizers = build_optimizers(model_parts, optimizer, parallel_dims)
     group = parallel_dims.world_mesh["dp_cp"].get_group() if parallel_dims.dp_cp_enabled else None
     for part, optimizer in zip(model_parts, optimizers):
         moes = list(moe_layers([part]).values())

@@ -13,13 +13,22 @@ part: hardware, model and layout checks that fail with one line before any proce
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config import (
+    ConfigError,
+    Float8GroupedMMConfig,
+    Float8LinearConfig,
+    ModelConfig,
+    MXGroupedMMConfig,
+    MXLinearConfig,
+    QuantizeConfig,
+)
 from torchtitan.distributed import ParallelDims
 from torchtitan.layers.moe import GroupedExperts
 from torchtitan.protocols.model_converter import register_model_converter
@@ -84,17 +93,19 @@ def count_linears(model: nn.Module) -> int:
 class Float8LinearConverter:
     """Swaps eligible linears for torchao ``Float8Linear``s with the configured recipe."""
 
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    def __init__(self, settings: Float8LinearConfig, parallel_dims: ParallelDims | None) -> None:
         _import_torchao()
-        self.settings = job_config.quantize.linear.float8
-        self.fsdp_float8_all_gather = self.settings.enable_fsdp_float8_all_gather and parallel_dims.fsdp_enabled
+        self.settings = settings
+        fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled
+        self.fsdp_float8_all_gather = settings.enable_fsdp_float8_all_gather and fsdp
         self.precompute_scales = self.fsdp_float8_all_gather and self.settings.precompute_float8_dynamic_scale_for_fsdp
 
     def convert(self, model: nn.Module) -> None:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig as TorchaoFloat8LinearConfig
+        from torchao.float8 import convert_to_float8_training
 
         config = replace(
-            Float8LinearConfig.from_recipe_name(self.settings.recipe),
+            TorchaoFloat8LinearConfig.from_recipe_name(self.settings.recipe),
             emulate=self.settings.emulate,
             enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather,
         )
@@ -127,9 +138,9 @@ class MXLinearConverter:
     """Eligible linears keep their class; their weights become torchao MXFP8 training
     tensors whose matmuls quantize both operands to MXFP8."""
 
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    def __init__(self, settings: MXLinearConfig, parallel_dims: ParallelDims | None) -> None:
         _import_torchao()
-        self.settings = job_config.quantize.linear.mx
+        self.settings = settings
 
     def convert(self, model: nn.Module) -> None:
         from torchao.quantization import quantize_
@@ -150,12 +161,9 @@ class GroupedMMConverter:
 
     name = FLOAT8_GROUPED_MM
 
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    def __init__(self, settings: Float8GroupedMMConfig | MXGroupedMMConfig, parallel_dims: ParallelDims | None) -> None:
         _import_torchao()
-        self.job_config = job_config
-
-    def settings(self) -> Any:
-        return self.job_config.quantize.grouped_mm.float8
+        self.settings = settings
 
     def op_config(self) -> Any:
         from torchao.prototype.moe_training.config import Float8TrainingOpConfig
@@ -165,7 +173,7 @@ class GroupedMMConverter:
     def convert(self, model: nn.Module) -> None:
         from torchao.quantization import quantize_
 
-        fqns = self.settings().fqns
+        fqns = self.settings.fqns
         converted: list[str] = []
 
         def selected(module: nn.Module, fqn: str) -> bool:
@@ -188,33 +196,27 @@ class MXGroupedMMConverter(GroupedMMConverter):
 
     name = MX_GROUPED_MM
 
-    def settings(self) -> Any:
-        return self.job_config.quantize.grouped_mm.mx
-
     def op_config(self) -> Any:
-        return _mx_config(self.settings().recipe_name, emulate=False)
+        return _mx_config(self.settings.recipe_name, emulate=False)
 
 
 for _name in FLOAT8_LINEAR:
-    register_model_converter(Float8LinearConverter, _name)
+    register_model_converter(Float8LinearConverter, _name, config_section="quantize.linear.float8")
 for _name in MX_LINEAR:
-    register_model_converter(MXLinearConverter, _name)
-register_model_converter(GroupedMMConverter, FLOAT8_GROUPED_MM)
-register_model_converter(MXGroupedMMConverter, MX_GROUPED_MM)
+    register_model_converter(MXLinearConverter, _name, config_section="quantize.linear.mx")
+register_model_converter(GroupedMMConverter, FLOAT8_GROUPED_MM, config_section=FLOAT8_GROUPED_MM)
+register_model_converter(MXGroupedMMConverter, MX_GROUPED_MM, config_section=MX_GROUPED_MM)
 
 
 # ---------------------------------------------------------------------------- preflight
-def float8_linear_enabled(job_config: JobConfig) -> bool:
-    return any(name in job_config.model.converters for name in FLOAT8_LINEAR)
-
-
-def check_quantization(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Any,
-                       device_type: str) -> None:
-    """Hardware, model and layout checks of the quantize converters (one line each)."""
-    converters = job_config.model.converters
-    linear = job_config.quantize.linear
+def check_quantization(model: ModelConfig, quantize: QuantizeConfig, parallel_dims: ParallelDims,
+                       model_args: Any, device_type: str) -> None:
+    """Hardware, model and layout checks of the quantize converters named in
+    ``model.converters`` (one line each)."""
+    converters = model.converters
+    linear = quantize.linear
     capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
-    if float8_linear_enabled(job_config):
+    if any(name in converters for name in FLOAT8_LINEAR):
         _check_hardware("quantize.linear.float8", "float8", linear.float8.emulate, device_type,
                         capability, FLOAT8_SM)
         if linear.float8.enable_fsdp_float8_all_gather and not parallel_dims.fsdp_enabled:
@@ -226,7 +228,8 @@ def check_quantization(job_config: JobConfig, parallel_dims: ParallelDims, model
         _check_hardware("quantize.linear.mx", "MXFP8", linear.mx.emulate, device_type, capability, MX_SM)
     for name, sm in ((FLOAT8_GROUPED_MM, FLOAT8_GROUPED_SM), (MX_GROUPED_MM, MX_SM)):
         if name in converters:
-            _check_grouped_mm(name, job_config, model_args, device_type, capability, sm)
+            section = quantize.grouped_mm.float8 if name == FLOAT8_GROUPED_MM else quantize.grouped_mm.mx
+            _check_grouped_mm(name, model, section.fqns, model_args, device_type, capability, sm)
 
 
 def _check_hardware(field: str, what: str, emulate: bool, device_type: str,
@@ -242,13 +245,12 @@ def _check_hardware(field: str, what: str, emulate: bool, device_type: str,
                           f"{what} matmuls (needs {sm}+); set --{field}.emulate or drop the converter")
 
 
-def _check_grouped_mm(name: str, job_config: JobConfig, model_args: Any, device_type: str,
+def _check_grouped_mm(name: str, model: ModelConfig, fqns: list[str], model_args: Any, device_type: str,
                       capability: tuple[int, int] | None, min_sm: tuple[int, int]) -> None:
     if getattr(model_args, "moe", None) is None:
-        raise ConfigError(f"model.converters: {name} needs a MoE model; {job_config.model.name} "
-                          f"{job_config.model.flavor} has no routed experts")
-    section = job_config.quantize.grouped_mm.float8 if name == FLOAT8_GROUPED_MM else job_config.quantize.grouped_mm.mx
-    if not section.fqns:
+        raise ConfigError(f"model.converters: {name} needs a MoE model; {model.name} "
+                          f"{model.flavor} has no routed experts")
+    if not fqns:
         raise ConfigError(f"{name}.fqns: empty; name the expert modules to convert, e.g. experts")
     sm = f"SM{min_sm[0]}{min_sm[1]}"
     if device_type != "cuda" or (capability is not None and capability < min_sm):
@@ -258,12 +260,20 @@ def _check_grouped_mm(name: str, job_config: JobConfig, model_args: Any, device_
 
 
 # ---------------------------------------------------------------------------- tensor parallel
-def float8_tensorwise_tp(job_config: JobConfig, device_type: str) -> bool:
-    """Tensorwise float8 linears under TP take torchao's float8 styles (activations are
-    all-gathered in float8) on CUDA; other recipes keep the plain styles, and so does gloo
-    (CPU), which cannot all-gather float8 tensors."""
-    return (device_type == "cuda" and float8_linear_enabled(job_config)
-            and job_config.quantize.linear.float8.recipe == "tensorwise")
+def float8_tensorwise_tp(model: nn.Module, device_type: str) -> bool:
+    """Whether ``model``'s tensor-parallel plans take torchao's float8 styles (activations
+    all-gathered in float8): on CUDA, when the float8 converter gave it tensorwise-scaled
+    ``Float8Linear``s. Other recipes keep the plain styles, and so does gloo (CPU), which
+    cannot all-gather float8 tensors. Read from the converted model itself; torchao is not
+    imported for a model that no float8 converter touched."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    if device_type != "cuda" or float8_linear is None:
+        return False
+    from torchao.float8.config import ScalingGranularity
+
+    return any(isinstance(m, float8_linear.Float8Linear)
+               and m.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
+               for m in model.modules())
 
 
 def with_float8_styles(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from torchtitan.protocols.tokenizer import BaseTokenizer
 if TYPE_CHECKING:
     from tokenizers import AddedToken, Tokenizer
 
-    from torchtitan.config import JobConfig
+    from torchtitan.config import ModelConfig
 
 
 _BYTE_CHAT_TEMPLATE = (
@@ -271,17 +271,17 @@ def _find_chat_template(folder: Path, config: dict[str, Any], field: str) -> str
     )
 
 
-def build_tokenizer(job_config: JobConfig) -> BaseTokenizer:
+def build_tokenizer(model: ModelConfig) -> BaseTokenizer:
     """``model.tokenizer_path`` if set, else ``model.hf_assets_path``, else the byte tokenizer.
 
     ``model.tokenizer_path = "byte"`` selects the byte tokenizer explicitly.
     """
-    tokenizer_path = getattr(job_config.model, "tokenizer_path", None)
+    tokenizer_path = getattr(model, "tokenizer_path", None)
     if tokenizer_path == "byte":
         return ByteTokenizer()
     if tokenizer_path:
         return HuggingFaceTokenizer(tokenizer_path, field="model.tokenizer_path")
-    hf_assets_path = getattr(job_config.model, "hf_assets_path", None)
+    hf_assets_path = getattr(model, "hf_assets_path", None)
     if hf_assets_path:
         return HuggingFaceTokenizer(hf_assets_path, field="model.hf_assets_path")
     return ByteTokenizer()

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,12 +23,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.batch import InputRules, MicroBatch, model_inputs
+from torchtitan.components.batch import MicroBatch, model_inputs
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.layers.loss import GlobalTokenMeanLoss, LossFn, valid_tokens
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan.config import ValidationConfig
+    from torchtitan.protocols import BaseTokenizer
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -59,10 +63,10 @@ class Validator:
         parallel_dims: ParallelDims,
         pipeline: PipelineEval | None = None,
         metrics_processor: MetricsProcessor | None = None,
-        input_rules: InputRules = InputRules(),
+        reset_positions: bool = False,
     ) -> None:
         self.dataloader = dataloader
-        self.input_rules = input_rules
+        self.reset_positions = reset_positions
         self.loss_fn = loss_fn
         self.train_context = train_context
         self.freq = freq
@@ -101,7 +105,7 @@ class Validator:
             inputs, labels = input_dict["input"].to(device), labels.to(device)
             document_ids = input_dict.get("document_ids")
             batch = MicroBatch(inputs, labels, None if document_ids is None else document_ids.to(device))
-            inputs, labels, kwargs = model_inputs(batch, self.parallel_dims, self.input_rules)
+            inputs, labels, kwargs = model_inputs(batch, self.parallel_dims, self.reset_positions)
             with self.train_context():
                 if self.pipeline is not None:
                     loss = self._pipeline_loss(inputs, labels, kwargs)
@@ -169,28 +173,29 @@ def _reshard(model: nn.Module) -> None:
 
 def build_validator(
     *,
-    job_config,
-    parallel_dims,
-    tokenizer,
+    validation: ValidationConfig,
+    reset_positions: bool,
+    parallel_dims: ParallelDims,
+    tokenizer: BaseTokenizer,
     loss_fn: LossFn,
     train_context: Callable[[], AbstractContextManager],
     metrics_processor: MetricsProcessor | None = None,
     pipeline: PipelineEval | None = None,
 ) -> Validator:
-    """The train spec's ``build_validator_fn``. Under PP it needs the trainer's schedule
-    (``pipeline``)."""
+    """The train spec's ``build_validator_fn``: the ``[validation]`` split scored every
+    ``validation.freq`` steps (``reset_positions``: ``training.reset_position_ids_per_document``).
+    Under PP it needs the trainer's schedule (``pipeline``)."""
     if parallel_dims.pp_enabled and pipeline is None:
         raise ValueError("build_validator: pipeline parallel needs the trainer's schedule (pipeline=...)")
-    config = job_config.validation
     return Validator(
-        dataloader=build_dataloader(job_config, parallel_dims, tokenizer, split="validation"),
+        dataloader=build_dataloader(validation, parallel_dims, tokenizer, split="validation"),
         loss_fn=loss_fn,
         train_context=train_context,
-        freq=config.freq,
-        steps=config.steps,
+        freq=validation.freq,
+        steps=validation.steps,
         parallel_dims=parallel_dims,
         pipeline=pipeline if parallel_dims.pp_enabled else None,
         metrics_processor=metrics_processor,
-        input_rules=InputRules.from_config(job_config),
+        reset_positions=reset_positions,
     )
 

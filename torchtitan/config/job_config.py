@@ -427,13 +427,6 @@ class ActivationCheckpointConfig:
     block); "never": recompute whole blocks, as upstream's layer-level AC does. The "op"
     policy always keeps it."""
 
-    def keeps_attention_output(self, parallelism: ParallelismConfig) -> bool:
-        """What ``save_attention_output`` means for this mode and parallel layout."""
-        if self.save_attention_output != "selective":
-            return self.save_attention_output == "always"
-        ring = parallelism.context_parallel_degree > 1 and parallelism.context_parallel_rotate_method == "alltoall"
-        return self.mode == "selective" and self.selective_ac_option != "op" and not ring
-
 
 @dataclass
 class CompileConfig:

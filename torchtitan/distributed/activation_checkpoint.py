@@ -8,6 +8,7 @@ attention, reduce-scatters and every other matmul are saved, everything else rec
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +16,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.tools.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan.config import ActivationCheckpointConfig
 
 _ATTENTION = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -66,6 +70,16 @@ def _save_attention_context():
     """Recompute the block but keep its attention output (and log-sum-exp): the attention
     kernel is the costliest op to recompute, its output one [tokens, heads x head_dim]."""
     return create_selective_checkpoint_contexts(_save_attention_policy)
+
+
+def keeps_attention_output(ac: ActivationCheckpointConfig, ring_cp: bool) -> bool:
+    """What ``activation_checkpoint.save_attention_output`` means for this AC mode: under
+    "selective" the blocks that every-N selective AC recomputes keep their attention output,
+    unless context parallel runs a ring (``ParallelDims.ring_cp``), which would keep every
+    ring step's partial output."""
+    if ac.save_attention_output != "selective":
+        return ac.save_attention_output == "always"
+    return ac.mode == "selective" and ac.selective_ac_option != "op" and not ring_cp
 
 
 def apply_ac(

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config import ConfigError
+from torchtitan.config import CommConfig, ConfigError, FaultToleranceConfig
 from torchtitan.tools.logging import logger
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -67,9 +67,8 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
         ) from None
 
 
-def check_fault_tolerance_inputs(job_config: Any) -> None:
+def check_fault_tolerance_inputs(ft: FaultToleranceConfig) -> None:
     """Before launch: the lighthouse is named, reachable, and the backend fits the machine."""
-    ft = job_config.fault_tolerance
     if not ft.enable:
         return
     if importlib.util.find_spec("torchft") is None:
@@ -139,11 +138,10 @@ class ReplicaGroups:
     """This rank's view of the replica groups: the torchft manager and the per-step calls
     the training step makes (quorum, token sum, gradient average, commit)."""
 
-    def __init__(self, job_config: Any, device: torch.device) -> None:
+    def __init__(self, ft: FaultToleranceConfig, comm: CommConfig, device: torch.device) -> None:
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        ft = job_config.fault_tolerance
         self.config = ft
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
         pg = ProcessGroupNCCL(timeout=timeout) if ft.process_group == "nccl" else ProcessGroupGloo(timeout=timeout)
@@ -158,8 +156,8 @@ class ReplicaGroups:
             # computes anything, and DiLoCo requires it
             use_async_quorum=False,
             timeout=timeout,
-            quorum_timeout=timedelta(seconds=max(60.0, job_config.comm.train_timeout_seconds)),
-            connect_timeout=timedelta(seconds=job_config.comm.init_timeout_seconds),
+            quorum_timeout=timedelta(seconds=max(60.0, comm.train_timeout_seconds)),
+            connect_timeout=timedelta(seconds=comm.init_timeout_seconds),
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             store_addr=store_host,

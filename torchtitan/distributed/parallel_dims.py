@@ -11,10 +11,13 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from torchtitan.config import FaultToleranceConfig, ParallelismConfig
 
 DEVICE_TYPE_ENV = "TORCHTITAN_DEVICE_TYPE"
 
@@ -104,6 +107,11 @@ class ParallelDims:
     """Fault tolerance: this job's replica group (the groups are separate jobs, each with
     this layout inside) and the number of groups; both only split the data."""
     replica_groups: int = 1
+    cp_rotate_method: str = "allgather"
+    """How context parallel exchanges keys and values (``allgather``, ``alltoall`` = the
+    ring, ``ulysses``) and how it balances the causal work over its ranks (``headtail``,
+    ``none``): read here by everything that shards, attends or estimates under CP."""
+    cp_load_balancer: str = "headtail"
     _world_mesh: WorldMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +176,12 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def ring_cp(self) -> bool:
+        """Context parallel passes key/value shards around a ring (one partial attention
+        output per ring step)."""
+        return self.cp_enabled and self.cp_rotate_method == "alltoall"
 
     @property
     def dp_cp_enabled(self) -> bool:
@@ -309,8 +323,12 @@ class ParallelDims:
         return self._degrees() + replicas
 
 
-def parallel_dims_from_config(job_config: Any, world_size: int) -> ParallelDims:
-    p = job_config.parallelism
+def parallel_dims_from_config(
+    parallelism: ParallelismConfig, fault_tolerance: FaultToleranceConfig, world_size: int
+) -> ParallelDims:
+    """The layout of the ``[parallelism]`` degrees on ``world_size`` processes (under fault
+    tolerance, one replica group of ``fault_tolerance.group_size``)."""
+    p, ft = parallelism, fault_tolerance
     return ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree,
@@ -320,6 +338,8 @@ def parallel_dims_from_config(job_config: Any, world_size: int) -> ParallelDims:
         ep=p.expert_parallel_degree,
         etp=p.expert_tensor_parallel_degree,
         world_size=world_size,
-        replica_id=job_config.fault_tolerance.replica_id if job_config.fault_tolerance.enable else 0,
-        replica_groups=job_config.fault_tolerance.group_size if job_config.fault_tolerance.enable else 1,
+        replica_id=ft.replica_id if ft.enable else 0,
+        replica_groups=ft.group_size if ft.enable else 1,
+        cp_rotate_method=p.context_parallel_rotate_method,
+        cp_load_balancer=p.context_parallel_load_balancer,
     )

@@ -11,6 +11,7 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,10 @@ from torch.distributed.pipelining.schedules import (
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
 SCHEDULES = [
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
@@ -61,10 +66,10 @@ def schedule_class(name: str, csv: str = "") -> type:
         ) from None
 
 
-def plan_stages(job_config, n_layers: int, pp_degree: int) -> StagePlan:
+def plan_stages(parallelism: ParallelismConfig, n_layers: int, pp_degree: int) -> StagePlan:
     """Decide the stages from split points, layers per stage, or an even split in which the
     embedding and the output count as ``first/last_stage_less_layers`` layers each."""
-    p = job_config.parallelism
+    p = parallelism
     cls = schedule_class(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
     multi = issubclass(cls, PipelineScheduleMulti)
     v_shaped = issubclass(cls, _V_SHAPED)
@@ -144,9 +149,11 @@ def _check_plan(plan: StagePlan, pp: int, multi: bool, v_shaped: bool, name: str
             )
 
 
-def microbatches(job_config, num_stages: int) -> int:
-    local = job_config.training.local_batch_size
-    size = job_config.parallelism.pipeline_parallel_microbatch_size
+def microbatches(parallelism: ParallelismConfig, local_batch_size: int, num_stages: int) -> int:
+    """Pipeline micro-batches per local batch (``training.local_batch_size`` over
+    ``parallelism.pipeline_parallel_microbatch_size``)."""
+    local = local_batch_size
+    size = parallelism.pipeline_parallel_microbatch_size
     if local % size != 0:
         raise ConfigError(
             f"training.local_batch_size ({local}) must be divisible by "
@@ -188,31 +195,31 @@ class BuiltPipeline:
 
 def pipeline_llm(
     model: nn.Module,
-    parallel_dims,
-    job_config,
+    parallel_dims: ParallelDims,
+    parallelism: ParallelismConfig,
+    local_batch_size: int,
     device: torch.device,
-    model_args,
-    parallelize_fn: Callable[..., nn.Module],
+    parallelize: Callable[[nn.Module], nn.Module],
     loss_fn: Callable,
 ) -> BuiltPipeline:
-    """Split ``model`` (on meta) into this rank's stages, parallelize each, and build the
-    schedule."""
+    """Split ``model`` (on meta) into this rank's stages, ``parallelize`` each (the train
+    spec's parallelize_fn with the run's settings), and build the schedule."""
     pp_mesh = parallel_dims.world_mesh["pp"]
     pp_rank, pp_degree = pp_mesh.get_local_rank(), pp_mesh.size()
-    plan = plan_stages(job_config, len(model.layers), pp_degree)
+    plan = plan_stages(parallelism, len(model.layers), pp_degree)
     stage_ids = plan.stages_of_rank(pp_rank, pp_degree)
     stages, parts = [], []
     for stage_id in stage_ids:
         first, last = stage_id == 0, stage_id == plan.num_stages - 1
         module = build_stage_module(model, plan.layers[stage_id], first, last)
-        module = parallelize_fn(module, parallel_dims, job_config)
+        module = parallelize(module)
         parts.append(module)
         stages.append(PipelineStage(module, stage_id, plan.num_stages, device, group=pp_mesh.get_group()))
         logger.info(f"pipeline stage {stage_id}: layers {plan.layers[stage_id]}"
                     f"{' + embedding' if first else ''}{' + output' if last else ''}")
-    p = job_config.parallelism
+    p = parallelism
     cls = schedule_class(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
-    n_micro = microbatches(job_config, plan.num_stages)
+    n_micro = microbatches(parallelism, local_batch_size, plan.num_stages)
     # scale_grads=False: each micro-batch's loss is already its share of the global-batch
     # mean (the recipe's GlobalTokenMeanLoss), so the gradients are summed as they are.
     if issubclass(cls, PipelineScheduleSingle):
@@ -227,12 +234,12 @@ def pipeline_llm(
     return BuiltPipeline(schedule, stages, parts, has_first, has_last)
 
 
-def loss_owner_rank(job_config, parallel_dims) -> int:
+def loss_owner_rank(parallelism: ParallelismConfig, parallel_dims: ParallelDims) -> int:
     """Global rank that owns the loss: the first rank of the pp coordinate holding the last
     stage. V-shaped schedules put the last stage on pp rank 0."""
     if not parallel_dims.pp_enabled:
         return 0
-    p = job_config.parallelism
+    p = parallelism
     cls = schedule_class(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
     last_pp_rank = 0 if issubclass(cls, _V_SHAPED) else parallel_dims.pp - 1
     return parallel_dims.first_rank_at("pp", last_pp_rank)

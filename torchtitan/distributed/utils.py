@@ -10,7 +10,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -22,21 +22,24 @@ from torchtitan.distributed.restarts import WORKER_START_ENV
 from torchtitan.distributed.parallel_dims import ParallelDims, default_device_type
 from torchtitan.tools.logging import logger
 
+if TYPE_CHECKING:
+    from torchtitan.config import CommConfig
 
-def init_distributed(job_config) -> torch.device:
-    """Pick the device from the machine (cuda+nccl, else cpu+gloo) and start the default
-    process group from torchrun's environment."""
+
+def init_distributed(comm: CommConfig, dump_folder: str, cpu_offload: bool = False) -> torch.device:
+    """Pick the device from the machine (cuda+nccl, else cpu+gloo; with ``cpu_offload`` also
+    gloo for the CPU tensors) and start the default process group from torchrun's environment."""
     device_type = default_device_type()
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        backend = "cuda:nccl,cpu:gloo" if job_config.training.enable_cpu_offload else "nccl"
-        _set_nccl_env(job_config)
+        backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+        _set_nccl_env(comm, dump_folder)
     else:
         device = torch.device(device_type)
         backend = "gloo" if device_type == "cpu" else dist.Backend.default_device_backend_map.get(device_type, "gloo")
     if not dist.is_initialized():
-        timeout = timedelta(seconds=job_config.comm.init_timeout_seconds)
+        timeout = timedelta(seconds=comm.init_timeout_seconds)
         attempt = os.environ.get(WORKER_START_ENV)
         if attempt is None:
             dist.init_process_group(backend=backend, timeout=timeout)
@@ -96,15 +99,15 @@ def _exit_status(code: object) -> int:
     return 1
 
 
-def _set_nccl_env(job_config) -> None:
+def _set_nccl_env(comm: CommConfig, dump_folder: str) -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    size = job_config.comm.trace_buf_size
+    size = comm.trace_buf_size
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(size))
     if size > 0:
-        folder = os.path.join(job_config.job.dump_folder, job_config.comm.save_traces_folder)
+        folder = os.path.join(dump_folder, comm.save_traces_folder)
         os.makedirs(folder, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        prefix = os.path.join(folder, job_config.comm.save_traces_file_prefix)
+        prefix = os.path.join(folder, comm.save_traces_file_prefix)
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from torchtitan.distributed.activation_checkpoint import keeps_attention_output
+
 GiB = 2**30
 
 
@@ -142,9 +144,9 @@ class Run:
     target: str = "cuda"
     pp_microbatch: int = 1
     pp_all_in_flight: bool = False  # GPipe, LoopedBFS: every micro-batch's forward before any backward
-    cp_rotate: str = "allgather"  # parallelism.context_parallel_rotate_method
-    cp_headtail: bool = True  # parallelism.context_parallel_load_balancer == "headtail"
-    ac_keeps_attention: bool = False  # activation_checkpoint.keeps_attention_output()
+    cp_rotate: str = "allgather"  # ParallelDims.cp_rotate_method
+    cp_headtail: bool = True  # ParallelDims.cp_load_balancer == "headtail"
+    ac_keeps_attention: bool = False  # distributed.activation_checkpoint.keeps_attention_output
 
 
 @dataclass
@@ -512,8 +514,8 @@ def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, targ
         target=target,
         pp_microbatch=job_config.parallelism.pipeline_parallel_microbatch_size,
         pp_all_in_flight=job_config.parallelism.pipeline_parallel_schedule in ("GPipe", "LoopedBFS"),
-        cp_rotate=job_config.parallelism.context_parallel_rotate_method,
-        cp_headtail=job_config.parallelism.context_parallel_load_balancer == "headtail",
-        ac_keeps_attention=ac.keeps_attention_output(job_config.parallelism),
+        cp_rotate=parallel_dims.cp_rotate_method,
+        cp_headtail=parallel_dims.cp_load_balancer == "headtail",
+        ac_keeps_attention=keeps_attention_output(ac, parallel_dims.ring_cp),
     )
     return Geometry.from_model_args(model_args), layout, run

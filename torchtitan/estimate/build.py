@@ -25,7 +25,7 @@ def estimation_model_args(job_config: JobConfig, spec: TrainSpec) -> BaseModelAr
     flavor's vocabulary is kept (the trainer's built-in byte tokenizer would shrink it)."""
     tokenizer = None
     if job_config.model.tokenizer_path and spec.build_tokenizer_fn is not None:
-        tokenizer = spec.build_tokenizer_fn(job_config)
+        tokenizer = spec.build_tokenizer_fn(job_config.model)
     return model_args_from_config(spec, job_config, tokenizer)
 
 

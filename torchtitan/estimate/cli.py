@@ -124,7 +124,7 @@ def analytic_fit(job_config: JobConfig) -> AnalyticFit:
     world_size = resolve_world_size(job_config)
     parallel_dims = check_covered(job_config, world_size)
     model_args = estimation_model_args(job_config, get_train_spec(job_config.model.name))
-    accum = grad_accumulation_steps(job_config, parallel_dims)
+    accum = grad_accumulation_steps(job_config.training, parallel_dims)
     geometry, layout, run = analytic.from_job_config(job_config, model_args, parallel_dims, accum, me.target_device)
     closed_form = None if geometry is None else analytic.estimate(geometry, layout, run)
     if closed_form is None:

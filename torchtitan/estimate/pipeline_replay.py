@@ -145,7 +145,8 @@ class PipelineReplay:
     def __init__(self, setup: Recipe) -> None:
         self.setup = setup
         self.stages = {s.stage_index: s for s in setup.pipeline.stages}
-        self.n_micro = microbatches(setup.job_config, next(iter(self.stages.values())).num_stages)
+        self.n_micro = microbatches(setup.job_config.parallelism, setup.job_config.training.local_batch_size,
+                                    next(iter(self.stages.values())).num_stages)
         self.actions = schedule_actions(setup, self.n_micro)
         self.first_step_actions = _one_microbatch_actions(sorted(self.stages))
         self.state = _new_state(setup, self.n_micro)

@@ -57,7 +57,7 @@ def measure_single_process(job_config: JobConfig, world_size: int) -> MeasuredOu
 
 def _measure_distributed(job_config: JobConfig) -> list[MeasuredOutcome]:
     """Every rank of a torchrun launch measures itself; all outcomes are gathered."""
-    device = init_distributed(job_config)
+    device = init_distributed(job_config.comm, job_config.job.dump_folder, job_config.training.enable_cpu_offload)
     mine = measure_training_memory(job_config, device)
     outcomes: list[MeasuredOutcome | None] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, mine)

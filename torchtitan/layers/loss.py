@@ -32,7 +32,8 @@ def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX)
 
 
-def build_cross_entropy_loss(job_config) -> LossFn:
+def build_cross_entropy_loss() -> LossFn:
+    """The train specs' ``build_loss_fn``: the summed cross-entropy."""
     return cross_entropy_sum
 
 

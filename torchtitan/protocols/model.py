@@ -13,7 +13,7 @@ from torchtitan.layers.attention import MaskSpec
 
 if TYPE_CHECKING:
     from torchtitan.protocols.tokenizer import BaseTokenizer
-    from torchtitan.config import JobConfig
+    from torchtitan.config import ModelConfig
     from torchtitan.distributed import ParallelDims
 
 
@@ -35,20 +35,21 @@ class BaseModelArgs(ABC):
         return MaskSpec.from_config(self.attn_mask_type, self.sliding_window)
 
     def update_from_config(
-        self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None
+        self, model: ModelConfig, *, max_seq_len: int, tokenizer: BaseTokenizer | None = None,
+        moe_force_load_balance: bool = False,
     ) -> None:
         """Adopt run-dependent values: the tokenizer's vocabulary size (when one is given),
         the attention kernel and mask (``model.attn_type``, ``attn_mask_type``,
-        ``sliding_window``) and a max sequence length covering training and validation. Subclasses without
-        ``vocab_size``/``max_seq_len`` fields, or with more to adopt, override it."""
+        ``sliding_window``) and ``max_seq_len`` (the longest sequence of training and
+        validation). MoE models also adopt ``moe_force_load_balance``
+        (``debug.moe_force_load_balance``). Subclasses without ``vocab_size``/``max_seq_len``
+        fields, or with more to adopt, override it."""
         if tokenizer is not None:
             self.vocab_size = tokenizer.vocab_size
-        self.attn_type = job_config.model.attn_type
-        self.attn_mask_type = job_config.model.attn_mask_type
-        self.sliding_window = job_config.model.sliding_window
-        self.max_seq_len = job_config.training.seq_len
-        if job_config.validation.enable:
-            self.max_seq_len = max(self.max_seq_len, job_config.validation.seq_len)
+        self.attn_type = model.attn_type
+        self.attn_mask_type = model.attn_mask_type
+        self.sliding_window = model.sliding_window
+        self.max_seq_len = max_seq_len
 
     @abstractmethod
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

@@ -1,9 +1,13 @@
 """Model converters: transformations applied to the meta-device model before
-parallelisation (e.g. float8 linears), in the order given by ``model.converters``."""
+parallelisation (e.g. float8 linears), in the order given by ``model.converters``.
+
+A converter is registered by name with the job-config section it reads (a dotted path such
+as ``quantize.linear.float8``); it is built with that section only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
@@ -15,7 +19,8 @@ if TYPE_CHECKING:
 
 
 class ModelConverter(Protocol):
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None: ...
+    def __init__(self, settings: Any, parallel_dims: ParallelDims | None) -> None:
+        """``settings``: the config section named at registration (None if none was)."""
 
     def convert(self, model: nn.Module) -> None:
         """Modify ``model`` in place."""
@@ -24,31 +29,50 @@ class ModelConverter(Protocol):
         """Run after every optimizer step (e.g. to refresh scales)."""
 
 
-_converter_classes: dict[str, type[ModelConverter]] = {}
+@dataclass(frozen=True)
+class _Registration:
+    converter_cls: type[ModelConverter]
+    config_section: str | None
 
 
-def register_model_converter(converter_cls: type[ModelConverter], name: str) -> None:
-    if name in _converter_classes:
+_converters: dict[str, _Registration] = {}
+
+
+def register_model_converter(converter_cls: type[ModelConverter], name: str, config_section: str | None = None) -> None:
+    """Make ``name`` valid in ``model.converters``; ``config_section`` (e.g.
+    ``"quantize.linear.float8"``) is the job-config section its ``__init__`` receives."""
+    if name in _converters:
         raise ValueError(f"a model converter named {name!r} is already registered")
-    _converter_classes[name] = converter_cls
+    _converters[name] = _Registration(converter_cls, config_section)
 
 
 def check_converter_names(names: list[str]) -> None:
     """Raise ConfigError naming ``model.converters`` if a name is not registered."""
-    unknown = [n for n in names if n not in _converter_classes]
+    unknown = [n for n in names if n not in _converters]
     if unknown:
-        known = ", ".join(sorted(_converter_classes)) or "none registered"
+        known = ", ".join(sorted(_converters)) or "none registered"
         raise ConfigError(f"model.converters: unknown converter(s) {unknown}; registered: {known}")
 
 
-class ModelConvertersContainer:
-    """Applies the converters named in ``model.converters``, in order."""
+def _section(job_config: JobConfig, path: str | None) -> Any:
+    if path is None:
+        return None
+    section: Any = job_config
+    for name in path.split("."):
+        section = getattr(section, name)
+    return section
 
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        check_converter_names(job_config.model.converters)
+
+class ModelConvertersContainer:
+    """Builds the converters named in ``model.converters``, each from its own config section,
+    and applies them in order."""
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims | None) -> None:
+        names = job_config.model.converters
+        check_converter_names(names)
         self.converters = [
-            _converter_classes[name](job_config, parallel_dims)
-            for name in job_config.model.converters
+            _converters[name].converter_cls(_section(job_config, _converters[name].config_section), parallel_dims)
+            for name in names
         ]
 
     def convert(self, model: nn.Module) -> None:

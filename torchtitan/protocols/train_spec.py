@@ -21,24 +21,30 @@ if TYPE_CHECKING:
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
 
-# parallelize_fn(model, parallel_dims, job_config) -> model: applies TP, AC, compile, FSDP/DDP in place.
+# parallelize_fn(model, parallel_dims, *, training, parallelism, activation_checkpoint,
+#                compile_config) -> model: applies TP, CP, EP, AC, compile, FSDP/DDP in place
+#                (the recipe's ``parallelize_settings`` gives the keyword arguments)
 ParallelizeFunction: TypeAlias = Callable[..., nn.Module]
-# pipelining_fn(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
+# pipelining_fn(model, parallel_dims, parallelism, local_batch_size, device, parallelize, loss_fn)
 #   -> BuiltPipeline (torchtitan.distributed.pipeline): schedule, stages, model_parts,
-#      has_first_stage, has_last_stage
+#      has_first_stage, has_last_stage; ``parallelize(stage) -> stage`` is the spec's
+#      parallelize_fn with the run's settings
 PipeliningFunction: TypeAlias = Callable[..., Any]
-# build_optimizers_fn(model_parts, job_config, parallel_dims) -> OptimizersContainer
+# build_optimizers_fn(model_parts, optimizer: OptimizerConfig, parallel_dims) -> OptimizersContainer
 OptimizersBuilder: TypeAlias = Callable[..., Any]
-# build_lr_schedulers_fn(optimizers, job_config) -> LRSchedulersContainer
+# build_lr_schedulers_fn(optimizers, lr_scheduler: LRSchedulerConfig, training_steps: int)
+#   -> LRSchedulersContainer
 LRSchedulersBuilder: TypeAlias = Callable[..., Any]
-# build_dataloader_fn(job_config, parallel_dims, tokenizer, split="train") -> data loader
+# build_dataloader_fn(data: TrainingConfig | ValidationConfig, parallel_dims, tokenizer,
+#                     split="train") -> data loader of that section's data set
 DataLoaderBuilder: TypeAlias = Callable[..., Any]
-# build_tokenizer_fn(job_config) -> BaseTokenizer
+# build_tokenizer_fn(model: ModelConfig) -> BaseTokenizer
 TokenizerBuilder: TypeAlias = Callable[..., Any]
-# build_loss_fn(job_config) -> loss_fn(pred, labels) -> scalar tensor: the SUM of the per-token
-# losses over labels != IGNORE_INDEX (the recipe divides by the global batch's valid tokens)
-LossFunctionBuilder: TypeAlias = Callable[..., Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
-# build_validator_fn(job_config, parallel_dims, tokenizer, loss_fn, ...) -> Validator
+# build_loss_fn() -> loss_fn(pred, labels) -> scalar tensor: the SUM of the per-token losses
+# over labels != IGNORE_INDEX (the recipe divides by the global batch's valid tokens)
+LossFunctionBuilder: TypeAlias = Callable[[], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+# build_validator_fn(*, validation: ValidationConfig, reset_positions, parallel_dims, tokenizer,
+#                    loss_fn, train_context, metrics_processor, pipeline) -> Validator
 ValidatorBuilder: TypeAlias = Callable[..., Any]
 
 
@@ -67,6 +73,12 @@ class TrainSpec:
                 f"available: {', '.join(self.model_args)}"
             )
         return replace(self.model_args[flavor])
+
+    def hf_adapter(self, model_args: BaseModelArgs, hf_assets_path: str | None = None) -> StateDictAdapter | None:
+        """The model's Hugging Face state-dict adapter for these args (None: it has none)."""
+        if self.state_dict_adapter is None:
+            return None
+        return self.state_dict_adapter(model_args, hf_assets_path)
 
 
 _train_specs: dict[str, TrainSpec] = {}

@@ -33,10 +33,10 @@ _M_MMAP_MAX = -4
 _INT_MAX = 2**31 - 1  # mallopt takes a C int: trimming only past 2 GiB of free heap top
 
 
-def maybe_keep_freed_cpu_memory(job_config, device: torch.device) -> bool:
-    """Apply ``training.cpu_keep_freed_memory`` for a process training on ``device`` (the
-    trainer and the bare benchmark loop alike); returns whether it applied."""
-    if device.type != "cpu" or not job_config.training.cpu_keep_freed_memory:
+def maybe_keep_freed_cpu_memory(enabled: bool, device: torch.device) -> bool:
+    """Apply ``training.cpu_keep_freed_memory`` (``enabled``) for a process training on
+    ``device`` (the trainer and the bare benchmark loop alike); returns whether it applied."""
+    if device.type != "cpu" or not enabled:
         return False
     return keep_freed_cpu_memory()
 

@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from torchtitan.tools.logging import logger
 
+if TYPE_CHECKING:
+    from torchtitan.config import ProfilingConfig
+
 
 @contextlib.contextmanager
-def maybe_enable_profiling(job_config, global_step: int = 0):
-    cfg = job_config.profiling
+def maybe_enable_profiling(cfg: ProfilingConfig, dump_folder: str, global_step: int = 0):
     if not cfg.enable_profiling:
         yield None
         return
-    folder = os.path.join(job_config.job.dump_folder, cfg.save_traces_folder)
+    folder = os.path.join(dump_folder, cfg.save_traces_folder)
     rank = int(os.environ.get("RANK", "0"))
 
     def on_trace_ready(prof) -> None:
@@ -56,11 +59,10 @@ class MemorySnapshotter:
         torch.cuda.memory._dump_snapshot(os.path.join(out, name))
 
 
-def maybe_memory_snapshotter(job_config, device: torch.device) -> MemorySnapshotter | None:
-    cfg = job_config.profiling
+def maybe_memory_snapshotter(cfg: ProfilingConfig, dump_folder: str, device: torch.device) -> MemorySnapshotter | None:
     if not cfg.enable_memory_snapshot:
         return None
     if device.type != "cuda":
         logger.warning("profiling.enable_memory_snapshot needs CUDA; no snapshots on this device")
         return None
-    return MemorySnapshotter(os.path.join(job_config.job.dump_folder, cfg.save_memory_snapshot_folder), cfg.profile_freq)
+    return MemorySnapshotter(os.path.join(dump_folder, cfg.save_memory_snapshot_folder), cfg.profile_freq)

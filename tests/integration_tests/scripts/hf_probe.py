@@ -18,6 +18,7 @@ from torchtitan.distributed.utils import exit_skipping_static_destructors, leave
 from torchtitan.models.deepseek_v3.state_dict_adapter import from_hf_config as deepseek_v3_args
 from torchtitan.models.llama3.state_dict_adapter import from_hf_config as llama3_args
 from torchtitan.protocols import get_train_spec
+from torchtitan.recipe import parallelize_settings
 
 ARGS_FROM_HF_CONFIG = {"llama3": llama3_args, "deepseek_v3": deepseek_v3_args}
 
@@ -29,14 +30,14 @@ def main() -> None:
         sys.argv[1:] + ["--model.name", name, "--training.mixed_precision_param", "float32"]
     )
     dist.init_process_group("gloo")
-    parallel_dims = parallel_dims_from_config(config, dist.get_world_size())
+    parallel_dims = parallel_dims_from_config(config.parallelism, config.fault_tolerance, dist.get_world_size())
     spec = get_train_spec(name)
     hf_config = json.load(open(os.path.join(hf_dir, "config.json")))
     args = ARGS_FROM_HF_CONFIG[name](hf_config)
     args.max_seq_len = hf_config["max_position_embeddings"]
     with torch.device("meta"):
         model = spec.model_cls(args)
-    model = spec.parallelize_fn(model, parallel_dims, config)
+    model = spec.parallelize_fn(model, parallel_dims, **parallelize_settings(config))
     model.to_empty(device="cpu")
     model.init_weights(seed=0)  # overwritten by the load; also computes the RoPE table
     model.eval()

@@ -14,13 +14,14 @@ from torchtitan.distributed.parallel_dims import parallel_dims_from_config
 from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
 from torchtitan.layers.init import clean_fqn
 from torchtitan.protocols import get_train_spec
+from torchtitan.recipe import parallelize_settings
 
 
 def main() -> None:
     config = ConfigManager().parse_args(sys.argv[1:] + ["--model.flavor", "debugmodel_tiny",
                                                        "--training.mixed_precision_param", "float32"])
     dist.init_process_group("gloo")
-    parallel_dims = parallel_dims_from_config(config, dist.get_world_size())
+    parallel_dims = parallel_dims_from_config(config.parallelism, config.fault_tolerance, dist.get_world_size())
     spec = get_train_spec("llama3")
     args = spec.flavor_args("debugmodel_tiny")
 
@@ -31,10 +32,12 @@ def main() -> None:
     with torch.device("meta"):
         model = spec.model_cls(args)
     if parallel_dims.pp_enabled:
-        parts = spec.pipelining_fn(model, parallel_dims, config, torch.device("cpu"), args,
-                                   spec.parallelize_fn, None).model_parts
+        settings = parallelize_settings(config)
+        parts = spec.pipelining_fn(model, parallel_dims, config.parallelism, config.training.local_batch_size,
+                                   torch.device("cpu"), lambda stage: spec.parallelize_fn(stage, parallel_dims, **settings),
+                                   None).model_parts
     else:
-        parts = [spec.parallelize_fn(model, parallel_dims, config)]
+        parts = [spec.parallelize_fn(model, parallel_dims, **parallelize_settings(config))]
     result, sharded, count = "ok", 0, 0
     for part in parts:
         part.to_empty(device="cpu")

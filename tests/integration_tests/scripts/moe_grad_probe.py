@@ -21,6 +21,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
 from torchtitan.layers.init import clean_fqn
 from torchtitan.protocols import get_train_spec
+from torchtitan.recipe import model_args_from_config, parallelize_settings
 
 BASE = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "32",
         "--training.mixed_precision_param", "float32"]
@@ -30,8 +31,7 @@ BATCH, SEED, RTOL = 8, 3, 1e-5
 def build(overrides: list[str]):
     config = ConfigManager().parse_args(BASE + overrides)
     spec = get_train_spec("deepseek_v3")
-    args = spec.flavor_args("debugmodel")
-    args.update_from_config(config, None)
+    args = model_args_from_config(spec, config, None)
     return config, spec, args
 
 
@@ -46,10 +46,10 @@ def reference_grads(overrides: list[str], tokens: torch.Tensor) -> tuple[dict, f
 
 def parallel_grads(overrides: list[str], tokens: torch.Tensor) -> tuple[dict, float]:
     config, spec, args = build(overrides)
-    dims = parallel_dims_from_config(config, dist.get_world_size())
+    dims = parallel_dims_from_config(config.parallelism, config.fault_tolerance, dist.get_world_size())
     with torch.device("meta"):
         model = spec.model_cls(args)
-    model = spec.parallelize_fn(model, dims, config)
+    model = spec.parallelize_fn(model, dims, **parallelize_settings(config))
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(seed=SEED)

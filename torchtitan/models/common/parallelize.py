@@ -8,7 +8,7 @@ its blocks, composed from the plans of the shared blocks below. Reads
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.components.quantization import float8_tensorwise_tp, with_float8_styles
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.activation_checkpoint import apply_ac, keeps_attention_output
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward_policy
 from torchtitan.distributed.expert_parallel import apply_expert_fsdp, parallelize_moe
@@ -35,6 +35,9 @@ from torchtitan.layers.gqa import GQAttention
 from torchtitan.tools.compile import compile_blocks
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig, TrainingConfig
 
 BlockPlan = Callable[[TransformerBlock], dict[str, ParallelStyle]]
 """A block -> its tensor-parallel plan (module path under the block -> style)."""
@@ -135,44 +138,46 @@ def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- the order
-def refuse_moe_compile(job_config: Any, model_name: str) -> None:
+def refuse_moe_compile(compile_config: CompileConfig, parallelism: ParallelismConfig, model_name: str) -> None:
     """MoE routing and expert parallel sync with the host, which compile and async TP (which
     needs compile) do not support yet."""
-    if job_config.compile.enable:
+    if compile_config.enable:
         raise ConfigError(
             f"compile.enable: not supported for {model_name} yet (MoE routing and expert "
             "parallel sync with the host); run without --compile.enable"
         )
-    if job_config.parallelism.enable_async_tensor_parallel:
+    if parallelism.enable_async_tensor_parallel:
         raise ConfigError(f"parallelism.enable_async_tensor_parallel: not supported for {model_name}")
 
 
-def fsdp_settings(job_config: Any, parallel_dims: ParallelDims) -> dict[str, Any]:
+def fsdp_settings(training: TrainingConfig, parallelism: ParallelismConfig, parallel_dims: ParallelDims) -> dict[str, Any]:
     """The keyword arguments of ``apply_fsdp`` / ``apply_expert_fsdp`` from the config."""
-    training = job_config.training
     return {
         "param_dtype": TORCH_DTYPES[training.mixed_precision_param],
         "reduce_dtype": TORCH_DTYPES[training.mixed_precision_reduce],
         "reshard_after_forward": reshard_after_forward_policy(
-            job_config.parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled
+            parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled
         ),
         "cpu_offload": training.enable_cpu_offload,
     }
 
 
-def parallelize_decoder(model: Decoder, parallel_dims: ParallelDims, job_config: Any,
-                        block_plan: BlockPlan = gqa_block_tp_plan) -> Decoder:
+def parallelize_decoder(
+    model: Decoder, parallel_dims: ParallelDims, *, training: TrainingConfig, parallelism: ParallelismConfig,
+    activation_checkpoint: ActivationCheckpointConfig, compile_config: CompileConfig,
+    block_plan: BlockPlan = gqa_block_tp_plan,
+) -> Decoder:
     """Apply every enabled parallelism to ``model`` (or one pipeline stage of it) in place."""
-    p = job_config.parallelism
+    p = parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.world_mesh["tp"]
         apply_tp(model, tp_mesh, loss_parallel=not p.disable_loss_parallel, block_plan=block_plan,
-                 float8_styles=float8_tensorwise_tp(job_config, tp_mesh.device_type))
+                 float8_styles=float8_tensorwise_tp(model, tp_mesh.device_type))
         if p.enable_async_tensor_parallel:
-            enable_async_tp(tp_mesh, compiled=job_config.compile.enable)
+            enable_async_tp(tp_mesh, compiled=compile_config.enable)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.world_mesh["cp"], p.context_parallel_rotate_method,
-                 p.context_parallel_load_balancer)
+        apply_cp(model, parallel_dims.world_mesh["cp"], parallel_dims.cp_rotate_method,
+                 parallel_dims.cp_load_balancer)
     moes = [block.moe for block in model.layers.values() if block.moe_enabled]
     for moe in moes:
         parallelize_moe(moe, parallel_dims)
@@ -180,14 +185,14 @@ def parallelize_decoder(model: Decoder, parallel_dims: ParallelDims, job_config:
         logger.info(f"applied expert parallel over {parallel_dims.ep} ranks "
                     f"(expert tensor parallel {parallel_dims.etp})")
 
-    ac = job_config.activation_checkpoint
+    ac = activation_checkpoint
     apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state,
-             ac.keeps_attention_output(job_config.parallelism))
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        compile_blocks(model.layers, job_config.compile.backend)
+             keeps_attention_output(ac, parallel_dims.ring_cp))
+    if compile_config.enable and "model" in compile_config.components:
+        compile_blocks(model.layers, compile_config.backend)
 
     if parallel_dims.fsdp_enabled:
-        settings = fsdp_settings(job_config, parallel_dims)
+        settings = fsdp_settings(training, parallelism, parallel_dims)
         if parallel_dims.ep_enabled:
             for moe in moes:
                 apply_expert_fsdp(moe, parallel_dims, **settings)

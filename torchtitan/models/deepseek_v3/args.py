@@ -14,7 +14,7 @@ from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
     from torchtitan.protocols.tokenizer import BaseTokenizer
-    from torchtitan.config import JobConfig
+    from torchtitan.config import ModelConfig
     from torchtitan.distributed import ParallelDims
 
 
@@ -54,11 +54,12 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
         return self.qk_head_dim**-0.5 * yarn_mscale(self.rope_factor, self.rope_mscale) ** 2
 
     def update_from_config(
-        self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None
+        self, model: ModelConfig, *, max_seq_len: int, tokenizer: BaseTokenizer | None = None,
+        moe_force_load_balance: bool = False,
     ) -> None:
-        super().update_from_config(job_config, tokenizer)
+        super().update_from_config(model, max_seq_len=max_seq_len, tokenizer=tokenizer)
         # A fresh MoEArgs: the flavor's own instance is shared by every copy of the flavor.
-        self.moe = replace(self.moe, force_load_balance=job_config.debug.moe_force_load_balance)
+        self.moe = replace(self.moe, force_load_balance=moe_force_load_balance)
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, inter_dim=self.inter_dim)

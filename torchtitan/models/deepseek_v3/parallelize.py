@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from torchtitan.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.layers.decoder import TransformerBlock
 from torchtitan.models.common.parallelize import (
@@ -22,9 +23,16 @@ from torchtitan.models.common.parallelize import (
 )
 
 
-def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
-    refuse_moe_compile(job_config, "deepseek_v3")
-    return parallelize_decoder(model, parallel_dims, job_config, block_plan=mla_block_tp_plan)
+def parallelize_deepseek_v3(
+    model: nn.Module, parallel_dims: ParallelDims, *, training: TrainingConfig, parallelism: ParallelismConfig,
+    activation_checkpoint: ActivationCheckpointConfig, compile_config: CompileConfig,
+) -> nn.Module:
+    refuse_moe_compile(compile_config, parallelism, "deepseek_v3")
+    return parallelize_decoder(
+        model, parallel_dims, training=training, parallelism=parallelism,
+        activation_checkpoint=activation_checkpoint, compile_config=compile_config,
+        block_plan=mla_block_tp_plan,
+    )
 
 
 class _SumGradFrom(torch.autograd.Function):

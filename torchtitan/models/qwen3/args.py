@@ -21,7 +21,7 @@ from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
     from torchtitan.protocols.tokenizer import BaseTokenizer
-    from torchtitan.config import JobConfig
+    from torchtitan.config import ModelConfig
     from torchtitan.distributed import ParallelDims
 
 
@@ -72,10 +72,13 @@ class Qwen3ModelArgs(BaseModelArgs):
             factor = yarn_mscale(self.rope_factor, 1.0)
         return self.head_dim**-0.5 * factor**2
 
-    def update_from_config(self, job_config: JobConfig, tokenizer: BaseTokenizer | None = None) -> None:
-        super().update_from_config(job_config, tokenizer)
+    def update_from_config(
+        self, model: ModelConfig, *, max_seq_len: int, tokenizer: BaseTokenizer | None = None,
+        moe_force_load_balance: bool = False,
+    ) -> None:
+        super().update_from_config(model, max_seq_len=max_seq_len, tokenizer=tokenizer)
         if self.moe is not None:  # a fresh MoEArgs: the flavor's own is shared by its copies
-            self.moe = replace(self.moe, force_load_balance=job_config.debug.moe_force_load_balance)
+            self.moe = replace(self.moe, force_load_balance=moe_force_load_balance)
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)

@@ -6,11 +6,18 @@ from __future__ import annotations
 
 from torch import nn
 
+from torchtitan.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.common.parallelize import parallelize_decoder, refuse_moe_compile
 
 
-def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
+def parallelize_qwen3(
+    model: nn.Module, parallel_dims: ParallelDims, *, training: TrainingConfig, parallelism: ParallelismConfig,
+    activation_checkpoint: ActivationCheckpointConfig, compile_config: CompileConfig,
+) -> nn.Module:
     if model.model_args.moe is not None:
-        refuse_moe_compile(job_config, "the qwen3 MoE flavors")
-    return parallelize_decoder(model, parallel_dims, job_config)
+        refuse_moe_compile(compile_config, parallelism, "the qwen3 MoE flavors")
+    return parallelize_decoder(
+        model, parallel_dims, training=training, parallelism=parallelism,
+        activation_checkpoint=activation_checkpoint, compile_config=compile_config,
+    )
