@@ -72,5 +72,5 @@ if [ -f scripts/estimate/estimation.py ]; then
   "$PY" scripts/estimate/estimation.py --model.flavor 1B --training.seq_len 4096 \
     --training.local_batch_size 2 --activation_checkpoint.mode selective \
     --activation_checkpoint.selective_ac_option op --memory_estimation.world_size 1 \
-    --memory_estimation.mode validate 2>&1 | tail -20
+    --memory_estimation.mode measure 2>&1 | tail -20
 fi

@@ -39,6 +39,16 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model_args.check_parallelism(parallel_dims)
+    _check_layout(job_config, parallel_dims, model_args)
+    _check_model_support(job_config, spec, model_args, parallel_dims)
+    check_quantization(job_config.model, job_config.quantize, parallel_dims, model_args, device_type)
+    _check_hf_export(job_config, spec, model_args)
+    _check_run(job_config, parallel_dims, world_size, device_type)
+    return parallel_dims
+
+
+def _check_layout(job_config: JobConfig, parallel_dims: ParallelDims, model_args: BaseModelArgs) -> None:
+    """Sequence splits, DDP with TP, context and pipeline parallel, the batch sizes."""
     seq_len = job_config.training.seq_len
     if seq_len % parallel_dims.seq_len_divisor != 0:
         raise ConfigError(
@@ -62,7 +72,30 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     grad_accumulation_steps(job_config.training, parallel_dims)
     if job_config.validation.enable:
         _check_validation(job_config, parallel_dims)
-    check_quantization(job_config.model, job_config.quantize, parallel_dims, model_args, device_type)
+
+
+def _check_model_support(
+    job_config: JobConfig, spec: TrainSpec, model_args: BaseModelArgs, parallel_dims: ParallelDims
+) -> None:
+    """What this model cannot do yet: pipeline stages without a pipelining function, and
+    compile (or async TP, which needs it) with MoE layers, whose routing and expert parallel
+    sync with the host."""
+    if parallel_dims.pp_enabled and spec.pipelining_fn is None:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree: model {spec.name!r} has no pipelining support")
+    if getattr(model_args, "moe", None) is None:
+        return
+    what = f"{spec.name} {job_config.model.flavor}"
+    if job_config.compile.enable:
+        raise ConfigError(
+            f"compile.enable: not supported for {what} yet (MoE routing and expert "
+            "parallel sync with the host); run without --compile.enable"
+        )
+    if job_config.parallelism.enable_async_tensor_parallel:
+        raise ConfigError(f"parallelism.enable_async_tensor_parallel: not supported for {what} (MoE layers)")
+
+
+def _check_run(job_config: JobConfig, parallel_dims: ParallelDims, world_size: int, device_type: str) -> None:
+    """Settings of the run that depend on the world size or the device."""
     if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             "checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1, all parallel "
@@ -83,13 +116,11 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
             "training.enable_cpu_offload: needs FSDP (data_parallel_shard_degree > 1), which "
             "does the offloading"
         )
-    _check_hf_export(job_config, spec, model_args)
     if job_config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
         raise ConfigError(
             "parallelism.enable_async_tensor_parallel: needs CUDA (symmetric memory); this "
             f"machine runs on {device_type}"
         )
-    return parallel_dims
 
 
 def load_tokenizer(job_config: JobConfig) -> BaseTokenizer | None:

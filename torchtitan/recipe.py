@@ -192,8 +192,6 @@ def build_meta_model(
     settings = parallelize_settings(job_config)
     pipeline = None
     if parallel_dims.pp_enabled:
-        if spec.pipelining_fn is None:
-            raise ConfigError(f"parallelism.pipeline_parallel_degree: model {spec.name!r} has no pipelining support")
         pipeline = spec.pipelining_fn(
             model, parallel_dims, job_config.parallelism, job_config.training.local_batch_size, device,
             lambda stage: spec.parallelize_fn(stage, parallel_dims, **settings), loss_fn,

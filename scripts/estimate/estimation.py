@@ -3,7 +3,7 @@
     python scripts/estimate/estimation.py --job.config_file train_configs/llama3_8b.toml \
         --memory_estimation.world_size 8 [--memory_estimation.device_memory_gib 80]
     ... --memory_estimation.mode plan --memory_estimation.device_memory_gib 80
-    torchrun --nproc_per_node 2 scripts/estimate/estimation.py ... --memory_estimation.mode validate
+    torchrun --nproc_per_node 2 scripts/estimate/estimation.py ... --memory_estimation.mode measure
 
 See torchtitan/estimate/cli.py.
 """

@@ -86,7 +86,7 @@ def train(dump_folder: Path, *args: str) -> int:
     from torchtitan.train import main
 
     return _exit_code(main, [*MODEL, "--training.steps", "1", "--job.dump_folder",
-                             str(dump_folder), "--checkpoint.enable", *args])
+                             str(dump_folder), "--checkpoint.enable", "--training.no-cpu_keep_freed_memory", *args])
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from torchtitan.distributed.context_parallel import (
     ContextParallelAttention,
     apply_cp,
     cp_shard,
-    cp_unshard,
+    _to_global_order,
     shard_batch_for_cp,
 )
 from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
@@ -34,6 +34,15 @@ from torchtitan.layers.blockwise_attention import visible
 
 METHODS = ("allgather", "alltoall", "ulysses")
 BALANCERS = ("headtail", "none")
+
+
+def cp_unshard(
+    local: torch.Tensor, seq_dim: int, cp_mesh: DeviceMesh, load_balancer: str = "headtail"
+) -> torch.Tensor:
+    """Inverse of :func:`cp_shard` (no autograd): the full tensor on every cp rank."""
+    shards = [torch.empty_like(local) for _ in range(cp_mesh.size())]
+    dist.all_gather(shards, local.contiguous(), group=cp_mesh.get_group())
+    return _to_global_order(shards, seq_dim, load_balancer)
 
 
 def shapes_for(method: str) -> list[tuple[tuple[int, int, int, int], float | None]]:

@@ -5,7 +5,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config import ActivationCheckpointConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.config.validation import check_ac_config
+from torchtitan.config.checks import check_ac_config
 from torchtitan.distributed.activation_checkpoint import _ATTENTION, apply_ac, keeps_attention_output
 from torchtitan.tools.compile import CompileError, compile_blocks
 

@@ -19,6 +19,7 @@ from tests.layouts import single_process_dims
 from torchtitan.components.checkpoint import (
     MANIFEST,
     CheckpointManager,
+    check_checkpoint_inputs,
     inspect_checkpoint,
     purge_old_checkpoints,
 )
@@ -317,3 +318,14 @@ def test_hf_export_of_a_model_without_hf_equivalent_fails_at_start(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.last_save_in_hf: this model routes with "
                                           "softmax scores"):
         preflight(job_config, 1, "cpu")
+
+
+def test_seed_checkpoint_into_a_folder_with_later_checkpoints_is_refused_before_launch(tmp_path):
+    run = Run(tmp_path)
+    run.train(2)
+    run.checkpointer.close()
+    seed = ConfigManager().parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+                                       "--checkpoint.create_seed_checkpoint"])
+    with pytest.raises(ConfigError, match=r"^checkpoint.create_seed_checkpoint: .* already holds checkpoints \(step-2\)"):
+        check_checkpoint_inputs(seed.checkpoint, seed.job.dump_folder)
+    check_checkpoint_inputs(seed.checkpoint, str(tmp_path / "empty"))

@@ -121,6 +121,26 @@ def test_deprecated_aliases_toml_and_cli(tmp_path, caplog):
     assert "'training.seed' is deprecated; use 'debug.seed'" in caplog.text
 
 
+def test_deprecated_value_is_mapped_with_a_warning(tmp_path, caplog):
+    path = write(tmp_path, """
+        [memory_estimation]
+        mode = "validate"
+    """)
+    with caplog.at_level("WARNING", logger="torchtitan"):
+        assert parse("--job.config_file", path).memory_estimation.mode == "measure"
+        assert parse("--memory_estimation.mode", "validate").memory_estimation.mode == "measure"
+    assert "memory_estimation.mode = 'validate' is deprecated; use 'measure'" in caplog.text
+    assert parse("--memory_estimation.mode", "plan").memory_estimation.mode == "plan"
+
+
+@pytest.mark.parametrize("signals", ["SIGFOO", "SIGTERM,sigusr1", "SIG_IGN"])
+def test_unknown_preemption_signal_is_refused_with_the_config(signals):
+    with pytest.raises(ConfigError, match=r"^checkpoint.preemption_signals: unknown signal"):
+        parse("--checkpoint.preemption_signals", signals)
+    assert parse("--checkpoint.preemption_signals", "SIGTERM,SIGUSR1").checkpoint.preemption_signals == [
+        "SIGTERM", "SIGUSR1"]
+
+
 def test_not_yet_supported_feature_is_refused():
     with pytest.raises(ConfigError, match="compiled autograd is not supported yet"):
         parse("--parallelism.enable_compiled_autograd")

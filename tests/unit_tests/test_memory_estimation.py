@@ -168,8 +168,8 @@ def test_cli_errors_are_one_line(capsys, monkeypatch):
     assert "ZBVZeroBubble: schedules with a split input/weight backward" in err
     assert "is not covered by the memory estimator yet" in err
     err = _cli_error(TINY + ["--memory_estimation.world_size", "2", "--parallelism.pipeline_parallel_degree", "2",
-                             "--memory_estimation.mode", "validate", "--memory_estimation.target_device", "cpu"], capsys)
-    assert "cannot pass activations between pipeline stages; validate under torchrun" in err
+                             "--memory_estimation.mode", "measure", "--memory_estimation.target_device", "cpu"], capsys)
+    assert "cannot pass activations between pipeline stages; measure under torchrun" in err
     err = _cli_error(TINY + ["--memory_estimation.world_size", "2", "--memory_estimation.mode", "plan"], capsys)
     assert "memory_estimation.device_memory_gib: mode plan needs" in err
 
@@ -205,7 +205,7 @@ def test_fake_routing_counts_are_balanced():
     expert-parallel rank) gets an equal share; real tensors report their own counts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchtitan.estimate.tracing import balanced_moe_routing
+    from torchtitan.estimate.emulation import balanced_moe_routing
     from torchtitan.layers import moe
 
     assert moe.host_counts(torch.tensor([3, 0, 5]), 8) == [3, 0, 5]

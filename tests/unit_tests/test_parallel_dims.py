@@ -3,6 +3,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.launcher import run_probe
+from tests.layouts import mesh_built
 from torchtitan.distributed import ParallelDims
 
 
@@ -57,7 +58,7 @@ def test_ep_borrowing_layouts_are_valid():
 def test_is_lazy_without_process_group():
     assert not dist.is_initialized()
     pd = dims(8, tp=2)
-    assert not pd.mesh_built
+    assert not mesh_built(pd)
     assert pd.seq_len_divisor == 4  # properties need no process group
 
 
@@ -86,7 +87,7 @@ def test_mesh_shapes_and_views(fake_world, world, kwargs, root_dims, views):
     fake_world(world)
     pd = dims(world, **kwargs)
     mesh = pd.world_mesh
-    assert pd.mesh_built
+    assert mesh_built(pd)
     assert mesh.root.mesh_dim_names == root_dims
     for name, size in views.items():
         assert mesh[name].size() == size, name

@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.layouts import mesh_built
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.preflight import check_inputs, preflight
 
@@ -13,7 +14,7 @@ def check(world_size, *args, device="cpu"):
 
 def test_valid_layout_returns_parallel_dims():
     pd = check(8, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "64")
-    assert pd.tp == 2 and pd.dp_shard == 4 and not pd.mesh_built
+    assert pd.tp == 2 and pd.dp_shard == 4 and not mesh_built(pd)
 
 
 @pytest.mark.parametrize("world, args, message", [
@@ -119,3 +120,10 @@ def test_context_parallel_layouts(world, args, message):
     with pytest.raises(ConfigError) as e:
         check(world, *args)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("model, flavor", [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe")])
+def test_moe_models_refuse_compile_before_launch(model, flavor):
+    with pytest.raises(ConfigError, match=rf"^compile.enable: not supported for {model} {flavor} yet"):
+        check(1, "--model.name", model, "--model.flavor", flavor, "--compile.enable")
+    check(1, "--model.name", "qwen3", "--model.flavor", "debugmodel", "--compile.enable")  # dense: fine

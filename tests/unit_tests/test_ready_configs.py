@@ -70,3 +70,22 @@ def test_a_large_batch_is_only_tight():
     """Allocations that fit but leave no room for the allocator's reserve are refused too."""
     config = _parse(CONFIG_DIR / "llama3_8b.toml", "--activation_checkpoint.mode", "none")
     assert analytic_fit(config).verdict.startswith("verdict: tight in 80 GiB")
+
+
+DEBUG = sorted(p for p in CONFIG_DIR.glob("*.toml") if "debug" in p.name)
+
+
+def test_every_config_file_is_checked_here():
+    assert set(READY) | set(DEBUG) == set(CONFIG_DIR.glob("*.toml")) and len(DEBUG) >= 5
+
+
+@pytest.mark.parametrize("path", DEBUG, ids=lambda p: p.stem)
+def test_debug_config_passes_every_pre_launch_check_on_this_machine(path: Path, monkeypatch):
+    """What run_train.sh checks before it starts a rank: the merged config, the layout on
+    one process, the data set, the tokenizer, the converters and the device features."""
+    from torchtitan.preflight import check_inputs, preflight
+
+    monkeypatch.chdir(REPO_ROOT)  # data paths in the configs are relative to the repository
+    config = _parse(path)
+    preflight(config, 1, "cpu")
+    check_inputs(config, "cpu")

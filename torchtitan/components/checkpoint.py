@@ -132,9 +132,12 @@ def check_checkpoint_inputs(config: CheckpointConfig, dump_folder: str) -> None:
     """Refuse, before any process starts, a ``checkpoint.load_step`` or
     ``checkpoint.initial_load_path`` that names nothing on disk. Loading checks the same
     again, and the contents, on rank 0."""
-    if not config.enable or config.create_seed_checkpoint:
-        return
     root = Path(dump_folder) / config.folder
+    if config.create_seed_checkpoint:
+        _check_seed_folder(root)
+        return
+    if not config.enable:
+        return
     folders = step_folders(root)
     if config.load_step != -1 and config.load_step not in folders:
         raise ConfigError(_missing_step_error(root, config.load_step))
@@ -142,6 +145,18 @@ def check_checkpoint_inputs(config: CheckpointConfig, dump_folder: str) -> None:
     resumes_from_folders = config.load_step != -1 or folders
     if initial and not config.initial_load_in_hf and not resumes_from_folders and not Path(initial).is_dir():
         raise ConfigError(_not_a_folder_error(Path(initial)))
+
+
+def _check_seed_folder(root: Path) -> None:
+    """A seed checkpoint goes into a folder without later checkpoints, which a run would
+    load instead of the seed."""
+    existing = sorted(s for s in complete_checkpoints(root) if s != 0)
+    if existing:
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint: {root} already holds checkpoints "
+            f"(step-{existing[-1]}), which a later run would load instead of the seed; "
+            "use an empty checkpoint.folder"
+        )
 
 
 def purge_old_checkpoints(root: Path, keep: int) -> list[int]:
@@ -482,13 +497,7 @@ class CheckpointManager:
     def create_seed_checkpoint(self) -> None:
         """Write the freshly initialised weights as step-0 (one process); any layout that
         loads it starts from identical weights."""
-        existing = sorted(s for s in complete_checkpoints(self.root) if s != 0)
-        if existing:
-            raise ConfigError(
-                f"checkpoint.create_seed_checkpoint: {self.root} already holds checkpoints "
-                f"(step-{existing[-1]}), which a later run would load instead of the seed; "
-                "use an empty checkpoint.folder"
-            )
+        _check_seed_folder(self.root)
         self._remove_leftovers()
         self._write(0, model_only=True, dtype=None, blocking=True)
         self._wait_for_pending()

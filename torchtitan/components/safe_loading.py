@@ -2,7 +2,7 @@
 
 Every reader of a torch.distributed.checkpoint (DCP) folder or a folder of Hugging Face
 weights goes through this module (trainer resume, initial loads, seed checkpoints,
-generation, the conversion scripts); ``tests/unit_tests/test_safe_loading.py`` greps the
+generation, the conversion scripts); ``tests/integration_tests/test_hardened_loading.py`` greps the
 code base so that nothing else unpickles, ``torch.load``s or ``dcp.load``s user files.
 
 What it guarantees, for DCP folders:

@@ -30,7 +30,8 @@ class JobSectionConfig:
     this one, so a custom train spec can read its own settings."""
 
     use_for_integration_test: bool = False
-    """Mark a TOML as part of the integration-test matrix."""
+    """CI trains this config for two steps through run_train.sh
+    (tests/integration_tests/test_config_files.py), as upstream's CI does with its marked configs."""
 
 
 @dataclass
@@ -577,9 +578,9 @@ class MemoryEstimationConfig:
     target_device: Literal["cuda", "cpu"] = "cuda"
     """Device whose kernels and allocator the estimate emulates (cpu: what a CPU run allocates)."""
 
-    mode: Literal["estimate", "analytic", "plan", "validate"] = "estimate"
+    mode: Literal["estimate", "analytic", "plan", "measure", "validate"] = "estimate"
     """estimate one layout (traced), estimate it in closed form (fast, for large models),
-    plan layouts, or validate an estimate against a real run."""
+    plan layouts, or measure a real run beside the estimate ("validate" is its older name)."""
 
     reserved_margin: float = 0.15
     """CUDA caching-allocator reserve over the allocated peak (fragmentation), as a fraction;

@@ -27,7 +27,7 @@ import tyro
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.toml_chain import load_toml_chain
-from torchtitan.config.validation import validate_job_config
+from torchtitan.config.checks import check_job_config, get_field
 
 logger = logging.getLogger("torchtitan")
 
@@ -58,6 +58,21 @@ DEPRECATED_SECTION_ALIASES: dict[str, str] = {
     "mx": "quantize.linear.mx",
     "quantize.float8": "quantize.linear.float8",
 }
+
+
+# Older values of a field, mapped to the current ones (field path, old value) -> new value.
+DEPRECATED_VALUES: dict[tuple[str, str], str] = {
+    ("memory_estimation.mode", "validate"): "measure",
+}
+
+
+def _apply_value_aliases(config: Any) -> None:
+    for (path, old), new in DEPRECATED_VALUES.items():
+        section, _, name = path.rpartition(".")
+        holder = get_field(config, section)
+        if getattr(holder, name) == old:
+            logger.warning(f"config: {path} = {old!r} is deprecated; use {new!r}")
+            setattr(holder, name, new)
 
 
 def _warn_deprecated(old: tuple[str, str], new: tuple[str, str]) -> None:
@@ -439,7 +454,8 @@ class ConfigManager:
         _check_switches_take_no_value(args, types_by_flag)
         args = _split_comma_lists(args, types_by_flag)
         config = self._parse_cli(config_cls, args, default)
-        validate_job_config(config)
+        _apply_value_aliases(config)
+        check_job_config(config)
         return config
 
     @staticmethod

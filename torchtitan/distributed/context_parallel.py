@@ -146,15 +146,6 @@ def cp_shard(
     return torch.cat([chunks[i] for i in _chunk_ids(cp, rank, load_balancer)], dim=seq_dim)
 
 
-def cp_unshard(
-    local: torch.Tensor, seq_dim: int, cp_mesh: DeviceMesh, load_balancer: str = "headtail"
-) -> torch.Tensor:
-    """Inverse of :func:`cp_shard` (no autograd): the full tensor on every cp rank."""
-    shards = [torch.empty_like(local) for _ in range(cp_mesh.size())]
-    dist.all_gather(shards, local.contiguous(), group=cp_mesh.get_group())
-    return _to_global_order(shards, seq_dim, load_balancer)
-
-
 def cp_positions(
     seq_len: int,
     cp_mesh: DeviceMesh,

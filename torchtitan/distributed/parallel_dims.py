@@ -229,10 +229,6 @@ class ParallelDims:
             self._world_mesh = self._build_mesh()
         return self._world_mesh
 
-    @property
-    def mesh_built(self) -> bool:
-        return self._world_mesh is not None
-
     def _mesh_dims(self) -> list[tuple[str, int]]:
         if self.ep > 1:
             dims = [

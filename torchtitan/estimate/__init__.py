@@ -1,3 +1,5 @@
 """Memory estimation: trace a training step on fake tensors under a fake process group
-(``trace``), cross-check it with a closed form (``analytic``), plan layouts (``planner``) and
-validate against a real run (``measure``). Entry point: ``scripts/estimate/estimation.py``."""
+(``trace``, with ``emulation`` making the trace match a real device and ``memory_tracker``
+counting it), cross-check it with a closed form (``analytic``), plan layouts
+(``layout_search``, ``plan_mode``) and measure a real run beside the estimate
+(``measure_mode`` on ``real_steps``). Entry point: ``scripts/estimate/estimation.py``."""

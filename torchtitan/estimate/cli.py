@@ -1,6 +1,6 @@
 """``python scripts/estimate/estimation.py --job.config_file F.toml [overrides]``: estimate
 one layout by tracing it or in closed form (this module), plan layouts (``plan_mode``) or
-validate against a real run (``validate_mode``)."""
+measure a real run beside the estimate (``measure_mode``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torchtitan.estimate.coverage import check_covered, eager_config, resolve_wo
 from torchtitan.estimate.plan_mode import run_plan
 from torchtitan.estimate.steps import ITERATIONS, microbatches_per_step
 from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
-from torchtitan.estimate.validate_mode import measure_single_process, run_validate
+from torchtitan.estimate.measure_mode import measure_single_process, run_measure
 from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import Recipe, grad_accumulation_steps
 from torchtitan.tools.logging import init_logger
@@ -159,5 +159,5 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in _ENABLE_FLAGS]
     job_config = ConfigManager().parse_args(args)
-    modes = {"estimate": run_estimate, "analytic": run_analytic, "plan": run_plan, "validate": run_validate}
+    modes = {"estimate": run_estimate, "analytic": run_analytic, "plan": run_plan, "measure": run_measure}
     return modes[job_config.memory_estimation.mode](job_config)

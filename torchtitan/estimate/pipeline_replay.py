@@ -17,7 +17,7 @@ the REDUCE_GRAD action). Beside the computation it allocates what torch's stage 
   schedules), or 1F1B until the stage's next backward has run.
 
 Receives are no-ops (their buffers are the ones above). Validated against real schedules
-on gloo (``--memory_estimation.mode validate`` under torchrun).
+on gloo (``--memory_estimation.mode measure`` under torchrun).
 """
 
 from __future__ import annotations

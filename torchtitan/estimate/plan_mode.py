@@ -7,8 +7,8 @@ import copy
 import sys
 
 from torchtitan.config import ConfigError, JobConfig
-from torchtitan.config.validation import validate_job_config
-from torchtitan.estimate import analytic, planner, report
+from torchtitan.config.checks import check_job_config
+from torchtitan.estimate import analytic, layout_search, report
 from torchtitan.estimate.build import build_parallel_dims, estimation_model_args
 from torchtitan.estimate.coverage import coverage_gap, resolve_world_size
 from torchtitan.estimate.trace import trace_training_memory
@@ -31,21 +31,21 @@ def run_plan(job_config: JobConfig) -> int:
                           f"{spec.name!r} {job_config.model.flavor!r} is not one; use mode analytic or estimate")
     global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * world_size
     overhead = report.CUBLAS_WORKSPACE_BYTES + report.CUDA_CONTEXT_BYTES + (me.nccl_allowance_gib * 2**30 if world_size > 1 else 0)
-    request = planner.PlanRequest(
+    request = layout_search.PlanRequest(
         geometry=geometry, seq_len=training.seq_len, global_batch=global_batch, world_size=world_size,
         device_memory_gib=me.device_memory_gib, gpus_per_node=me.gpus_per_node,
         param_bytes=4 if training.mixed_precision_param == "float32" else 2,
         overhead_bytes=overhead, reserved_margin=me.reserved_margin,
     )
     try:
-        entries, enumerated = planner.plan(request)
-    except planner.PlanError as e:
+        entries, enumerated = layout_search.plan(request)
+    except layout_search.PlanError as e:
         raise ConfigError(str(e)) from None
     print(f"plan: {job_config.model.name} {job_config.model.flavor}, seq_len {training.seq_len}, global batch "
           f"{global_batch} sequences, {world_size} GPUs of {me.device_memory_gib:g} GiB "
           f"({me.gpus_per_node} per node)")
     if not entries:
-        need, layout = planner.smallest_need(request)
+        need, layout = layout_search.smallest_need(request)
         print(f"no layout fits in {me.device_memory_gib:g} GiB per GPU: the least any layout needs is "
               f"{report.gib(need)} GiB ({layout.describe()}, local batch 1); use more GPUs, a shorter "
               "training.seq_len or a smaller model", file=sys.stderr)
@@ -58,7 +58,7 @@ PLAN_ROWS = 10
 OTHER_ROWS = 5
 
 
-def plan_lines(job_config: JobConfig, request: planner.PlanRequest, entries, enumerated: int) -> list[str]:
+def plan_lines(job_config: JobConfig, request: layout_search.PlanRequest, entries, enumerated: int) -> list[str]:
     """The best layouts the trainer runs and the estimator traces (the first few traced),
     then the best of the others (analytic figures only, with the reason)."""
     gaps = [layout_gap(layout_config(job_config, request, e), request.world_size) for e in entries]
@@ -85,13 +85,13 @@ def _plan_header() -> str:
             f"{'tok/s/GPU':>11}")
 
 
-def _plan_row(rank: int, entry: planner.PlanEntry) -> str:
+def _plan_row(rank: int, entry: layout_search.PlanEntry) -> str:
     batch = f"{entry.local_batch} x {entry.grad_accum}"
     return (f"  {rank:>4}  {entry.layout.describe():<50}{batch:>14}{report.gib(entry.peak_bytes):>10}"
             f"{report.gib(entry.need_bytes):>10}{entry.tokens_per_second_per_gpu:>11,.0f}")
 
 
-def _traced_lines(job_config: JobConfig, request: planner.PlanRequest, supported) -> list[str]:
+def _traced_lines(job_config: JobConfig, request: layout_search.PlanRequest, supported) -> list[str]:
     budget = job_config.memory_estimation.plan_traced_layouts
     lines = []
     for rank, entry in supported[:budget]:
@@ -107,7 +107,7 @@ def _traced_lines(job_config: JobConfig, request: planner.PlanRequest, supported
     return lines
 
 
-def layout_config(job_config: JobConfig, request: planner.PlanRequest, entry: planner.PlanEntry) -> JobConfig:
+def layout_config(job_config: JobConfig, request: layout_search.PlanRequest, entry: layout_search.PlanEntry) -> JobConfig:
     config = copy.deepcopy(job_config)
     lay, p = entry.layout, config.parallelism
     p.data_parallel_replicate_degree, p.data_parallel_shard_degree = lay.dp_replicate, lay.dp_shard
@@ -123,7 +123,7 @@ def layout_gap(config: JobConfig, world_size: int) -> str | None:
     """Why a layout cannot be traced ('not in trainer: ...', 'estimator: ... not covered
     yet'), or None."""
     try:
-        validate_job_config(config)
+        check_job_config(config)
         parallel_dims = build_parallel_dims(config, world_size, "cpu")
     except ConfigError as e:
         return f"not in trainer: {_first_clause(str(e))}"

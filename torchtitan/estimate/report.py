@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan.estimate.analytic import AnalyticEstimate
-from torchtitan.estimate.tracker import TrackerResult
+from torchtitan.estimate.memory_tracker import TrackerResult
 
 GiB = 2**30
 MiB = 2**20

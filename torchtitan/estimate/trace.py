@@ -20,8 +20,8 @@ from torchtitan.config import ConfigError, ConfigManager, JobConfig, config_to_t
 from torchtitan.estimate.build import build_estimation_meta_model
 from torchtitan.estimate.coverage import check_covered
 from torchtitan.estimate.steps import run_training_steps
-from torchtitan.estimate.tracker import TrackerResult, build_tracker
-from torchtitan.estimate.tracing import (
+from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
+from torchtitan.estimate.emulation import (
     balanced_moe_routing,
     cuda_block_rounding,
     cuda_kernel_emulation,

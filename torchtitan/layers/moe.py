@@ -59,7 +59,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def host_counts(counts: torch.Tensor, rows: int) -> list:
     """Token counts as host integers (one device sync); each row of ``counts`` sums to
     ``rows`` (what a reader without the values, such as the memory estimator's
-    ``estimate.tracing.balanced_moe_routing``, needs to split them)."""
+    ``estimate.emulation.balanced_moe_routing``, needs to split them)."""
     return counts.tolist()
 
 

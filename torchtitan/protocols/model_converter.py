@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
+from torchtitan.config.checks import get_field
 from torchtitan.config.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -54,13 +55,8 @@ def check_converter_names(names: list[str]) -> None:
         raise ConfigError(f"model.converters: unknown converter(s) {unknown}; registered: {known}")
 
 
-def _section(job_config: JobConfig, path: str | None) -> Any:
-    if path is None:
-        return None
-    section: Any = job_config
-    for name in path.split("."):
-        section = getattr(section, name)
-    return section
+def _settings(job_config: JobConfig, path: str | None) -> Any:
+    return None if path is None else get_field(job_config, path)
 
 
 class ModelConvertersContainer:
@@ -71,7 +67,7 @@ class ModelConvertersContainer:
         names = job_config.model.converters
         check_converter_names(names)
         self.converters = [
-            _converters[name].converter_cls(_section(job_config, _converters[name].config_section), parallel_dims)
+            _converters[name].converter_cls(_settings(job_config, _converters[name].config_section), parallel_dims)
             for name in names
         ]
 

@@ -110,11 +110,6 @@ def apply_to_train_specs(fn: Callable[[TrainSpec], TrainSpec]) -> None:
         _train_specs[name] = fn(spec)
 
 
-def registered_train_specs() -> list[str]:
-    _import_builtin_models()
-    return sorted(_train_specs)
-
-
 def _import_builtin_models() -> None:
     # Imported lazily so that the config tooling does not pay for model imports.
     from torchtitan.models import register_builtin_models

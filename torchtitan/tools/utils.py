@@ -37,10 +37,6 @@ _GPU_PEAK_BF16 = [
 _CPU_PEAK_CACHE = Path(os.environ.get("TORCHTITAN_CACHE", Path.home() / ".cache" / "torchtitan"))
 
 
-def device_module(device_type: str):
-    return getattr(torch, device_type)
-
-
 def gpu_peak_flops(device_name: str) -> float | None:
     for key, flops in _GPU_PEAK_BF16:
         if key in device_name:

@@ -24,7 +24,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.components.quantization import float8_tensorwise_tp, with_float8_styles
-from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac, keeps_attention_output
 from torchtitan.distributed.context_parallel import apply_cp
@@ -138,18 +137,6 @@ def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- the order
-def refuse_moe_compile(compile_config: CompileConfig, parallelism: ParallelismConfig, model_name: str) -> None:
-    """MoE routing and expert parallel sync with the host, which compile and async TP (which
-    needs compile) do not support yet."""
-    if compile_config.enable:
-        raise ConfigError(
-            f"compile.enable: not supported for {model_name} yet (MoE routing and expert "
-            "parallel sync with the host); run without --compile.enable"
-        )
-    if parallelism.enable_async_tensor_parallel:
-        raise ConfigError(f"parallelism.enable_async_tensor_parallel: not supported for {model_name}")
-
-
 def fsdp_settings(training: TrainingConfig, parallelism: ParallelismConfig, parallel_dims: ParallelDims) -> dict[str, Any]:
     """The keyword arguments of ``apply_fsdp`` / ``apply_expert_fsdp`` from the config."""
     return {

@@ -1,7 +1,7 @@
 """Applies parallelisms to a DeepSeek-V3 model: the shared decoder order
 (``models/common/parallelize.py``: TP, CP, expert / expert-tensor parallel, activation
 checkpointing, then FSDP/HSDP with experts over ``efsdp`` first, or DDP) with the MLA block
-plan below. Compile is refused for now."""
+plan below. Preflight refuses compile for it (MoE layers)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from torchtitan.models.common.parallelize import (
     attention_input_plan,
     ffn_tp_plan,
     parallelize_decoder,
-    refuse_moe_compile,
 )
 
 
@@ -27,7 +26,6 @@ def parallelize_deepseek_v3(
     model: nn.Module, parallel_dims: ParallelDims, *, training: TrainingConfig, parallelism: ParallelismConfig,
     activation_checkpoint: ActivationCheckpointConfig, compile_config: CompileConfig,
 ) -> nn.Module:
-    refuse_moe_compile(compile_config, parallelism, "deepseek_v3")
     return parallelize_decoder(
         model, parallel_dims, training=training, parallelism=parallelism,
         activation_checkpoint=activation_checkpoint, compile_config=compile_config,

@@ -1,4 +1,4 @@
-"""The measured side of validation: the same training steps on real tensors.
+"""The measured side of ``mode measure``: the same training steps on real tensors.
 
 On CPU the peak is taken two independent ways at allocation level: the tracker on real
 tensors, and the CPU allocator's events from the profiler (live bytes at the start plus the
@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from torchtitan.config import JobConfig
 from torchtitan.estimate.build import build_estimation_recipe, build_parallel_dims
 from torchtitan.estimate.steps import run_training_steps
-from torchtitan.estimate.tracker import TrackerResult, build_tracker
+from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
 from torchtitan.recipe import Recipe
 
 INIT_SEED = 0

@@ -1,4 +1,4 @@
-"""``--memory_estimation.mode validate``: run the traced steps on real tensors, trace the
+"""``--memory_estimation.mode measure``: run the traced steps on real tensors, trace the
 estimate, print both peaks. Under torchrun every rank runs for real (gloo on CPU, NCCL on
 CUDA); otherwise one rank of ``world_size`` is emulated in this process on a fake process
 group (collectives are no-ops, every buffer has its per-rank size).
@@ -19,13 +19,13 @@ from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.utils import init_distributed, leave_together
 from torchtitan.estimate import report
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
-from torchtitan.estimate.measure import MeasuredOutcome, measure_training_memory
+from torchtitan.estimate.real_steps import MeasuredOutcome, measure_training_memory
 from torchtitan.estimate.steps import ITERATIONS
 from torchtitan.estimate.trace import in_fresh_process, trace_training_memory
-from torchtitan.estimate.tracing import fake_process_group
+from torchtitan.estimate.emulation import fake_process_group
 
 
-def _validation_device(target: str) -> torch.device:
+def _measuring_device(target: str) -> torch.device:
     device_type = default_device_type()
     if device_type != target:
         raise ConfigError(
@@ -40,14 +40,14 @@ def _validation_device(target: str) -> torch.device:
 def measure_single_process(job_config: JobConfig, world_size: int) -> MeasuredOutcome:
     """One rank of ``world_size`` on real tensors: collectives are no-ops (fake process
     group) and every buffer has its per-rank size."""
-    device = _validation_device(job_config.memory_estimation.target_device)
+    device = _measuring_device(job_config.memory_estimation.target_device)
     for field, what in (("expert_parallel_degree", "route tokens between expert-parallel ranks"),
                         ("pipeline_parallel_degree", "pass activations between pipeline stages")):
         if getattr(job_config.parallelism, field) > 1:
             raise ConfigError(
-                f"parallelism.{field}: real tensors in one process cannot {what}; validate under "
+                f"parallelism.{field}: real tensors in one process cannot {what}; measure under "
                 "torchrun (torchrun --nproc_per_node N scripts/estimate/estimation.py ... "
-                "--memory_estimation.mode validate)"
+                "--memory_estimation.mode measure)"
             )
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -75,7 +75,7 @@ def traced_peaks_in_fresh_process(job_config: JobConfig, world_size: int, target
     return in_fresh_process(_traced_peaks, job_config, world_size, target)
 
 
-def run_validate(job_config: JobConfig) -> int:
+def run_measure(job_config: JobConfig) -> int:
     me = job_config.memory_estimation
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if launched else resolve_world_size(job_config)
@@ -86,25 +86,25 @@ def run_validate(job_config: JobConfig) -> int:
         )
     job_config = eager_config(job_config)
     check_covered(job_config, world_size)
-    _validation_device(me.target_device)
+    _measuring_device(me.target_device)
     if not launched:
         measured = [measure_single_process(job_config, world_size)]
         estimates = traced_peaks_in_fresh_process(job_config, world_size, me.target_device)
-        print("\n".join(validation_lines(estimates, measured, world_size, launched)))
+        print("\n".join(measure_lines(estimates, measured, world_size, launched)))
         return 0
     measured = _measure_distributed(job_config)
     if int(os.environ["RANK"]) == 0:
         estimates = traced_peaks_in_fresh_process(job_config, world_size, me.target_device)
-        print("\n".join(validation_lines(estimates, measured, world_size, launched)))
+        print("\n".join(measure_lines(estimates, measured, world_size, launched)))
     return 0
 
 
-def validation_lines(estimates: list[int], measured: list[MeasuredOutcome], world_size: int, launched: bool) -> list[str]:
+def measure_lines(estimates: list[int], measured: list[MeasuredOutcome], world_size: int, launched: bool) -> list[str]:
     """``estimates``: the traced peak per pipeline rank (one entry without pipeline
     parallel); every measured rank is compared with its pipeline rank's."""
     how = f"{len(measured)} real processes" if launched else f"rank 0 of {world_size} emulated in one process"
     ranks_per_stage = world_size // len(estimates)
-    lines = [f"validation: traced estimate vs measured peak over the same {ITERATIONS} steps ({how})"]
+    lines = [f"measured: traced estimate vs measured peak over the same {ITERATIONS} steps ({how})"]
     for pp_rank, estimate in enumerate(estimates):
         whose = f"rank {pp_rank * ranks_per_stage} of {world_size}"
         if len(estimates) > 1:

@@ -1,9 +1,9 @@
 """Memory trackers for estimation: torch's MemTracker / FSDPMemTracker plus
 
 * a guard that ignores ops run under any fake mode other than the one active on entry
-  (DTensor sharding propagation's scratch tensors, see ``tracing.private_propagation_fake_mode``);
+  (DTensor sharding propagation's scratch tensors, see ``emulation.private_propagation_fake_mode``);
 * the step phase and innermost module at each new peak, per-phase and per-module peaks;
-* the bytes that 512-byte block rounding adds (when ``tracing.cuda_block_rounding`` is on).
+* the bytes that 512-byte block rounding adds (when ``emulation.cuda_block_rounding`` is on).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from torchtitan.estimate.tracing import active_fake_slot
+from torchtitan.estimate.emulation import active_fake_slot
 
 TOTAL = "Total"
 ROUNDING = "Rounding"

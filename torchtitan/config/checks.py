@@ -1,9 +1,10 @@
-"""Range checks on a merged JobConfig, plus guards for features that have not landed yet
-(a non-default value is refused, never accepted and silently ignored)."""
+"""Range checks on a merged JobConfig (``check_job_config``), plus guards for features that
+have not landed yet (a non-default value is refused, never accepted and silently ignored)."""
 
 from __future__ import annotations
 
 import importlib.util
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -118,7 +119,7 @@ def get_field(config: Any, path: str) -> Any:
     return value
 
 
-def validate_job_config(config: Any) -> None:
+def check_job_config(config: Any) -> None:
     """Raise ConfigError (one line naming the field) for the first invalid value."""
     for path, ok, rule in _RULES:
         value = get_field(config, path)
@@ -271,6 +272,12 @@ def _check_checkpoint(ckpt: Any) -> None:
     for name in ("initial_load_in_hf", "last_save_in_hf", "initial_load_path"):
         if getattr(ckpt, name) and not ckpt.enable:
             raise ConfigError(f"checkpoint.{name}: needs checkpoint.enable")
+    unknown = [n for n in ckpt.preemption_signals if not isinstance(getattr(signal, n, None), signal.Signals)]
+    if unknown:
+        raise ConfigError(
+            f"checkpoint.preemption_signals: unknown signal(s) {', '.join(map(repr, unknown))}; use names "
+            "such as SIGTERM or SIGUSR1"
+        )
 
 
 def _check_attention(model: Any, training: Any) -> None:

@@ -1,4 +1,4 @@
-"""``--memory_estimation.mode validate`` under torchrun: real CPU processes (gloo) run the
+"""``--memory_estimation.mode measure`` under torchrun: real CPU processes (gloo) run the
 traced steps (FSDP 2, HSDP 2 x 2, FSDP 2 x CP 2, DeepSeek-V3 FSDP 4 x EP 2, PP 2 with
 1F1B and Interleaved1F1B, PP 2 x TP 2), and every rank's measured peak must match the estimate (under
 pipeline parallel: its pipeline rank's)."""
@@ -13,7 +13,7 @@ from tests.launcher import REPO_ROOT, run_torchrun
 from tests.layouts import HSDP_2X2
 
 ESTIMATION = REPO_ROOT / "scripts" / "estimate" / "estimation.py"
-VALIDATE = ["--memory_estimation.mode", "validate", "--memory_estimation.target_device", "cpu"]
+MEASURE = ["--memory_estimation.mode", "measure", "--memory_estimation.target_device", "cpu"]
 LLAMA = [
     "--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
     "--model.flavor", "debugmodel_tiny",
@@ -64,7 +64,7 @@ GLOO_ALLTOALL_STAGING = None
     ids=["fsdp2", "hsdp2x2", "fsdp2_cp2", "deepseek_fsdp4_ep2"],
 )
 def test_estimate_matches_real_cpu_processes(nproc, args, allocator_rtol: float | None):
-    out = run_torchrun(nproc, args + VALIDATE, script=str(ESTIMATION), timeout=280).stdout
+    out = run_torchrun(nproc, args + MEASURE, script=str(ESTIMATION), timeout=280).stdout
     estimate = _bytes(ESTIMATE_LINE.search(out).group(1))
     ranks = RANK_LINE.findall(out)
     assert sorted(int(r) for r, _, _ in ranks) == list(range(nproc)), out[-3000:]
@@ -98,7 +98,7 @@ def test_pipeline_estimate_matches_real_schedule(nproc, overrides, allocator_rto
     """Every pipeline rank's trace (the schedule replayed on fake tensors) against torch's
     schedule running for real (allocator events; torch's MemTracker cannot follow it), and
     against the same replay on real tensors (tracker: what fake tensors may have missed)."""
-    out = run_torchrun(nproc, LLAMA + overrides + VALIDATE, script=str(ESTIMATION), timeout=280).stdout
+    out = run_torchrun(nproc, LLAMA + overrides + MEASURE, script=str(ESTIMATION), timeout=280).stdout
     estimates = {int(pp): _bytes(b) for pp, b in PP_ESTIMATE_LINE.findall(out)}
     assert sorted(estimates) == [0, 1], out[-3000:]
     ranks = PP_RANK_LINE.findall(out)
