@@ -40,7 +40,9 @@ def first_global_batch(dp: int, seq_len: int, global_batch: int, data_shards: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--global_batch", type=int, default=8)
@@ -48,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for dp in args.dp:
         if args.global_batch % dp:
-            print(f"error: --global_batch {args.global_batch} is not divisible by dp {dp}", file=sys.stderr)
+            print(
+                f"error: --global_batch {args.global_batch} is not divisible by dp {dp}",
+                file=sys.stderr,
+            )
             return 1
         batch = first_global_batch(dp, args.seq_len, args.global_batch, args.data_shards)
         digest = hashlib.sha1(batch.numpy().tobytes()).hexdigest()

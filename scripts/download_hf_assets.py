@@ -12,7 +12,12 @@ import argparse
 import sys
 
 ASSET_PATTERNS = {
-    "tokenizer": ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"],
+    "tokenizer": [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+    ],
     "config": ["config.json", "generation_config.json"],
     "safetensors": ["*.safetensors", "model.safetensors.index.json"],
 }
@@ -26,7 +31,9 @@ def default_local_dir(repo_id: str) -> str:
     return f"assets/hf/{repo_id.rstrip('/').split('/')[-1]}"
 
 
-def download(repo_id: str, assets: list[str], local_dir: str | None = None, hf_token: str | None = None) -> str:
+def download(
+    repo_id: str, assets: list[str], local_dir: str | None = None, hf_token: str | None = None
+) -> str:
     """Download the assets into ``local_dir`` (default ``assets/hf/<repo name>``); returns the directory."""
     from huggingface_hub import snapshot_download
 
@@ -39,11 +46,15 @@ def download(repo_id: str, assets: list[str], local_dir: str | None = None, hf_t
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repo_id", required=True, help="e.g. meta-llama/Llama-3.1-8B")
     parser.add_argument("--assets", nargs="+", required=True, choices=sorted(ASSET_PATTERNS))
     parser.add_argument("--local_dir", default=None, help="default: assets/hf/<repo name>")
-    parser.add_argument("--hf_token", default=None, help="for gated repositories (default: the cached login)")
+    parser.add_argument(
+        "--hf_token", default=None, help="for gated repositories (default: the cached login)"
+    )
     args = parser.parse_args(argv)
     try:
         path = download(args.repo_id, args.assets, args.local_dir, args.hf_token)

@@ -55,7 +55,9 @@ class Difference:
 def read_metrics(dump_folder: Path) -> dict[int, dict[str, float]]:
     path = Path(dump_folder) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist (was the run's job.dump_folder {dump_folder}?)")
+        raise FileNotFoundError(
+            f"{path} does not exist (was the run's job.dump_folder {dump_folder}?)"
+        )
     with open(path) as f:
         return {record["step"]: record for record in map(json.loads, filter(str.strip, f))}
 
@@ -75,24 +77,32 @@ def mismatches(baseline: dict[int, dict], test: dict[int, dict], rtol: float) ->
         problems.append(f"logged steps differ: baseline {sorted(baseline)}, test {sorted(test)}")
     for d in differences(baseline, test):
         if not math.isclose(d.baseline, d.test, rel_tol=rtol, abs_tol=0.0):
-            problems.append(f"step {d.step}: {d.key} {d.test!r} vs baseline {d.baseline!r} "
-                            f"(relative difference {d.relative:.3e} > rtol {rtol:g})")
+            problems.append(
+                f"step {d.step}: {d.key} {d.test!r} vs baseline {d.baseline!r} "
+                f"(relative difference {d.relative:.3e} > rtol {rtol:g})"
+            )
     return problems
 
 
 def format_table(baseline: dict[int, dict], test: dict[int, dict]) -> str:
-    header = f"{'step':>6}  {'loss (base)':>13}  {'loss (test)':>13}  {'|diff|':>10}  " \
-             f"{'grad_norm (base)':>17}  {'grad_norm (test)':>17}  {'|diff|':>10}"
+    header = (
+        f"{'step':>6}  {'loss (base)':>13}  {'loss (test)':>13}  {'|diff|':>10}  "
+        f"{'grad_norm (base)':>17}  {'grad_norm (test)':>17}  {'|diff|':>10}"
+    )
     rows = [header, "-" * len(header)]
     diffs = differences(baseline, test)
     for loss, grad_norm in zip(diffs[0::2], diffs[1::2]):
-        rows.append(f"{loss.step:>6}  {loss.baseline:>13.6f}  {loss.test:>13.6f}  {loss.absolute:>10.3e}  "
-                    f"{grad_norm.baseline:>17.6f}  {grad_norm.test:>17.6f}  {grad_norm.absolute:>10.3e}")
+        rows.append(
+            f"{loss.step:>6}  {loss.baseline:>13.6f}  {loss.test:>13.6f}  {loss.absolute:>10.3e}  "
+            f"{grad_norm.baseline:>17.6f}  {grad_norm.test:>17.6f}  {grad_norm.absolute:>10.3e}"
+        )
     for key in KEYS:
         largest = max((d for d in diffs if d.key == key), key=lambda d: d.absolute, default=None)
         if largest is not None:
-            rows.append(f"largest {key} difference: {largest.absolute:.3e} (relative {largest.relative:.3e}) "
-                        f"at step {largest.step}")
+            rows.append(
+                f"largest {key} difference: {largest.absolute:.3e} (relative {largest.relative:.3e}) "
+                f"at step {largest.step}"
+            )
     return "\n".join(rows)
 
 
@@ -103,29 +113,56 @@ def source_tree(commit: str | None) -> Iterator[Path]:
         yield REPO_ROOT
         return
     folder = Path(tempfile.mkdtemp(prefix="loss_compare_"))
-    subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", str(folder), commit],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", str(folder), commit],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     try:
         yield folder
     finally:
-        subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(folder)],
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(folder)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
 
 
-def train(tree: Path, config: str, options: list[str], dump_folder: Path, args: argparse.Namespace) -> None:
+def train(
+    tree: Path, config: str, options: list[str], dump_folder: Path, args: argparse.Namespace
+) -> None:
     """One deterministic run of ``torchtitan.train`` from ``tree`` (config paths are
     relative to that tree), logging every step to ``dump_folder``."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        "-m", "torchtitan.train", "--job.config_file", config,
-        "--job.dump_folder", str(dump_folder.resolve()), "--training.steps", str(args.steps),
-        "--metrics.log_freq", "1", "--debug.seed", str(args.seed), "--debug.deterministic", *options,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "-m",
+        "torchtitan.train",
+        "--job.config_file",
+        config,
+        "--job.dump_folder",
+        str(dump_folder.resolve()),
+        "--training.steps",
+        str(args.steps),
+        "--metrics.log_freq",
+        "1",
+        "--debug.seed",
+        str(args.seed),
+        "--debug.deterministic",
+        *options,
     ]
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     print(f"$ (cd {tree} && {shlex.join(cmd)})", flush=True)
     result = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"training run failed (exit {result.returncode}):\n{result.stdout[-4000:]}{result.stderr[-4000:]}")
+        raise RuntimeError(
+            f"training run failed (exit {result.returncode}):\n{result.stdout[-4000:]}{result.stderr[-4000:]}"
+        )
 
 
 def run_both(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -144,30 +181,47 @@ def run_both(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--baseline-dump", type=Path, help="compare this finished run's dump folder ...")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument(
+        "--baseline-dump", type=Path, help="compare this finished run's dump folder ..."
+    )
     parser.add_argument("--test-dump", type=Path, help="... with this one (no training)")
     parser.add_argument("--config", help="job config of both runs (relative to each run's tree)")
-    parser.add_argument("--baseline-config", help="job config of the baseline run (default --config)")
+    parser.add_argument(
+        "--baseline-config", help="job config of the baseline run (default --config)"
+    )
     parser.add_argument("--test-config", help="job config of the test run (default --config)")
     parser.add_argument("--options", default="", help="trainer options of both runs")
-    parser.add_argument("--baseline-options", default="", help="extra trainer options of the baseline run")
+    parser.add_argument(
+        "--baseline-options", default="", help="extra trainer options of the baseline run"
+    )
     parser.add_argument("--test-options", default="", help="extra trainer options of the test run")
-    parser.add_argument("--baseline-commit", help="train the baseline from this commit (git worktree)")
+    parser.add_argument(
+        "--baseline-commit", help="train the baseline from this commit (git worktree)"
+    )
     parser.add_argument("--test-commit", help="train the test run from this commit (git worktree)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--output-dir", help="dump folders go to <dir>/baseline and <dir>/test")
-    parser.add_argument("--assert-equal", action="store_true", help="exit 1 on any difference beyond --rtol")
-    parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance of --assert-equal")
+    parser.add_argument(
+        "--assert-equal", action="store_true", help="exit 1 on any difference beyond --rtol"
+    )
+    parser.add_argument(
+        "--rtol", type=float, default=0.0, help="relative tolerance of --assert-equal"
+    )
     args = parser.parse_args(argv)
     compare_dumps = args.baseline_dump is not None or args.test_dump is not None
     if compare_dumps and (args.baseline_dump is None or args.test_dump is None):
         parser.error("--baseline-dump and --test-dump go together")
     if not compare_dumps and not (args.config or (args.baseline_config and args.test_config)):
-        parser.error("give --baseline-dump/--test-dump, or --config (or --baseline-config and --test-config)")
+        parser.error(
+            "give --baseline-dump/--test-dump, or --config (or --baseline-config and --test-config)"
+        )
     return args
 
 

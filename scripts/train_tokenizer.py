@@ -40,7 +40,9 @@ def train_tokenizer(
 ) -> Path:
     """Train on the first ``max_docs`` documents (all if None) and save into ``out``; returns ``out``."""
     if vocab_size < _MIN_VOCAB:
-        raise ValueError(f"--vocab_size must be at least {_MIN_VOCAB} (3 special tokens + 256 bytes), got {vocab_size}")
+        raise ValueError(
+            f"--vocab_size must be at least {_MIN_VOCAB} (3 special tokens + 256 bytes), got {vocab_size}"
+        )
     if max_docs is not None and max_docs < 1:
         raise ValueError(f"--max_docs must be positive, got {max_docs}")
     tokenizer = Tokenizer(models.BPE())
@@ -57,20 +59,30 @@ def train_tokenizer(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
     config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2) + "\n", encoding="utf-8"
+    )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--vocab_size", type=int, default=4096)
     parser.add_argument("--dataset", default="python_stdlib", help="a registered dataset name")
-    parser.add_argument("--dataset_path", default=None, help="for the file datasets json, jsonl, parquet, txt")
-    parser.add_argument("--max_docs", type=int, default=None, help="train on the first N documents only")
+    parser.add_argument(
+        "--dataset_path", default=None, help="for the file datasets json, jsonl, parquet, txt"
+    )
+    parser.add_argument(
+        "--max_docs", type=int, default=None, help="train on the first N documents only"
+    )
     args = parser.parse_args(argv)
     try:
-        out = train_tokenizer(args.out, args.vocab_size, args.dataset, args.dataset_path, args.max_docs)
+        out = train_tokenizer(
+            args.out, args.vocab_size, args.dataset, args.dataset_path, args.max_docs
+        )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -23,8 +23,11 @@ def _cpu_allocator_setting_never_applied_here():
     from torchtitan.tools import cpu_allocator
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_allocator, "keep_freed_cpu_memory",
-                      lambda: _ALLOCATOR_SETTING_APPLIED.append(True) or False)
+        patch.setattr(
+            cpu_allocator,
+            "keep_freed_cpu_memory",
+            lambda: _ALLOCATOR_SETTING_APPLIED.append(True) or False,
+        )
         yield
 
 
@@ -34,5 +37,7 @@ def _cpu_allocator_untouched_by_this_test():
     yield
     applied = bool(_ALLOCATOR_SETTING_APPLIED)
     _ALLOCATOR_SETTING_APPLIED.clear()
-    assert not applied, ("training.cpu_keep_freed_memory was applied in the pytest process; "
-                         "pass --training.no-cpu_keep_freed_memory to in-process runs")
+    assert not applied, (
+        "training.cpu_keep_freed_memory was applied in the pytest process; "
+        "pass --training.no-cpu_keep_freed_memory to in-process runs"
+    )

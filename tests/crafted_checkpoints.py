@@ -48,8 +48,9 @@ def refresh_manifest(folder: Path) -> None:
     if not manifest_path.exists():
         return
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"] = {f.name: f.stat().st_size for f in folder.iterdir()
-                         if f.is_file() and f.name != MANIFEST}
+    manifest["files"] = {
+        f.name: f.stat().st_size for f in folder.iterdir() if f.is_file() and f.name != MANIFEST
+    }
     manifest_path.write_text(json.dumps(manifest))
 
 
@@ -145,11 +146,21 @@ def metadata_of_another_model(folder: Path, marker: Path) -> None:
     refresh_manifest(folder)
 
 
-DCP_CASES = {f.__name__: f for f in (
-    metadata_is_payload, payload_inside_metadata, key_relabelled_as_bytes, generation_exploit,
-    pickle_in_tensor_data, stray_pickle_file, metadata_points_outside, truncated_shard,
-    missing_shard, metadata_of_another_model,
-)}
+DCP_CASES = {
+    f.__name__: f
+    for f in (
+        metadata_is_payload,
+        payload_inside_metadata,
+        key_relabelled_as_bytes,
+        generation_exploit,
+        pickle_in_tensor_data,
+        stray_pickle_file,
+        metadata_points_outside,
+        truncated_shard,
+        missing_shard,
+        metadata_of_another_model,
+    )
+}
 
 
 # ---------------------------------------------------------------------- Hugging Face folders
@@ -162,7 +173,9 @@ def config_asks_for_remote_code(folder: Path, marker: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "modeling_evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    (folder / "modeling_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+    )
 
 
 def only_pickled_weights(folder: Path, marker: Path) -> None:
@@ -182,7 +195,13 @@ def safetensors_of_another_model(folder: Path, marker: Path) -> None:
         save_file({"encoder.weight": torch.zeros(4, 4)}, str(f))
 
 
-HF_CASES = {f.__name__: f for f in (
-    pickle_named_safetensors, config_asks_for_remote_code, only_pickled_weights,
-    truncated_safetensors, safetensors_of_another_model,
-)}
+HF_CASES = {
+    f.__name__: f
+    for f in (
+        pickle_named_safetensors,
+        config_asks_for_remote_code,
+        only_pickled_weights,
+        truncated_safetensors,
+        safetensors_of_another_model,
+    )
+}

@@ -36,14 +36,20 @@ def run_torchrun(
     return _wait(proc, timeout, check)
 
 
-def run_command(cmd: list[str], *, env: dict[str, str] | None = None,
-                timeout: float = 300) -> subprocess.CompletedProcess:
+def run_command(
+    cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """Run any command (run_train.sh, a script) from the repository root with the test
     environment of ``start_torchrun``; stdout holds stdout and stderr. Never raises on a
     non-zero exit."""
     proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=_test_env(env), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cmd,
+        cwd=REPO_ROOT,
+        env=_test_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     return _wait(proc, timeout, check=False)
 
@@ -84,7 +90,9 @@ def _wait(proc: subprocess.Popen, timeout: float, check: bool) -> subprocess.Com
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         out, _ = proc.communicate()
-        raise TorchrunError(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-6000:]}")
+        raise TorchrunError(
+            f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-6000:]}"
+        ) from None
     finally:
         if proc.poll() is None:
             kill_tree(proc)
@@ -105,13 +113,23 @@ def start_torchrun(
     """Start torchrun as ``run_torchrun`` does, without waiting: stdout (merged with stderr)
     is a text pipe, and ``kill_tree(proc)`` reaches every rank. The caller must reap it
     (tests that kill a run mid-way)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+    ]
     cmd += ["-m", module] if script is None else [str(script)]
     cmd += list(args)
     return subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=_test_env(env), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cmd,
+        cwd=REPO_ROOT,
+        env=_test_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 

@@ -5,8 +5,18 @@ from __future__ import annotations
 
 from torchtitan.distributed import ParallelDims
 
-HSDP_2X2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
-DDP_2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+HSDP_2X2 = [
+    "--parallelism.data_parallel_replicate_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "2",
+]
+DDP_2 = [
+    "--parallelism.data_parallel_replicate_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+]
 
 
 def single_process_dims() -> ParallelDims:

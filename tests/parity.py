@@ -16,22 +16,39 @@ RTOL = 1e-4
 # Same seed, data, global batch and model for every layout; an lr at which the loss falls
 # clearly within 10 steps (6.19 -> ~4.7), so a flat loss cannot pass for parity.
 BASE_OVERRIDES = [
-    "--job.config_file", DEBUG_TOML,
-    "--model.flavor", "debugmodel_tiny",
-    "--training.seq_len", "64",
-    "--training.global_batch_size", str(GLOBAL_BATCH),
-    "--training.steps", str(STEPS),
-    "--training.mixed_precision_param", "float32",
-    "--training.data_shards", "8",
-    "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-    "--debug.seed", "7",
+    "--job.config_file",
+    DEBUG_TOML,
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    str(GLOBAL_BATCH),
+    "--training.steps",
+    str(STEPS),
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.data_shards",
+    "8",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--debug.seed",
+    "7",
 ]
 
 
-def train(nproc: int, dump_folder: Path, overrides: list[str] = (), dp: int | None = None,
-          timeout: float = 240, env: dict[str, str] | None = None) -> list[dict]:
+def train(
+    nproc: int,
+    dump_folder: Path,
+    overrides: list[str] = (),
+    dp: int | None = None,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> list[dict]:
     """Run the trainer under torchrun and return its metrics.jsonl records.
 
     ``dp`` (default nproc) sets local_batch_size = GLOBAL_BATCH / dp (no accumulation)
@@ -41,7 +58,9 @@ def train(nproc: int, dump_folder: Path, overrides: list[str] = (), dp: int | No
     return read_metrics(dump_folder)
 
 
-def train_args(nproc: int, dump_folder: Path, overrides: list[str] = (), dp: int | None = None) -> list[str]:
+def train_args(
+    nproc: int, dump_folder: Path, overrides: list[str] = (), dp: int | None = None
+) -> list[str]:
     """The trainer arguments ``train`` uses (for tests that launch the run themselves)."""
     args = list(BASE_OVERRIDES) + ["--job.dump_folder", str(dump_folder)]
     if "--training.local_batch_size" not in overrides:

@@ -14,7 +14,6 @@ from torch._dynamo import list_backends
 
 from torchtitan.components.checkpoint import check_checkpoint_inputs
 from torchtitan.components.quantization import check_quantization
-from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.datasets.registry import check_dataset_fields
@@ -25,6 +24,7 @@ from torchtitan.distributed.parallel_dims import default_device_type, parallel_d
 from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_stages
 from torchtitan.protocols import BaseModelArgs, TrainSpec, get_train_spec
 from torchtitan.protocols.model_converter import check_converter_names
+from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.recipe import grad_accumulation_steps
 from torchtitan.tools.logging import logger
 
@@ -33,7 +33,9 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     """Validate the parallel layout for this config, world size and device; return the
     ParallelDims (not yet holding a mesh)."""
     try:
-        parallel_dims = parallel_dims_from_config(job_config.parallelism, job_config.fault_tolerance, world_size)
+        parallel_dims = parallel_dims_from_config(
+            job_config.parallelism, job_config.fault_tolerance, world_size
+        )
         spec = get_train_spec(job_config.model.name)
         model_args = spec.flavor_args(job_config.model.flavor)
     except ValueError as e:
@@ -41,13 +43,17 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     model_args.check_parallelism(parallel_dims)
     _check_layout(job_config, parallel_dims, model_args)
     _check_model_support(job_config, spec, model_args, parallel_dims)
-    check_quantization(job_config.model, job_config.quantize, parallel_dims, model_args, device_type)
+    check_quantization(
+        job_config.model, job_config.quantize, parallel_dims, model_args, device_type
+    )
     _check_hf_export(job_config, spec, model_args)
     _check_run(job_config, parallel_dims, world_size, device_type)
     return parallel_dims
 
 
-def _check_layout(job_config: JobConfig, parallel_dims: ParallelDims, model_args: BaseModelArgs) -> None:
+def _check_layout(
+    job_config: JobConfig, parallel_dims: ParallelDims, model_args: BaseModelArgs
+) -> None:
     """Sequence splits, DDP with TP, context and pipeline parallel, the batch sizes."""
     seq_len = job_config.training.seq_len
     if seq_len % parallel_dims.seq_len_divisor != 0:
@@ -56,7 +62,11 @@ def _check_layout(job_config: JobConfig, parallel_dims: ParallelDims, model_args
             f"{parallel_dims.seq_len_divisor} (sequence parallel and context-parallel load "
             "balancing split the sequence)"
         )
-    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and parallel_dims.tp_enabled:
+    if (
+        parallel_dims.dp_replicate_enabled
+        and not parallel_dims.fsdp_enabled
+        and parallel_dims.tp_enabled
+    ):
         # torch's replicate() leaves DTensor (TP) gradients unsynchronised: refuse, never
         # train silently wrong.
         raise ConfigError(
@@ -81,7 +91,9 @@ def _check_model_support(
     compile (or async TP, which needs it) with MoE layers, whose routing and expert parallel
     sync with the host."""
     if parallel_dims.pp_enabled and spec.pipelining_fn is None:
-        raise ConfigError(f"parallelism.pipeline_parallel_degree: model {spec.name!r} has no pipelining support")
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree: model {spec.name!r} has no pipelining support"
+        )
     if getattr(model_args, "moe", None) is None:
         return
     what = f"{spec.name} {job_config.model.flavor}"
@@ -91,10 +103,14 @@ def _check_model_support(
             "parallel sync with the host); run without --compile.enable"
         )
     if job_config.parallelism.enable_async_tensor_parallel:
-        raise ConfigError(f"parallelism.enable_async_tensor_parallel: not supported for {what} (MoE layers)")
+        raise ConfigError(
+            f"parallelism.enable_async_tensor_parallel: not supported for {what} (MoE layers)"
+        )
 
 
-def _check_run(job_config: JobConfig, parallel_dims: ParallelDims, world_size: int, device_type: str) -> None:
+def _check_run(
+    job_config: JobConfig, parallel_dims: ParallelDims, world_size: int, device_type: str
+) -> None:
     """Settings of the run that depend on the world size or the device."""
     if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
@@ -152,18 +168,30 @@ def _check_hf_export(job_config: JobConfig, spec: TrainSpec, model_args: BaseMod
 
 # Features that only work on CUDA: (field, whether the config uses it, what needs CUDA).
 _CUDA_ONLY: list[tuple[str, Callable[[JobConfig], bool], str]] = [
-    ("training.dataloader.pin_memory", lambda c: c.training.dataloader.pin_memory,
-     "page-locked batches for host-to-GPU copies"),
-    ("profiling.enable_memory_snapshot", lambda c: c.profiling.enable_memory_snapshot,
-     "snapshots of the CUDA caching allocator"),
-    ("compile.backend", lambda c: c.compile.enable and c.compile.backend == "cudagraphs", "CUDA graphs"),
+    (
+        "training.dataloader.pin_memory",
+        lambda c: c.training.dataloader.pin_memory,
+        "page-locked batches for host-to-GPU copies",
+    ),
+    (
+        "profiling.enable_memory_snapshot",
+        lambda c: c.profiling.enable_memory_snapshot,
+        "snapshots of the CUDA caching allocator",
+    ),
+    (
+        "compile.backend",
+        lambda c: c.compile.enable and c.compile.backend == "cudagraphs",
+        "CUDA graphs",
+    ),
 ]
 
 
 def _check_device_features(job_config: JobConfig, device_type: str) -> None:
     for field, in_use, what in _CUDA_ONLY:
         if in_use(job_config) and device_type != "cuda":
-            raise ConfigError(f"{field}: needs CUDA ({what}); this machine runs on {device_type}; leave it off")
+            raise ConfigError(
+                f"{field}: needs CUDA ({what}); this machine runs on {device_type}; leave it off"
+            )
     backend = job_config.compile.backend
     if job_config.compile.enable and backend not in list_backends(exclude_tags=()):
         raise ConfigError(
@@ -203,8 +231,15 @@ def _check_context_parallel(job_config, parallel_dims, model_args) -> None:
         seq_lens["validation.seq_len"] = job_config.validation.seq_len
     for field, seq_len in seq_lens.items():
         try:
-            check_cp_config(seq_len, parallel_dims.cp, parallel_dims.tp, model_args.n_heads,
-                            p.context_parallel_rotate_method, p.context_parallel_load_balancer, field)
+            check_cp_config(
+                seq_len,
+                parallel_dims.cp,
+                parallel_dims.tp,
+                model_args.n_heads,
+                p.context_parallel_rotate_method,
+                p.context_parallel_load_balancer,
+                field,
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -217,7 +252,8 @@ def _check_validation(job_config, parallel_dims) -> None:
             f"{parallel_dims.seq_len_divisor}, as training.seq_len is"
         )
     if parallel_dims.pp_enabled and (validation.seq_len, validation.local_batch_size) != (
-        training.seq_len, training.local_batch_size
+        training.seq_len,
+        training.local_batch_size,
     ):
         # The pipeline stages exchange buffers shaped by the first training step.
         raise ConfigError(
@@ -250,7 +286,7 @@ def _check(argv: list[str]) -> int:
     if not value.isdigit():
         raise ConfigError(f"--world-size: needs a process count, got {value!r}")
     world_size = int(value)
-    config = ConfigManager().parse_args(argv[:at] + argv[at + 2:])
+    config = ConfigManager().parse_args(argv[:at] + argv[at + 2 :])
     device_type = default_device_type()
     parallel_dims = preflight(config, world_size, device_type)
     check_inputs(config, device_type)

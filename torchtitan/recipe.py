@@ -31,12 +31,18 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.components.batch import MicroBatch, model_inputs
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.layers.loss import GlobalTokenMeanLoss, valid_tokens
-from torchtitan.config import CompileConfig, ConfigError, JobConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import (
+    CompileConfig,
+    ConfigError,
+    JobConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fault_tolerance import ReplicaGroups
 from torchtitan.distributed.pipeline import BuiltPipeline
 from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.layers.loss import GlobalTokenMeanLoss, valid_tokens
 from torchtitan.layers.moe import moe_layers
 from torchtitan.protocols import ModelConvertersContainer, TrainSpec
 from torchtitan.protocols.model import BaseModelArgs
@@ -98,14 +104,18 @@ def max_seq_len(job_config: JobConfig) -> int:
     return seq_len
 
 
-def model_args_from_config(spec: TrainSpec, job_config: JobConfig, tokenizer: BaseTokenizer | None) -> BaseModelArgs:
+def model_args_from_config(
+    spec: TrainSpec, job_config: JobConfig, tokenizer: BaseTokenizer | None
+) -> BaseModelArgs:
     """The flavor's args updated from the config (and the tokenizer's vocabulary, if any)."""
     try:
         model_args = spec.flavor_args(job_config.model.flavor)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model_args.update_from_config(
-        job_config.model, max_seq_len=max_seq_len(job_config), tokenizer=tokenizer,
+        job_config.model,
+        max_seq_len=max_seq_len(job_config),
+        tokenizer=tokenizer,
         moe_force_load_balance=job_config.debug.moe_force_load_balance,
     )
     return model_args
@@ -171,7 +181,10 @@ class Recipe:
 
 
 def build_meta_model(
-    job_config: JobConfig, parallel_dims: ParallelDims, spec: TrainSpec, model_args: BaseModelArgs,
+    job_config: JobConfig,
+    parallel_dims: ParallelDims,
+    spec: TrainSpec,
+    model_args: BaseModelArgs,
     device: torch.device,
 ) -> MetaModel:
     """Model on meta, converters, then the spec's parallelize_fn, or under pipeline parallel
@@ -193,13 +206,20 @@ def build_meta_model(
     pipeline = None
     if parallel_dims.pp_enabled:
         pipeline = spec.pipelining_fn(
-            model, parallel_dims, job_config.parallelism, job_config.training.local_batch_size, device,
-            lambda stage: spec.parallelize_fn(stage, parallel_dims, **settings), loss_fn,
+            model,
+            parallel_dims,
+            job_config.parallelism,
+            job_config.training.local_batch_size,
+            device,
+            lambda stage: spec.parallelize_fn(stage, parallel_dims, **settings),
+            loss_fn,
         )
         parts = pipeline.model_parts
     else:
         parts = [spec.parallelize_fn(model, parallel_dims, **settings)]
-    return MetaModel(spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token)
+    return MetaModel(
+        spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token
+    )
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
@@ -217,8 +237,13 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def materialize(
-    meta: MetaModel, job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device,
-    *, seed: int | None, init_device: torch.device | None = None,
+    meta: MetaModel,
+    job_config: JobConfig,
+    parallel_dims: ParallelDims,
+    device: torch.device,
+    *,
+    seed: int | None,
+    init_device: torch.device | None = None,
 ) -> Recipe:
     """Allocate the parts on ``init_device`` (default ``device``; the CPU under FSDP's CPU
     offload, buffers staying on ``device``), initialise them from ``seed`` (None: leave the
@@ -229,8 +254,12 @@ def materialize(
             with torch.no_grad():
                 part.init_weights(seed=seed, buffer_device=device)
         part.train()
-    optimizers = meta.spec.build_optimizers_fn(meta.model_parts, job_config.optimizer, parallel_dims)
-    lr_schedulers = meta.spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, job_config.training.steps)
+    optimizers = meta.spec.build_optimizers_fn(
+        meta.model_parts, job_config.optimizer, parallel_dims
+    )
+    lr_schedulers = meta.spec.build_lr_schedulers_fn(
+        optimizers, job_config.lr_scheduler, job_config.training.steps
+    )
     optimizers.register_step_post_hook(
         lambda *args, **kwargs: meta.converters.post_optimizer_hook(meta.model_parts)
     )
@@ -246,15 +275,23 @@ def materialize(
         grad_accum_steps=meta.grad_accum_steps,
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
-        train_context=train_context_factory(job_config.training, job_config.parallelism, parallel_dims, device.type),
+        train_context=train_context_factory(
+            job_config.training, job_config.parallelism, parallel_dims, device.type
+        ),
         nparams=meta.nparams,
         flops_per_token=meta.flops_per_token,
     )
 
 
 def build_recipe(
-    job_config: JobConfig, parallel_dims: ParallelDims, spec: TrainSpec, model_args: BaseModelArgs,
-    device: torch.device, *, seed: int | None, init_device: torch.device | None = None,
+    job_config: JobConfig,
+    parallel_dims: ParallelDims,
+    spec: TrainSpec,
+    model_args: BaseModelArgs,
+    device: torch.device,
+    *,
+    seed: int | None,
+    init_device: torch.device | None = None,
 ) -> Recipe:
     """The whole build sequence on real tensors."""
     meta = build_meta_model(job_config, parallel_dims, spec, model_args, device)
@@ -268,7 +305,9 @@ def _autocast_dtype(training: TrainingConfig, parallel_dims: ParallelDims) -> to
     return None if dtype == torch.float32 or parallel_dims.fsdp_enabled else dtype
 
 
-def mixed_precision_summary(training: TrainingConfig, parallel_dims: ParallelDims, device_type: str) -> str:
+def mixed_precision_summary(
+    training: TrainingConfig, parallel_dims: ParallelDims, device_type: str
+) -> str:
     if training.dtype == "bfloat16":
         return "full bf16 training: parameters, gradients and optimizer states in bfloat16"
     autocast_dtype = _autocast_dtype(training, parallel_dims)
@@ -276,12 +315,17 @@ def mixed_precision_summary(training: TrainingConfig, parallel_dims: ParallelDim
         return f"mixed precision: autocast to {autocast_dtype} on {device_type}"
     if training.mixed_precision_param == "float32":
         return "mixed precision: off (float32)"
-    return (f"mixed precision: FSDP parameters in {TORCH_DTYPES[training.mixed_precision_param]}, "
-            f"reduce in {training.mixed_precision_reduce}")
+    return (
+        f"mixed precision: FSDP parameters in {TORCH_DTYPES[training.mixed_precision_param]}, "
+        f"reduce in {training.mixed_precision_reduce}"
+    )
 
 
 def train_context_factory(
-    training: TrainingConfig, parallelism: ParallelismConfig, parallel_dims: ParallelDims, device_type: str
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    parallel_dims: ParallelDims,
+    device_type: str,
 ) -> Callable[[], contextlib.AbstractContextManager]:
     """The context every forward (and backward) runs in: loss parallel under TP (unless
     disabled), and autocast where FSDP does not cast parameters itself."""
@@ -308,7 +352,9 @@ BeforeOptimizerStep = Callable[[list, torch.Tensor], bool]
 def forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> torch.Tensor:
     """One micro-batch through the whole model; returns its detached loss (its share of
     the global-batch mean)."""
-    inputs, labels, kwargs = model_inputs(batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document)
+    inputs, labels, kwargs = model_inputs(
+        batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document
+    )
     observer.start_microbatch()
     observer.set_phase("forward")
     with recipe.train_context():
@@ -321,11 +367,15 @@ def forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepObserver) 
     return loss.detach()
 
 
-def pipeline_forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> torch.Tensor:
+def pipeline_forward_backward(
+    recipe: Recipe, batch: MicroBatch, observer: StepObserver
+) -> torch.Tensor:
     """One local batch through the pipeline schedule; only the last stage has a loss (the
     sum of its micro-batches' shares), other stages report -1. Model kwargs (document ids,
     positions) are split into pipeline micro-batches and reach every stage."""
-    inputs, labels, kwargs = model_inputs(batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document)
+    inputs, labels, kwargs = model_inputs(
+        batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document
+    )
     pipeline = recipe.pipeline
     losses: list[torch.Tensor] = []
     targets = {"target": labels, "losses": losses} if pipeline.has_last_stage else {}
@@ -383,7 +433,9 @@ def train_step(
     summed / averaged over the live replica groups, and an uncommitted step is not applied.
     """
     if run_microbatch is None:
-        run_microbatch = pipeline_forward_backward if recipe.pipeline is not None else forward_backward
+        run_microbatch = (
+            pipeline_forward_backward if recipe.pipeline is not None else forward_backward
+        )
     replicas = replica_groups if replica_groups is not None and replica_groups.per_step else None
     observer.set_phase("zero_grad")
     recipe.optimizers.zero_grad()
@@ -403,7 +455,9 @@ def train_step(
     params = [p for part in recipe.model_parts for p in part.parameters()]
     if replicas is not None:
         losses = [replicas.average_gradients_and_loss(params, losses)]
-    grad_norm = clip_grad_norm_(params, recipe.job_config.training.max_norm, foreach=True, pp_mesh=recipe.pp_mesh)
+    grad_norm = clip_grad_norm_(
+        params, recipe.job_config.training.max_norm, foreach=True, pp_mesh=recipe.pp_mesh
+    )
     if replicas is not None and not replicas.should_commit():
         return tokens
     if not before_optimizer_step(losses, grad_norm):

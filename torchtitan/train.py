@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.validate import PipelineEval
-from torchtitan.config import ConfigError, ConfigManager, JobConfig, save_config_file
+from torchtitan.config import ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error
 from torchtitan.config.errors import UserInputError
 from torchtitan.distributed.fault_tolerance import (
@@ -49,7 +49,13 @@ from torchtitan.distributed.utils import (
 from torchtitan.layers.moe import moe_load_metrics
 from torchtitan.preflight import load_tokenizer, preflight
 from torchtitan.protocols import get_train_spec
-from torchtitan.recipe import MicroBatch, build_recipe, mixed_precision_summary, model_args_from_config, train_step
+from torchtitan.recipe import (
+    MicroBatch,
+    build_recipe,
+    mixed_precision_summary,
+    model_args_from_config,
+    train_step,
+)
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
@@ -101,26 +107,48 @@ class Trainer:
             job_config, int(os.environ.get("WORLD_SIZE", "1")), default_device_type()
         )
         parallel_dims = self.parallel_dims
-        self.device = init_distributed(job_config.comm, job_config.job.dump_folder, job_config.training.enable_cpu_offload)
+        self.device = init_distributed(
+            job_config.comm, job_config.job.dump_folder, job_config.training.enable_cpu_offload
+        )
         maybe_keep_freed_cpu_memory(job_config.training.cpu_keep_freed_memory, self.device)
-        logger.info(f"parallel layout {parallel_dims.describe()}, mesh views {parallel_dims.world_mesh.view_names}")
+        logger.info(
+            f"parallel layout {parallel_dims.describe()}, mesh views {parallel_dims.world_mesh.view_names}"
+        )
 
-        self.gc_handler = GarbageCollection(job_config.training.gc_freq, job_config.training.gc_debug)
+        self.gc_handler = GarbageCollection(
+            job_config.training.gc_freq, job_config.training.gc_debug
+        )
         self.seed = set_determinism(
-            parallel_dims, self.device, job_config.debug.seed, job_config.debug.deterministic,
+            parallel_dims,
+            self.device,
+            job_config.debug.seed,
+            job_config.debug.deterministic,
             warn_only=job_config.debug.deterministic_warn_only,
         )
         spec = get_train_spec(job_config.model.name)
         self.tokenizer = load_tokenizer(job_config)
-        self.dataloader = spec.build_dataloader_fn(job_config.training, parallel_dims, self.tokenizer)
+        self.dataloader = spec.build_dataloader_fn(
+            job_config.training, parallel_dims, self.tokenizer
+        )
 
         model_args = model_args_from_config(spec, job_config, self.tokenizer)
         # With CPU offload FSDP keeps parameters on the CPU; buffers stay on the device.
         init_device = torch.device("cpu") if job_config.training.enable_cpu_offload else self.device
-        self.recipe = build_recipe(job_config, parallel_dims, spec, model_args, self.device,
-                                   seed=self.seed, init_device=init_device)
+        self.recipe = build_recipe(
+            job_config,
+            parallel_dims,
+            spec,
+            model_args,
+            self.device,
+            seed=self.seed,
+            init_device=init_device,
+        )
         recipe = self.recipe
-        self.model_parts, self.optimizers, self.lr_schedulers = recipe.model_parts, recipe.optimizers, recipe.lr_schedulers
+        self.model_parts, self.optimizers, self.lr_schedulers = (
+            recipe.model_parts,
+            recipe.optimizers,
+            recipe.lr_schedulers,
+        )
         self._log_recipe()
 
         self.step = 0
@@ -128,10 +156,16 @@ class Trainer:
         self.applied_step: AppliedStep | None = None
         self._install_preemption_handlers()
         self.metrics = MetricsProcessor(
-            job_config.metrics, dump_folder=job_config.job.dump_folder, total_steps=job_config.training.steps,
-            parallel_dims=parallel_dims, device=self.device, flops_per_token=recipe.flops_per_token,
-            owns_loss=self._owns_loss(), compute_dtype=TORCH_DTYPES[job_config.training.mixed_precision_param],
-            run_config=dataclasses.asdict(job_config), description=job_config.job.description,
+            job_config.metrics,
+            dump_folder=job_config.job.dump_folder,
+            total_steps=job_config.training.steps,
+            parallel_dims=parallel_dims,
+            device=self.device,
+            flops_per_token=recipe.flops_per_token,
+            owns_loss=self._owns_loss(),
+            compute_dtype=TORCH_DTYPES[job_config.training.mixed_precision_param],
+            run_config=dataclasses.asdict(job_config),
+            description=job_config.job.description,
         )
         self.checkpointer = CheckpointManager(
             job_config.checkpoint,
@@ -167,8 +201,14 @@ class Trainer:
         if not job_config.fault_tolerance.enable:
             return None
         replicas = ReplicaGroups(job_config.fault_tolerance, job_config.comm, self.device)
-        replicas.register_states({"model": ModelPartsState(self.model_parts), "optimizer": self.optimizers,
-                                  "lr_scheduler": self.lr_schedulers, "train_state": self})
+        replicas.register_states(
+            {
+                "model": ModelPartsState(self.model_parts),
+                "optimizer": self.optimizers,
+                "lr_scheduler": self.lr_schedulers,
+                "train_state": self,
+            }
+        )
         if job_config.checkpoint.enable and job_config.checkpoint.enable_ft_dataloader_checkpoints:
             self.data_position = DataPositionFile(self.checkpointer.root, dist.get_rank())
         return replicas
@@ -181,20 +221,29 @@ class Trainer:
         )
         if recipe.grad_accum_steps > 1:
             logger.info(f"gradient accumulation: {recipe.grad_accum_steps} micro-batches per step")
-        logger.info(mixed_precision_summary(job_config.training, self.parallel_dims, self.device.type))
+        logger.info(
+            mixed_precision_summary(job_config.training, self.parallel_dims, self.device.type)
+        )
 
     def _pipeline_eval(self) -> PipelineEval | None:
         pipeline = self.recipe.pipeline
         if pipeline is None:
             return None
-        return PipelineEval(pipeline.schedule, pipeline.has_first_stage, pipeline.has_last_stage,
-                            self.recipe.loss_fn)
+        return PipelineEval(
+            pipeline.schedule,
+            pipeline.has_first_stage,
+            pipeline.has_last_stage,
+            self.recipe.loss_fn,
+        )
 
     def _install_preemption_handlers(self) -> None:
         """A preemption signal only sets a flag; the per-step flag all-reduce makes every
         rank finish the step, save a checkpoint and exit 0 together."""
+
         def request_stop(signum, frame) -> None:
-            logger.warning(f"received {signal.Signals(signum).name}; saving and stopping after this step")
+            logger.warning(
+                f"received {signal.Signals(signum).name}; saving and stopping after this step"
+            )
             self.stop_requested = True
 
         for name in self.job_config.checkpoint.preemption_signals:  # names checked with the config
@@ -202,7 +251,9 @@ class Trainer:
 
     def _owns_loss(self) -> bool:
         """The first rank holding the last pipeline stage (global rank 0 without PP)."""
-        return self.parallel_dims.world_mesh.get_rank() == loss_owner_rank(self.job_config.parallelism, self.parallel_dims)
+        return self.parallel_dims.world_mesh.get_rank() == loss_owner_rank(
+            self.job_config.parallelism, self.parallel_dims
+        )
 
     # ------------------------------------------------------------------ the loop
     def train_step(self, data_iterator: Iterator) -> None:
@@ -210,12 +261,18 @@ class Trainer:
         logs afterwards."""
         batches = DeviceBatches(data_iterator, self.device)
         self.applied_step = None
-        valid_tokens = train_step(self.recipe, batches, before_optimizer_step=self._before_optimizer_step,
-                                  replica_groups=self.replicas)
+        valid_tokens = train_step(
+            self.recipe,
+            batches,
+            before_optimizer_step=self._before_optimizer_step,
+            replica_groups=self.replicas,
+        )
         self.metrics.record_step(batches.tokens, batches.seconds)
         if self.replicas is not None and not self.replicas.committed:
-            logger.warning(f"step {self.step}: not committed (fewer than fault_tolerance.min_replica_size "
-                           "replica groups took part, or one failed during it); running it again on the next batch")
+            logger.warning(
+                f"step {self.step}: not committed (fewer than fault_tolerance.min_replica_size "
+                "replica groups took part, or one failed during it); running it again on the next batch"
+            )
             self.step -= 1
             return
         if self.data_position is not None:
@@ -223,21 +280,25 @@ class Trainer:
         applied = self.applied_step
         if applied is None or not self.metrics.should_log(self.step):
             return
-        loss_mesh = self.parallel_dims.world_mesh["dp_cp"] if self.parallel_dims.dp_cp_enabled else None
+        loss_mesh = (
+            self.parallel_dims.world_mesh["dp_cp"] if self.parallel_dims.dp_cp_enabled else None
+        )
         self.metrics.log(
             self.step,
             loss=dist_reduce(applied.loss, "avg", loss_mesh),
             loss_max=dist_reduce(applied.loss, "max", loss_mesh),
             grad_norm=applied.grad_norm.item(),
             lr=applied.lr,
-            extra={"valid_tokens": int(valid_tokens.item()),
-                   **moe_load_metrics(self.model_parts),  # no MoE metrics for dense models
-                   **(self.replicas.metrics(self.step) if self.replicas is not None else {})},
+            extra={
+                "valid_tokens": int(valid_tokens.item()),
+                **moe_load_metrics(self.model_parts),  # no MoE metrics for dense models
+                **(self.replicas.metrics(self.step) if self.replicas is not None else {}),
+            },
         )
 
     def _before_optimizer_step(self, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> bool:
         # Under loss parallel a loss is a replicated DTensor: take the local value.
-        loss = torch.stack([l.full_tensor() if isinstance(l, DTensor) else l for l in losses]).sum()
+        loss = torch.stack([x.full_tensor() if isinstance(x, DTensor) else x for x in losses]).sum()
         nonfinite, self.stop_requested = self._step_flags(loss, grad_norm)
         if nonfinite:
             self._handle_nonfinite()
@@ -251,10 +312,12 @@ class Trainer:
         """The one per-step host sync: (non-finite, stop requested) all-reduced with MAX over
         all ranks, so that every rank skips, stops or saves at the same step."""
         stop = self.stop_requested or self.step == self.job_config.debug.stop_after_step
-        flags = torch.stack([
-            (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float(),
-            torch.tensor(float(stop), device=loss.device),
-        ])
+        flags = torch.stack(
+            [
+                (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float(),
+                torch.tensor(float(stop), device=loss.device),
+            ]
+        )
         if self.parallel_dims.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, stop_any = flags.tolist()
@@ -281,15 +344,29 @@ class Trainer:
         if self.replicas is not None and self.replicas.per_step:
             self.replicas.align_step(self.step)
         data_iterator = iter(self.dataloader)
-        snapshotter = maybe_memory_snapshotter(job_config.profiling, job_config.job.dump_folder, self.device)
-        logger.info(f"training {job_config.training.steps} steps (starting at step {self.step + 1})")
-        semi_sync = (self.replicas.semi_sync_context(self.model_parts, self.optimizers)
-                     if self.replicas is not None else contextlib.nullcontext())
-        with maybe_enable_profiling(job_config.profiling, job_config.job.dump_folder, self.step) as profiler, semi_sync:
+        snapshotter = maybe_memory_snapshotter(
+            job_config.profiling, job_config.job.dump_folder, self.device
+        )
+        logger.info(
+            f"training {job_config.training.steps} steps (starting at step {self.step + 1})"
+        )
+        semi_sync = (
+            self.replicas.semi_sync_context(self.model_parts, self.optimizers)
+            if self.replicas is not None
+            else contextlib.nullcontext()
+        )
+        with (
+            maybe_enable_profiling(
+                job_config.profiling, job_config.job.dump_folder, self.step
+            ) as profiler,
+            semi_sync,
+        ):
             while self.step < job_config.training.steps:
                 self.step += 1
                 self.gc_handler.run(self.step)
-                maybe_inject_fault(job_config.debug, self.step, self.parallel_dims.world_mesh.get_rank())
+                maybe_inject_fault(
+                    job_config.debug, self.step, self.parallel_dims.world_mesh.get_rank()
+                )
                 if job_config.debug.step_sleep_seconds:
                     time.sleep(job_config.debug.step_sleep_seconds)
                 try:
@@ -337,7 +414,9 @@ def main(argv: list[str] | None = None) -> None:
     silence_non_logging_ranks(os.environ.get("LOG_RANK"))
     job_config = ConfigManager().parse_args(argv)
     if job_config.fault_tolerance.enable:
-        job_config.job.dump_folder = replica_dump_folder(job_config.job.dump_folder, job_config.fault_tolerance.replica_id)
+        job_config.job.dump_folder = replica_dump_folder(
+            job_config.job.dump_folder, job_config.fault_tolerance.replica_id
+        )
     if job_config.job.print_config:
         from torchtitan.config import config_to_toml
 

@@ -11,15 +11,17 @@ import argparse
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from torchtitan.layers.loss import cross_entropy_loss
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.layers.loss import cross_entropy_loss
 from torchtitan.protocols import get_train_spec
 
 MODES = [("none", "2"), ("full", "2"), ("selective", "2"), ("selective", "op")]
 MIB = 2**20
 
 
-def peak_of_one_step(flavor: str, seq_len: int, batch: int, mode: str, option: str) -> dict[str, float]:
+def peak_of_one_step(
+    flavor: str, seq_len: int, batch: int, mode: str, option: str
+) -> dict[str, float]:
     spec = get_train_spec("llama3")
     args = spec.flavor_args(flavor)
     args.vocab_size, args.max_seq_len = 264, seq_len
@@ -51,13 +53,17 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     a = parser.parse_args()
-    print(f"Llama 3 {a.flavor}, batch {a.batch} x seq {a.seq_len}, fp32, CPU, MemTracker peak (MiB)\n")
+    print(
+        f"Llama 3 {a.flavor}, batch {a.batch} x seq {a.seq_len}, fp32, CPU, MemTracker peak (MiB)\n"
+    )
     print("| AC mode | activations | temporaries | total peak |")
     print("| --- | ---: | ---: | ---: |")
     for mode, option in MODES:
         peak = peak_of_one_step(a.flavor, a.seq_len, a.batch, mode, option)
         label = mode if mode != "selective" else f"selective {option}"
-        print(f"| {label} | {peak.get('act', 0):.1f} | {peak.get('temp', 0):.1f} | {peak.get('total', 0):.1f} |")
+        print(
+            f"| {label} | {peak.get('act', 0):.1f} | {peak.get('temp', 0):.1f} | {peak.get('total', 0):.1f} |"
+        )
 
 
 if __name__ == "__main__":

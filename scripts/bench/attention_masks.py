@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--mean-doc-len", type=int, default=512)
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--skip-dense-above", type=int, default=4096,
-                        help="no dense-mask row above this length (its mask alone is seq^2 bytes)")
+    parser.add_argument(
+        "--skip-dense-above",
+        type=int,
+        default=4096,
+        help="no dense-mask row above this length (its mask alone is seq^2 bytes)",
+    )
     parser.add_argument("--output", default=None, help="also write the table to this markdown file")
     return parser.parse_args()
 
@@ -70,6 +74,7 @@ def cases(docs: torch.Tensor, seq_len: int, skip_dense_above: int) -> dict[str, 
     def train(kernel):
         def step(q, k, v):
             kernel(q, k, v, mask=kernel.prepare(docs, q.device)).sum().backward()
+
         return step
 
     def forward_only(q, k, v):
@@ -81,20 +86,29 @@ def cases(docs: torch.Tensor, seq_len: int, skip_dense_above: int) -> dict[str, 
         mask = visible(pos[:, None], pos[None, :], docs[:, :, None], docs[:, None, :], None)
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1)).sum().backward()
 
-    rows = {"sdpa causal": (train(sdpa), True), "flex block_causal (training)": (train(flex), True),
-            "flex block_causal (forward, no grad)": (forward_only, False)}
+    rows = {
+        "sdpa causal": (train(sdpa), True),
+        "flex block_causal (training)": (train(flex), True),
+        "flex block_causal (forward, no grad)": (forward_only, False),
+    }
     if seq_len <= skip_dense_above:
         rows["sdpa dense mask"] = (dense, True)
     return rows
 
 
-def inputs(seq_len: int, args, device: torch.device, dtype: torch.dtype, grad: bool) -> list[torch.Tensor]:
+def inputs(
+    seq_len: int, args, device: torch.device, dtype: torch.dtype, grad: bool
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     shape = (1, args.heads, seq_len, args.head_dim)
-    return [torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(grad) for _ in range(3)]
+    return [
+        torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(grad) for _ in range(3)
+    ]
 
 
-def median_seconds(step: Step, tensors: list[torch.Tensor], iters: int, device: torch.device) -> float:
+def median_seconds(
+    step: Step, tensors: list[torch.Tensor], iters: int, device: torch.device
+) -> float:
     step(*tensors)  # warm-up (compilation)
     times = []
     for _ in range(iters):
@@ -106,7 +120,9 @@ def median_seconds(step: Step, tensors: list[torch.Tensor], iters: int, device: 
     return statistics.median(times)
 
 
-def peak_mib(step: Step, tensors: list[torch.Tensor], device: torch.device, compiled: bool) -> float | None:
+def peak_mib(
+    step: Step, tensors: list[torch.Tensor], device: torch.device, compiled: bool
+) -> float | None:
     """None where it cannot be measured: MemTracker does not see inside a compiled kernel."""
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -139,7 +155,7 @@ def main() -> None:
         "",
         f"- command: `python scripts/bench/attention_masks.py {' '.join(sys.argv[1:])}`",
         f"- torch {torch.__version__}, Python {platform.python_version()}, {torch.get_num_threads()} threads",
-        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; documents of mean length {args.mean_doc_len}",
+        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; documents of mean length {args.mean_doc_len}",
         "",
         "| seq | kernel | documents | tokens/s | median step (ms) | peak memory beyond inputs (MiB) | [seq, seq] fp32 would be (MiB) |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -148,12 +164,16 @@ def main() -> None:
         docs = document_ids(seq_len, args.mean_doc_len, device)
         full = seq_len * seq_len * 4 * args.heads / MiB
         for name, (step, grad) in cases(docs, seq_len, args.skip_dense_above).items():
-            seconds = median_seconds(step, inputs(seq_len, args, device, dtype, grad), args.iters, device)
+            seconds = median_seconds(
+                step, inputs(seq_len, args, device, dtype, grad), args.iters, device
+            )
             compiled = not grad or (device.type == "cuda" and name.startswith("flex"))
             peak = peak_mib(step, inputs(seq_len, args, device, dtype, grad), device, compiled)
             shown = "n/a (compiled kernel)" if peak is None else f"{peak:,.1f}"
-            lines.append(f"| {seq_len} | {name} | {int(docs.max()) + 1} | {seq_len / seconds:,.0f} | "
-                         f"{1000 * seconds:.1f} | {shown} | {full:,.0f} |")
+            lines.append(
+                f"| {seq_len} | {name} | {int(docs.max()) + 1} | {seq_len / seconds:,.0f} | "
+                f"{1000 * seconds:.1f} | {shown} | {full:,.0f} |"
+            )
             print(lines[-1], flush=True)
     table = "\n".join(lines) + "\n"
     print(table)

@@ -55,25 +55,40 @@ def build(job_config, device: torch.device):
     with torch.no_grad():
         model.init_weights(seed=job_config.debug.seed or 0)
     ac = job_config.activation_checkpoint
-    apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state,
-             keeps_attention_output(ac, ring_cp=False))  # one process: no context parallel
+    apply_ac(
+        model.layers,
+        ac.mode,
+        ac.selective_ac_option,
+        ac.preserve_rng_state,
+        keeps_attention_output(ac, ring_cp=False),
+    )  # one process: no context parallel
     cfg = job_config.optimizer
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        weight_decay=cfg.weight_decay, fused=cfg.implementation == "fused",
+        model.parameters(),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=cfg.implementation == "fused",
         foreach=cfg.implementation == "foreach",
     )
     return model, optimizer, _lr_schedule(optimizer, job_config), tokenizer, flops_per_token
 
 
 def _lr_schedule(optimizer: torch.optim.Optimizer, job_config) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, configured_lr_factor(job_config.lr_scheduler, job_config.training.steps))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, configured_lr_factor(job_config.lr_scheduler, job_config.training.steps)
+    )
 
 
-def prefetch(job_config, tokenizer, steps: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def prefetch(
+    job_config, tokenizer, steps: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``steps`` batches of the trainer's data loader (one process), on device."""
     batches = []
-    for _, (input_dict, labels) in zip(range(steps), build_dataloader(job_config.training, None, tokenizer)):
+    for _, (input_dict, labels) in zip(
+        range(steps), build_dataloader(job_config.training, None, tokenizer)
+    ):
         batches.append((input_dict["input"].to(device), labels.to(device)))
     return batches
 
@@ -81,13 +96,18 @@ def prefetch(job_config, tokenizer, steps: int, device: torch.device) -> list[tu
 def train(job_config, trace: Path | None) -> dict:
     torch.manual_seed(job_config.debug.seed or 0)
     device = torch.device(default_device_type())
-    maybe_keep_freed_cpu_memory(job_config.training.cpu_keep_freed_memory, device)  # as the trainer: loops compared, not malloc
+    maybe_keep_freed_cpu_memory(
+        job_config.training.cpu_keep_freed_memory, device
+    )  # as the trainer: loops compared, not malloc
     dtype = TORCH_DTYPES[job_config.training.mixed_precision_param]
     steps = job_config.training.steps
     model, optimizer, lr_schedule, tokenizer, flops_per_token = build(job_config, device)
     batches = prefetch(job_config, tokenizer, steps, device)
-    autocast = (contextlib.nullcontext() if dtype == torch.float32
-                else torch.autocast(device.type, dtype=dtype))
+    autocast = (
+        contextlib.nullcontext()
+        if dtype == torch.float32
+        else torch.autocast(device.type, dtype=dtype)
+    )
     max_norm = job_config.training.max_norm
     step_times, losses = [], []
     with _profiler(steps, trace) as profiler:
@@ -126,10 +146,14 @@ def _profiler(steps: int, trace: Path | None):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    schedule = torch.profiler.schedule(wait=steps - PROFILER_WARMUP - 1, warmup=PROFILER_WARMUP, active=1)
+    schedule = torch.profiler.schedule(
+        wait=steps - PROFILER_WARMUP - 1, warmup=PROFILER_WARMUP, active=1
+    )
     trace.parent.mkdir(parents=True, exist_ok=True)
     with torch.profiler.profile(
-        activities=activities, schedule=schedule, record_shapes=True,
+        activities=activities,
+        schedule=schedule,
+        record_shapes=True,
         on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
     ) as prof:
         yield prof

@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -70,12 +70,32 @@ UPSTREAM_DEBUG = Preset(
     steps=30,
     warmup=5,
     overrides=(
-        "--model.tokenizer_path", str(BENCH_DIR / "upstream_test_tokenizer"),
-        "--training.seq_len", "2048", "--training.local_batch_size", "8",
-        "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32",
-        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2",
-        "--optimizer.lr", "8e-4", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.8",
-        "--lr_scheduler.decay_type", "linear", "--lr_scheduler.min_lr_factor", "0.0", "--debug.seed", "42",
+        "--model.tokenizer_path",
+        str(BENCH_DIR / "upstream_test_tokenizer"),
+        "--training.seq_len",
+        "2048",
+        "--training.local_batch_size",
+        "8",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--training.mixed_precision_reduce",
+        "float32",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "2",
+        "--optimizer.lr",
+        "8e-4",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--lr_scheduler.decay_ratio",
+        "0.8",
+        "--lr_scheduler.decay_type",
+        "linear",
+        "--lr_scheduler.min_lr_factor",
+        "0.0",
+        "--debug.seed",
+        "42",
     ),
 )
 PRESETS = {"upstream-debug": UPSTREAM_DEBUG}
@@ -84,11 +104,22 @@ PRESETS = {"upstream-debug": UPSTREAM_DEBUG}
 def preset_overrides(preset: Preset, nproc: int, corpus: Path) -> list[str]:
     """The preset's trainer flags for ``nproc`` processes (FSDP over all of them, one data
     shard per rank as upstream reads its data), with the corpus written to ``corpus``."""
-    subprocess.run([sys.executable, str(BENCH_DIR / "make_stdlib_docs_corpus.py"), str(corpus)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(BENCH_DIR / "make_stdlib_docs_corpus.py"), str(corpus)],
+        check=True,
+        capture_output=True,
+    )
     layout = ["--parallelism.data_parallel_shard_degree", str(nproc)] if nproc > 1 else []
-    return [*preset.overrides, "--training.dataset", "json", "--training.dataset_path", str(corpus),
-            "--training.data_shards", str(nproc), *layout]
+    return [
+        *preset.overrides,
+        "--training.dataset",
+        "json",
+        "--training.dataset_path",
+        str(corpus),
+        "--training.data_shards",
+        str(nproc),
+        *layout,
+    ]
 
 
 @dataclass
@@ -119,7 +150,9 @@ class RunStats:
 # ---------------------------------------------------------------------------- trace
 def step_breakdown(trace: Path) -> dict[str, float]:
     """Host-side phases of the one ``ProfilerStep`` in a chrome trace, in seconds."""
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events = [
+        e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e
+    ]
     step = next(e for e in events if e["name"].startswith("ProfilerStep#"))
     start, end = step["ts"], step["ts"] + step["dur"]
     inside = [e for e in events if start <= e["ts"] and e["ts"] + e["dur"] <= end]
@@ -138,7 +171,13 @@ def step_breakdown(trace: Path) -> dict[str, float]:
     fb_end = max((e["ts"] + e["dur"] for e in backward), default=fb_start)
     later_data = sum(e["dur"] for e in data[1:])  # micro-batches of gradient accumulation
     forward_backward = fb_end - fb_start - later_data
-    comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in inside if any(m in e["name"] for m in _COMM_MARKERS)])
+    comm = _union(
+        [
+            (e["ts"], e["ts"] + e["dur"])
+            for e in inside
+            if any(m in e["name"] for m in _COMM_MARKERS)
+        ]
+    )
     phases = {
         "step": step["dur"],
         "data": data_time,
@@ -161,22 +200,44 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 # ---------------------------------------------------------------------------- runs
 def _env(threads: int) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads),
-            "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
 
 
 def _run(cmd: list[str], threads: int) -> str:
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(threads), capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"exit {result.returncode}: {shlex.join(cmd)}\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        raise RuntimeError(
+            f"exit {result.returncode}: {shlex.join(cmd)}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        )
     return result.stdout
 
 
 def run_trainer(args: argparse.Namespace, overrides: list[str], folder: Path) -> RunStats:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "torchtitan.train", "--job.config_file", args.config, *overrides,
-           "--job.dump_folder", str(folder), "--training.steps", str(args.steps), "--metrics.log_freq", "1",
-           "--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "-m",
+        "torchtitan.train",
+        "--job.config_file",
+        args.config,
+        *overrides,
+        "--job.dump_folder",
+        str(folder),
+        "--training.steps",
+        str(args.steps),
+        "--metrics.log_freq",
+        "1",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        str(args.steps),
+    ]
     _run(cmd, args.threads)
     with open(folder / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f if line.strip()]
@@ -197,8 +258,17 @@ def run_trainer(args: argparse.Namespace, overrides: list[str], folder: Path) ->
 
 def run_bare_loop(args: argparse.Namespace, overrides: list[str], folder: Path) -> RunStats:
     trace = folder / "bare_trace.json"
-    cmd = [sys.executable, str(BARE_LOOP), "--trace", str(trace), "--job.config_file", args.config,
-           *overrides, "--training.steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        str(BARE_LOOP),
+        "--trace",
+        str(trace),
+        "--job.config_file",
+        args.config,
+        *overrides,
+        "--training.steps",
+        str(args.steps),
+    ]
     result = json.loads(_run(cmd, args.threads).strip().splitlines()[-1])
     step_times = result["step_times"][args.warmup : args.steps - PROFILED_STEPS]
     tps = result["tokens_per_step"] * len(step_times) / sum(step_times)
@@ -224,7 +294,9 @@ def wait_for_quiet(max_load: float | None, timeout: float = 1800) -> None:
 
 # ---------------------------------------------------------------------------- report
 def _git(*cmd: str) -> str:
-    return subprocess.run(["git", "-C", str(REPO_ROOT), *cmd], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(REPO_ROOT), *cmd], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def machine() -> str:
@@ -233,29 +305,44 @@ def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}"
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
-                 platform.processor())
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in lscpu.splitlines()
+            if line.startswith("Model name")
+        ),
+        platform.processor(),
+    )
     return f"{model}, {os.cpu_count()} cores (CPU)"
 
 
 def _row(stats: RunStats, repeat: str) -> str:
     b = stats.breakdown
-    pct = " | ".join(f"{100 * b[k] / b['step']:.1f}%" for k in ("data", "forward_backward", "optimizer", "other", "communication"))
-    return (f"| {stats.label} | {repeat} | {stats.tokens_per_second:,.0f} | {stats.tflops:.3f} | {stats.mfu:.2f}% | "
-            f"{1e3 * stats.median_step:.1f} | {1e3 * stats.min_step:.1f} | {1e3 * b['step']:.1f} | {pct} | "
-            f"{stats.memory_gib:.2f} | {stats.load:.1f} |")
+    pct = " | ".join(
+        f"{100 * b[k] / b['step']:.1f}%"
+        for k in ("data", "forward_backward", "optimizer", "other", "communication")
+    )
+    return (
+        f"| {stats.label} | {repeat} | {stats.tokens_per_second:,.0f} | {stats.tflops:.3f} | {stats.mfu:.2f}% | "
+        f"{1e3 * stats.median_step:.1f} | {1e3 * stats.min_step:.1f} | {1e3 * b['step']:.1f} | {pct} | "
+        f"{stats.memory_gib:.2f} | {stats.load:.1f} |"
+    )
 
 
 def _loss_agreement(trainer: RunStats, bare: RunStats) -> str:
     pairs = list(zip(trainer.losses, bare.losses, strict=True))
     worst = max(abs(a - b) / abs(a) for a, b in pairs)
-    return (f"the per-step losses of the trainer and the bare loop agree within {worst:.1e} (relative) "
-            f"over all {len(pairs)} steps (first {pairs[0][0]:.6f}, last {pairs[-1][0]:.6f} / {pairs[-1][1]:.6f})")
+    return (
+        f"the per-step losses of the trainer and the bare loop agree within {worst:.1e} (relative) "
+        f"over all {len(pairs)} steps (first {pairs[0][0]:.6f}, last {pairs[-1][0]:.6f} / {pairs[-1][1]:.6f})"
+    )
 
 
 def _per_rank_workload(nproc: int) -> str:
-    return (f"each of the {nproc} trainer ranks runs the bare loop's batch size (the trainer's global "
-            f"batch is {nproc}x larger, so the losses differ); the ratio includes communication")
+    return (
+        f"each of the {nproc} trainer ranks runs the bare loop's batch size (the trainer's global "
+        f"batch is {nproc}x larger, so the losses differ); the ratio includes communication"
+    )
 
 
 def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats, RunStats]]) -> str:
@@ -266,7 +353,11 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
     ratios = [trainer.median_step / bare.median_step for trainer, bare in counted]
     ratio = statistics.median(ratios)
     min_ratios = [trainer.min_step / bare.min_step for trainer, bare in counted]
-    dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    dirty = (
+        " (with uncommitted changes)"
+        if _git("status", "--porcelain", "--untracked-files=no")
+        else ""
+    )
     lines = [
         f"# Benchmark: `{args.config}`, {args.nproc} process(es)",
         "",
@@ -274,7 +365,7 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
         f"- commit: `{_git('rev-parse', 'HEAD')}`{dirty}",
         f"- torch {torch.__version__}, Python {platform.python_version()}",
         f"- machine: {machine()}; {args.threads} thread(s) per process",
-        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         f"- steady state: steps {args.warmup + 1}..{args.steps - PROFILED_STEPS} of {args.steps}; "
         f"{len(runs)} interleaved repeat(s)",
         f"- same workload: {_loss_agreement(*runs[0]) if args.nproc == 1 else _per_rank_workload(args.nproc)}",
@@ -286,8 +377,13 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
     for i, (trainer, bare) in enumerate(runs, 1):
         mark = "" if trainer.steady and bare.steady else " (disturbed)"
         lines += [_row(trainer, f"{i}{mark}"), _row(bare, f"{i}{mark}")]
-    verdict = "" if args.nproc > 1 else (
-        f"; {'within' if ratio <= OVERHEAD_LIMIT else 'ABOVE'} the {OVERHEAD_LIMIT:.2f} limit for one process")
+    verdict = (
+        ""
+        if args.nproc > 1
+        else (
+            f"; {'within' if ratio <= OVERHEAD_LIMIT else 'ABOVE'} the {OVERHEAD_LIMIT:.2f} limit for one process"
+        )
+    )
     lines += [
         "",
         f"**Framework overhead: trainer / bare-loop median step time = {ratio:.3f}** (median over "
@@ -295,9 +391,11 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
         f"{verdict}). A repeat is disturbed (by other load on the "
         f"machine) when a run's median step exceeds its fastest by more than "
         f"{100 * (STEADY_SPREAD - 1):.0f}%. Per counted repeat: "
-        + ", ".join(f"{r:.3f}" for r in ratios) + f"; with the fastest step of each run instead of the "
+        + ", ".join(f"{r:.3f}" for r in ratios)
+        + f"; with the fastest step of each run instead of the "
         f"median: {statistics.median(min_ratios):.3f} ("
-        + ", ".join(f"{r:.3f}" for r in min_ratios) + ").",
+        + ", ".join(f"{r:.3f}" for r in min_ratios)
+        + ").",
         "",
         "tokens/s, TFLOP/s and MFU are means over the steady-state steps (the trainer's metrics.jsonl "
         "fields). data .. comm are shares of the one profiled step, whose time includes the profiler's own "
@@ -308,18 +406,31 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="a named workload: its config, steps, warm-up and trainer flags")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a named workload: its config, steps, warm-up and trainer flags",
+    )
     parser.add_argument("--config", default=None, help="default: train_configs/debug_model.toml")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None, help="default: 40")
     parser.add_argument("--warmup", type=int, default=None, help="default: 10")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None, help="threads per process (default: cores / nproc)")
-    parser.add_argument("--max-load", type=float, default=None,
-                        help="before each run, wait until the 1-minute load average is below this")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="threads per process (default: cores / nproc)"
+    )
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="before each run, wait until the 1-minute load average is below this",
+    )
     parser.add_argument("--output", type=Path, default=None, help="write the markdown report here")
     args, overrides = parser.parse_known_args(argv)
     preset = PRESETS.get(args.preset)
@@ -338,7 +449,10 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     with tempfile.TemporaryDirectory(prefix="benchmark_") as tmp:
         if args.preset:
-            overrides = [*preset_overrides(PRESETS[args.preset], args.nproc, Path(tmp) / "corpus.json"), *overrides]
+            overrides = [
+                *preset_overrides(PRESETS[args.preset], args.nproc, Path(tmp) / "corpus.json"),
+                *overrides,
+            ]
         for repeat in range(args.repeats):
             folder = Path(tmp) / f"repeat_{repeat}"
             wait_for_quiet(args.max_load)
@@ -347,8 +461,11 @@ def main(argv: list[str] | None = None) -> None:
             wait_for_quiet(args.max_load)
             bare = run_bare_loop(args, overrides, folder)
             bare.load = os.getloadavg()[0]
-            print(f"repeat {repeat + 1}: trainer {trainer.median_step * 1e3:.1f} ms, "
-                  f"bare loop {bare.median_step * 1e3:.1f} ms", flush=True)
+            print(
+                f"repeat {repeat + 1}: trainer {trainer.median_step * 1e3:.1f} ms, "
+                f"bare loop {bare.median_step * 1e3:.1f} ms",
+                flush=True,
+            )
             runs.append((trainer, bare))
     text = report(args, argv, runs)
     print(text)

@@ -16,6 +16,7 @@ only comparable with each other.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -122,8 +123,10 @@ def main() -> None:
     args = parse_args()
     device = init()
     world = dist.get_world_size()
-    dtype = getattr(torch, args.dtype) if args.dtype else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
     shape = (args.batch, args.heads, args.seq_len, args.head_dim)
     gen = torch.Generator(device).manual_seed(0)
@@ -133,18 +136,24 @@ def main() -> None:
     for cp in (int(c) for c in args.cp.split(",")):
         if world % cp != 0:
             continue
-        cp_mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
+        cp_mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))[
+            "cp"
+        ]
         for method in METHODS:
             if method == "ulysses" and args.heads % cp != 0:
                 continue
             attn = ContextParallelAttention(cp_mesh, method, args.load_balancer)
-            shard = lambda t: cp_shard(t, 2, cp_mesh, args.load_balancer)  # noqa: E731
+            shard = functools.partial(
+                cp_shard, seq_dim=2, cp_mesh=cp_mesh, load_balancer=args.load_balancer
+            )
             rows.append((method, cp, *measure(attn, full, shard, args)))
 
     if dist.get_rank() == 0:
-        print(f"\nseq_len {args.seq_len}, batch {args.batch}, heads {args.heads}, head_dim "
-              f"{args.head_dim}, {dtype}, {device.type}, load_balancer {args.load_balancer}, "
-              f"world {world}\n")
+        print(
+            f"\nseq_len {args.seq_len}, batch {args.batch}, heads {args.heads}, head_dim "
+            f"{args.head_dim}, {dtype}, {device.type}, load_balancer {args.load_balancer}, "
+            f"world {world}\n"
+        )
         print("| method | cp | peak attention memory / rank (MiB) | fwd+bwd time (ms) |")
         print("| --- | ---: | ---: | ---: |")
         for method, cp, mib, seconds in rows:

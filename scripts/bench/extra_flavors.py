@@ -13,10 +13,18 @@ from dataclasses import replace
 
 from torchtitan.models.llama3.flavors import llama3_flavors
 
-llama3_flavors.setdefault("dense_like_dsv3_debug", replace(
-    llama3_flavors["debugmodel"], dim=64, n_layers=4, n_heads=4, vocab_size=264,
-    multiple_of=32, ffn_dim_multiplier=0.75,
-))
+llama3_flavors.setdefault(
+    "dense_like_dsv3_debug",
+    replace(
+        llama3_flavors["debugmodel"],
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        vocab_size=264,
+        multiple_of=32,
+        ffn_dim_multiplier=0.75,
+    ),
+)
 
 # Llama 3 "1B" dimensions (dim 2048, 32 heads / 8 KV heads, FFN 8192) with 4 of its 16 blocks:
 # the same per-block compile (one block graph, reused by every block) and per-block kernels at

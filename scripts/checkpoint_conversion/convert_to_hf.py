@@ -28,16 +28,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @config_errors_exit
 def convert_to_hf(checkpoint: str, out: str, dtype: str, config_args: list[str]) -> None:
     if not (Path(checkpoint) / METADATA_FILE).is_file():
-        raise ConfigError(f"CHECKPOINT_DIR: {checkpoint} is not a DCP checkpoint folder (no .metadata)")
+        raise ConfigError(
+            f"CHECKPOINT_DIR: {checkpoint} is not a DCP checkpoint folder (no .metadata)"
+        )
     model, spec, args = build_cpu_model(config_args)
     try:
-        load_dcp(model.state_dict(), checkpoint,
-                 hint="; pass the job config (model.flavor, tokenizer) that trained it")
+        load_dcp(
+            model.state_dict(),
+            checkpoint,
+            hint="; pass the job config (model.flavor, tokenizer) that trained it",
+        )
     except LoadError as e:
         raise ConfigError(f"CHECKPOINT_DIR: {e}") from None
     try:
-        save_hf_weights([model], out, spec.state_dict_adapter(args), DTYPES[dtype], None,
-                        field="model.flavor")
+        save_hf_weights(
+            [model], out, spec.state_dict_adapter(args), DTYPES[dtype], None, field="model.flavor"
+        )
     except HFCheckpointError as e:
         raise ConfigError(str(e)) from None
     print(f"wrote {out}")

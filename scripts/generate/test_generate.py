@@ -27,12 +27,12 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error  # noqa: E402
-from torchtitan.preflight import preflight  # noqa: E402
 from torchtitan.distributed.data_parallel import TORCH_DTYPES  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
 from torchtitan.distributed.utils import init_distributed, run_worker_entry_point  # noqa: E402
 from torchtitan.generation import CheckpointError, generate, load_model_weights  # noqa: E402
 from torchtitan.generation.tensor_parallel import apply_tp_minus_sp  # noqa: E402
+from torchtitan.preflight import preflight  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
 from torchtitan.recipe import model_args_from_config  # noqa: E402
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
@@ -40,8 +40,12 @@ from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="job config TOML the model was trained with")
-    parser.add_argument("--checkpoint", required=True, help="DCP checkpoint folder (or a folder of step-<N> ones)")
+    parser.add_argument(
+        "--config", required=True, help="job config TOML the model was trained with"
+    )
+    parser.add_argument(
+        "--checkpoint", required=True, help="DCP checkpoint folder (or a folder of step-<N> ones)"
+    )
     parser.add_argument("--prompt", default="", help="text to continue (BOS is prepended)")
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -49,8 +53,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--batch_size", type=int, default=1, help="samples of the same prompt")
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
-    parser.add_argument("--no_kv_cache", action="store_true", help="re-run the whole sequence every token")
-    parser.add_argument("--out", type=Path, default=None, help="also write the result to this JSON file")
+    parser.add_argument(
+        "--no_kv_cache", action="store_true", help="re-run the whole sequence every token"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="also write the result to this JSON file"
+    )
     args, config_overrides = parser.parse_known_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max_new_tokens must be >= 1")
@@ -65,15 +73,19 @@ def load_job_config(args: argparse.Namespace, overrides: list[str], world_size: 
     argv = ["--job.config_file", args.config, *overrides]
     if world_size > 1:
         argv += [
-            "--parallelism.tensor_parallel_degree", str(world_size),
-            "--parallelism.data_parallel_shard_degree", "1",
-            "--parallelism.data_parallel_replicate_degree", "1",
+            "--parallelism.tensor_parallel_degree",
+            str(world_size),
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--parallelism.data_parallel_replicate_degree",
+            "1",
         ]
     return ConfigManager().parse_args(argv)
 
 
-def build_model(job_config, tokenizer, max_len: int, dtype: torch.dtype, device: torch.device,
-                world_size: int) -> torch.nn.Module:
+def build_model(
+    job_config, tokenizer, max_len: int, dtype: torch.dtype, device: torch.device, world_size: int
+) -> torch.nn.Module:
     """The model with parameters in ``dtype``; ``init_weights`` recomputes the RoPE table in
     fp32, as in training (DCP converts the checkpoint's weights to ``dtype`` on load)."""
     spec = get_train_spec(job_config.model.name)
@@ -93,23 +105,39 @@ def build_model(job_config, tokenizer, max_len: int, dtype: torch.dtype, device:
 def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     job_config = load_job_config(args, overrides, world_size)
-    device = init_distributed(job_config.comm, job_config.job.dump_folder) if world_size > 1 else torch.device(default_device_type())
+    device = (
+        init_distributed(job_config.comm, job_config.job.dump_folder)
+        if world_size > 1
+        else torch.device(default_device_type())
+    )
     spec = get_train_spec(job_config.model.name)
     tokenizer = spec.build_tokenizer_fn(job_config.model)
     prompt_ids = tokenizer.encode(args.prompt, add_bos=True, add_eos=False)
-    model = build_model(job_config, tokenizer, len(prompt_ids) + args.max_new_tokens,
-                        TORCH_DTYPES[args.dtype], device, world_size)
+    model = build_model(
+        job_config,
+        tokenizer,
+        len(prompt_ids) + args.max_new_tokens,
+        TORCH_DTYPES[args.dtype],
+        device,
+        world_size,
+    )
     folder = load_model_weights(model, args.checkpoint)
     logger.info(f"loaded {job_config.model.name} {job_config.model.flavor} from {folder}")
 
     prompt = torch.tensor([prompt_ids] * args.batch_size, dtype=torch.long, device=device)
     start = time.perf_counter()
     tokens = generate(
-        model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, seed=args.seed, eos_id=tokenizer.eos_id, use_kv_cache=not args.no_kv_cache,
+        model,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        eos_id=tokenizer.eos_id,
+        use_kv_cache=not args.no_kv_cache,
     )
     seconds = time.perf_counter() - start
-    samples = [_sample(row[len(prompt_ids):].tolist(), tokenizer) for row in tokens]
+    samples = [_sample(row[len(prompt_ids) :].tolist(), tokenizer) for row in tokens]
     return {
         "checkpoint": str(folder),
         "prompt": args.prompt,

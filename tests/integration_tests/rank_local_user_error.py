@@ -17,5 +17,6 @@ def _loader_refused_on_rank_1(data, parallel_dims, tokenizer, split="train"):
     return _base.build_dataloader_fn(data, parallel_dims, tokenizer, split)
 
 
-register_train_spec(replace(_base, name="llama3_rank1_user_error",
-                            build_dataloader_fn=_loader_refused_on_rank_1))
+register_train_spec(
+    replace(_base, name="llama3_rank1_user_error", build_dataloader_fn=_loader_refused_on_rank_1)
+)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration_tests.pause_line import PAUSE_LINE
 from tests.launcher import kill_tree, read_metrics, run_command, run_torchrun, start_torchrun
 from tests.layouts import DDP_2, HSDP_2X2
 from tests.parity import train_args
-from tests.integration_tests.pause_line import PAUSE_LINE
 from torchtitan.components.checkpoint import MANIFEST
 from torchtitan.components.safe_loading import read_dcp_metadata
 
@@ -25,7 +25,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 STEPS = 20
 RESUME_AT = 10
-CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(RESUME_AT), "--training.steps", str(STEPS)]
+CKPT = [
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    str(RESUME_AT),
+    "--training.steps",
+    str(STEPS),
+]
 FULL_LAST = ["--checkpoint.no-last_save_model_only"]  # step-20 keeps the data state to compare
 LAYOUTS = {
     "1proc": (1, []),
@@ -33,8 +39,14 @@ LAYOUTS = {
     "fsdp4": (4, []),
     "hsdp2x2": (4, HSDP_2X2),
     "ddp2": (2, DDP_2),
-    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
-    "pp2_fsdp2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]),
+    "fsdp2_tp2": (
+        4,
+        ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+    ),
+    "pp2_fsdp2": (
+        4,
+        ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
+    ),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
 }
 RESHARD_RTOL = 1e-4
@@ -43,7 +55,9 @@ RESHARD_RTOL = 1e-4
 def run(layout: str, folder: Path, overrides: list[str]) -> tuple[list[dict], str]:
     """(metrics.jsonl records, console output) of one run."""
     nproc, layout_args = LAYOUTS[layout]
-    out = run_torchrun(nproc, train_args(nproc, folder, layout_args + list(overrides)), timeout=300).stdout
+    out = run_torchrun(
+        nproc, train_args(nproc, folder, layout_args + list(overrides)), timeout=300
+    ).stdout
     return read_metrics(folder), out
 
 
@@ -95,7 +109,9 @@ def assert_bitwise_equal_after_10(straight: list[dict], resumed: list[dict]) -> 
 def assert_bitwise_equal(straight: list[dict], other: list[dict], steps: range) -> None:
     for step in steps:
         a, b = by_step(straight)[step], by_step(other)[step]
-        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"step {step}: {a} vs {b}"
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (
+            f"step {step}: {a} vs {b}"
+        )
 
 
 @pytest.mark.parametrize("layout", ["1proc", "fsdp2_tp2"])
@@ -107,8 +123,14 @@ def test_exact_resume(straight, layout, tmp_path):
     assert_bitwise_equal_after_10(straight(layout)[1], resumed)
 
 
-WORKERS = ["--training.dataloader.num_workers", "2", "--training.dataloader.persistent_workers",
-           "--training.dataloader.prefetch_factor", "4", "--training.dataloader.pin_memory"]
+WORKERS = [
+    "--training.dataloader.num_workers",
+    "2",
+    "--training.dataloader.persistent_workers",
+    "--training.dataloader.prefetch_factor",
+    "4",
+    "--training.dataloader.pin_memory",
+]
 
 
 def test_exact_resume_with_dataloader_workers(straight, tmp_path):
@@ -176,21 +198,35 @@ def test_resume_under_another_layout(straight, layout, tmp_path):
     for got in resumed:
         ref = by_step(reference)[got["step"]]
         worst = max(worst, abs(got["loss"] - ref["loss"]) / abs(ref["loss"]))
-        assert math.isclose(got["loss"], ref["loss"], rel_tol=RESHARD_RTOL), f"step {got['step']}: {got['loss']} vs {ref['loss']}"
+        assert math.isclose(got["loss"], ref["loss"], rel_tol=RESHARD_RTOL), (
+            f"step {got['step']}: {got['loss']} vs {ref['loss']}"
+        )
     print(f"{layout}: max relative loss difference to FSDP 4 over steps 11-20: {worst:.2e}")
     # the same data position after step 20 (the merged cursors of every data shard)
-    assert manifest(tmp_path, STEPS)["states"]["dataloader"] == manifest(ref_folder, STEPS)["states"]["dataloader"]
+    assert (
+        manifest(tmp_path, STEPS)["states"]["dataloader"]
+        == manifest(ref_folder, STEPS)["states"]["dataloader"]
+    )
 
 
 def test_checkpoint_keys_are_plain_fqns_for_every_layout(straight):
     def keys(layout: str) -> set[str]:
         folder = straight(layout)[0] / "checkpoint" / f"step-{RESUME_AT}"
-        return {k for k in read_dcp_metadata(folder).state_dict_metadata if not k.startswith("rng.")}
+        return {
+            k for k in read_dcp_metadata(folder).state_dict_metadata if not k.startswith("rng.")
+        }
 
     one, fsdp4 = keys("1proc"), keys("fsdp4")
     assert one == fsdp4
-    assert "layers.0.attention.wq.weight" in one and "optimizer.state.layers.0.attention.wq.weight.exp_avg" in one
-    assert not any(w in k for k in one for w in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"))
+    assert (
+        "layers.0.attention.wq.weight" in one
+        and "optimizer.state.layers.0.attention.wq.weight.exp_avg" in one
+    )
+    assert not any(
+        w in k
+        for k in one
+        for w in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +246,9 @@ def test_seed_checkpoint_gives_every_layout_the_same_start(straight, seed_folder
     seed = str(seed_folder / "checkpoint" / "step-0")
     losses = {}
     for layout in ("fsdp4", "fsdp2", "tp2"):
-        records, out = run(layout, tmp_path / layout, one_step + ["--checkpoint.initial_load_path", seed])
+        records, out = run(
+            layout, tmp_path / layout, one_step + ["--checkpoint.initial_load_path", seed]
+        )
         assert "step-0 (step 0; model)" in out
         losses[layout] = records[0]["loss"]
     copy_checkpoint(seed_folder, tmp_path / "1proc", 0)  # the seed in the run's own folder
@@ -228,7 +266,9 @@ ATTEMPT_MARK = " steps (starting at step "  # the trainer logs it once per attem
 def run_train_sh(nproc: int, folder: Path, overrides: list[str], max_restarts: int):
     """./run_train.sh (config check, then our launcher) with MAX_RESTARTS."""
     env = {"NGPU": str(nproc), "MAX_RESTARTS": str(max_restarts)}
-    return run_command(["./run_train.sh", *train_args(nproc, folder, overrides)], env=env, timeout=300)
+    return run_command(
+        ["./run_train.sh", *train_args(nproc, folder, overrides)], env=env, timeout=300
+    )
 
 
 def test_restart_after_a_fault_resumes_exactly(straight, tmp_path):
@@ -249,8 +289,15 @@ def test_restart_after_a_fault_resumes_exactly(straight, tmp_path):
 def test_a_crash_loop_stops_with_one_line(tmp_path):
     """The fault at step 2 in every attempt: after the second failure there the launcher
     stops (exit 2, one error line) although MAX_RESTARTS would allow 3 more attempts."""
-    fault = ["--training.steps", "3", "--debug.fail_at_step", "2", "--debug.fail_every_attempt",
-             "--checkpoint.max_failures_at_same_step", "2"]
+    fault = [
+        "--training.steps",
+        "3",
+        "--debug.fail_at_step",
+        "2",
+        "--debug.fail_every_attempt",
+        "--checkpoint.max_failures_at_same_step",
+        "2",
+    ]
     result = run_train_sh(1, tmp_path, fault, max_restarts=4)
     out = result.stdout
     assert result.returncode == 2, out[-6000:]

@@ -28,8 +28,13 @@ from tests.parity import assert_loss_falls, assert_parity, train_args
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
-FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
-      "--fault_tolerance.process_group_timeout_ms", "5000"]
+FT = [
+    "--fault_tolerance.enable",
+    "--fault_tolerance.group_size",
+    "2",
+    "--fault_tolerance.process_group_timeout_ms",
+    "5000",
+]
 QUIET = {"RUST_LOG": "warn"}  # torchft's Rust side logs every quorum at INFO
 
 
@@ -45,9 +50,22 @@ def lighthouse(request) -> Iterator[str]:
     port = _free_port()
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     proc = subprocess.Popen(
-        [str(binary), "--min_replicas", str(request.param), "--bind", f"[::]:{port}",
-         "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(binary),
+            "--min_replicas",
+            str(request.param),
+            "--bind",
+            f"[::]:{port}",
+            "--join_timeout_ms",
+            "2000",
+            "--heartbeat_timeout_ms",
+            "1000",
+            "--quorum_tick_ms",
+            "50",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         yield f"http://localhost:{port}"
@@ -60,11 +78,17 @@ class _Group:
     """One replica group's torchrun job; its output is read continuously (a full pipe would
     stall the ranks)."""
 
-    def __init__(self, replica: int, nproc: int, folder: Path, address: str, extra: list[str]) -> None:
-        args = train_args(nproc, folder, FT + ["--fault_tolerance.replica_id", str(replica)] + extra, dp=nproc * 2)
+    def __init__(
+        self, replica: int, nproc: int, folder: Path, address: str, extra: list[str]
+    ) -> None:
+        args = train_args(
+            nproc, folder, FT + ["--fault_tolerance.replica_id", str(replica)] + extra, dp=nproc * 2
+        )
         self.proc = start_torchrun(nproc, args, env={"TORCHFT_LIGHTHOUSE": address, **QUIET})
         self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader = threading.Thread(
+            target=lambda: self.lines.extend(self.proc.stdout), daemon=True
+        )
         self.reader.start()
 
     @property
@@ -127,35 +151,57 @@ def test_a_killed_group_rejoins_from_the_survivor_with_identical_weights(lightho
     steps, kill_after = 36, 4
     # slow steps keep the survivor running while the killed group restarts (~15 s here);
     # checkpointing on: each rank's data position is written after every committed step
-    extra = ["--training.steps", str(steps), "--debug.step_sleep_seconds", "0.8",
-             "--checkpoint.enable", "--checkpoint.interval", "1000"]
+    extra = [
+        "--training.steps",
+        str(steps),
+        "--debug.step_sleep_seconds",
+        "0.8",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1000",
+    ]
     survivor = _Group(0, 2, tmp_path, lighthouse, extra)
     victim = _Group(1, 2, tmp_path, lighthouse, extra)
-    _wait_for(lambda: len(_steps(tmp_path, 1)) >= kill_after, f"replica group 1 to log step {kill_after}",
-              survivor)
+    _wait_for(
+        lambda: len(_steps(tmp_path, 1)) >= kill_after,
+        f"replica group 1 to log step {kill_after}",
+        survivor,
+    )
     victim.kill()
     killed_at = _steps(tmp_path, 1)[-1]["step"]
-    _wait_for(lambda: sum(r["replica_groups"] == 1 for r in _steps(tmp_path, 0)) >= 2,
-              "the survivor to step alone", survivor)
+    _wait_for(
+        lambda: sum(r["replica_groups"] == 1 for r in _steps(tmp_path, 0)) >= 2,
+        "the survivor to step alone",
+        survivor,
+    )
     relaunched = time.monotonic()
     rejoining = _Group(1, 2, tmp_path, lighthouse, extra)
-    _wait_for(lambda: any(r["step"] > killed_at for r in _steps(tmp_path, 1)), "the relaunched group's first step",
-              rejoining)
+    _wait_for(
+        lambda: any(r["step"] > killed_at for r in _steps(tmp_path, 1)),
+        "the relaunched group's first step",
+        rejoining,
+    )
     recovery_s = time.monotonic() - relaunched
     log = rejoining.finish()
     retried = survivor.finish().count("not committed") // 2  # both ranks warn
 
     alone = [r for r in _steps(tmp_path, 0) if r["replica_groups"] == 1]
     survivor_records = _steps(tmp_path, 0)
-    assert [r["step"] for r in survivor_records] == list(range(1, steps + 1))  # no step lost or repeated
+    assert [r["step"] for r in survivor_records] == list(
+        range(1, steps + 1)
+    )  # no step lost or repeated
     assert survivor_records[-1]["replica_groups"] == 2, "the relaunched group never rejoined"
-    before = max(r["loss"] for r in survivor_records[killed_at - 3:killed_at])
+    before = max(r["loss"] for r in survivor_records[killed_at - 3 : killed_at])
     assert all(r["loss"] < before * 1.1 for r in alone), "the survivor's loss jumped after the kill"
     assert_loss_falls(survivor_records)
-    assert "recovered from a live replica group" in log and "data loader resumes after step" in log, log[-4000:]
+    assert (
+        "recovered from a live replica group" in log and "data loader resumes after step" in log
+    ), log[-4000:]
     rejoined_at = next(r["step"] for r in _steps(tmp_path, 1) if r["step"] > killed_at)
-    print(f"killed after step {killed_at}; survivor alone for steps {alone[0]['step']}-{alone[-1]['step']}; "
-          f"rejoined at step {rejoined_at}, {recovery_s:.1f}s after the relaunch; survivor steps run again: {retried}")
+    print(
+        f"killed after step {killed_at}; survivor alone for steps {alone[0]['step']}-{alone[-1]['step']}; "
+        f"rejoined at step {rejoined_at}, {recovery_s:.1f}s after the relaunch; survivor steps run again: {retried}"
+    )
 
     weights = [_final_weights(tmp_path, r, steps, tmp_path / f"w{r}.pt") for r in (0, 1)]
     assert weights[0].keys() == weights[1].keys()
@@ -165,8 +211,16 @@ def test_a_killed_group_rejoins_from_the_survivor_with_identical_weights(lightho
 
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)
 def test_diloco_trains_and_logs_its_outer_syncs(lighthouse, tmp_path):
-    extra = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "3",
-             "--fault_tolerance.min_replica_size", "2", "--training.steps", "12"]
+    extra = [
+        "--fault_tolerance.semi_sync_method",
+        "diloco",
+        "--fault_tolerance.sync_steps",
+        "3",
+        "--fault_tolerance.min_replica_size",
+        "2",
+        "--training.steps",
+        "12",
+    ]
     groups = [_Group(r, 1, tmp_path, lighthouse, extra) for r in (0, 1)]
     for group in groups:
         group.finish()

@@ -20,15 +20,46 @@ NEW_TOKENS = 40
 def checkpoint_root(tmp_path_factory):
     """The tiny model trained 10 steps (fp32), saved by the CheckpointManager at the end."""
     dump = tmp_path_factory.mktemp("generation_run")
-    run_torchrun(1, [*BASE_OVERRIDES, "--job.dump_folder", str(dump), "--training.local_batch_size", "8",
-                     "--checkpoint.enable", "--checkpoint.interval", "10"])
+    run_torchrun(
+        1,
+        [
+            *BASE_OVERRIDES,
+            "--job.dump_folder",
+            str(dump),
+            "--training.local_batch_size",
+            "8",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "10",
+        ],
+    )
     return dump / "checkpoint"
 
 
 def _cli_args(checkpoint, out, *extra: str) -> list[str]:
-    return ["--config", str(DEBUG_TOML), "--checkpoint", str(checkpoint), "--model.flavor", TINY,
-            "--prompt", "import os\n", "--max_new_tokens", str(NEW_TOKENS), "--seed", "3",
-            "--temperature", "0.7", "--top_k", "50", "--batch_size", "2", "--out", str(out), *extra]
+    return [
+        "--config",
+        str(DEBUG_TOML),
+        "--checkpoint",
+        str(checkpoint),
+        "--model.flavor",
+        TINY,
+        "--prompt",
+        "import os\n",
+        "--max_new_tokens",
+        str(NEW_TOKENS),
+        "--seed",
+        "3",
+        "--temperature",
+        "0.7",
+        "--top_k",
+        "50",
+        "--batch_size",
+        "2",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def _samples(path) -> list[dict]:
@@ -36,8 +67,13 @@ def _samples(path) -> list[dict]:
 
 
 def test_generates_from_the_trainers_checkpoint(checkpoint_root, tmp_path) -> None:
-    result = subprocess.run([sys.executable, str(SCRIPT), *_cli_args(checkpoint_root, tmp_path / "cached.json")],
-                            capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *_cli_args(checkpoint_root, tmp_path / "cached.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--- sample 0" in result.stdout and "--- sample 1" in result.stdout
     cached = json.loads((tmp_path / "cached.json").read_text())

@@ -67,9 +67,15 @@ def one_rank_environment():
     previous_handler = signal.getsignal(signal.SIGTERM)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(logger, "_torchtitan_configured", False, raising=False)
-        for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": str(_free_port()), "TORCHTITAN_DEVICE_TYPE": "cpu"}.items():
+        for name, value in {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "TORCHTITAN_DEVICE_TYPE": "cpu",
+        }.items():
             mp.setenv(name, value)
         mp.delenv("TORCHTITAN_USER_ERROR_FILE", raising=False)
         yield
@@ -85,8 +91,19 @@ def one_rank_env():
 def train(dump_folder: Path, *args: str) -> int:
     from torchtitan.train import main
 
-    return _exit_code(main, [*MODEL, "--training.steps", "1", "--job.dump_folder",
-                             str(dump_folder), "--checkpoint.enable", "--training.no-cpu_keep_freed_memory", *args])
+    return _exit_code(
+        main,
+        [
+            *MODEL,
+            "--training.steps",
+            "1",
+            "--job.dump_folder",
+            str(dump_folder),
+            "--checkpoint.enable",
+            "--training.no-cpu_keep_freed_memory",
+            *args,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +112,12 @@ def valid(tmp_path_factory) -> dict[str, Path]:
     converted back to a plain DCP folder: the valid inputs every case starts from."""
     root = tmp_path_factory.mktemp("valid")
     with one_rank_environment():
-        assert train(root / "run", "--checkpoint.interval", "1",
-                     "--checkpoint.no-last_save_model_only") == 0
+        assert (
+            train(
+                root / "run", "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only"
+            )
+            == 0
+        )
     step = root / "run" / "checkpoint" / "step-1"
     to_hf = _load_script(SCRIPTS / "checkpoint_conversion" / "convert_to_hf.py")
     from_hf = _load_script(SCRIPTS / "checkpoint_conversion" / "convert_from_hf.py")
@@ -130,14 +151,29 @@ def resume(folder: Path, tmp_path: Path) -> int:
 
 
 def initial_load(folder: Path, tmp_path: Path) -> int:
-    return train(tmp_path / "initial", "--checkpoint.initial_load_path", str(folder),
-                 "--checkpoint.initial_load_model_only")
+    return train(
+        tmp_path / "initial",
+        "--checkpoint.initial_load_path",
+        str(folder),
+        "--checkpoint.initial_load_model_only",
+    )
 
 
 def generation(folder: Path, tmp_path: Path) -> int:
     cli = _load_script(SCRIPTS / "generate" / "test_generate.py")
-    return _exit_code(cli.main, ["--config", str(DEBUG_TOML), "--checkpoint", str(folder),
-                                 "--model.flavor", "debugmodel_tiny", "--max_new_tokens", "2"])
+    return _exit_code(
+        cli.main,
+        [
+            "--config",
+            str(DEBUG_TOML),
+            "--checkpoint",
+            str(folder),
+            "--model.flavor",
+            "debugmodel_tiny",
+            "--max_new_tokens",
+            "2",
+        ],
+    )
 
 
 def convert_to_hf(folder: Path, tmp_path: Path) -> int:
@@ -145,8 +181,12 @@ def convert_to_hf(folder: Path, tmp_path: Path) -> int:
     return _exit_code(cli.main, [str(folder), str(tmp_path / "out"), *MODEL])
 
 
-DCP_ENTRY_POINTS = {"resume": ("step", resume), "initial_load_path": ("plain", initial_load),
-                    "generation": ("step", generation), "convert_to_hf": ("step", convert_to_hf)}
+DCP_ENTRY_POINTS = {
+    "resume": ("step", resume),
+    "initial_load_path": ("plain", initial_load),
+    "generation": ("step", generation),
+    "convert_to_hf": ("step", convert_to_hf),
+}
 
 
 @pytest.mark.usefixtures("one_rank_env")
@@ -162,8 +202,12 @@ def test_crafted_dcp_checkpoint_is_refused_in_one_line(valid, case, entry, tmp_p
 
 # ---------------------------------------------------------------------- Hugging Face entry points
 def initial_load_in_hf(folder: Path, tmp_path: Path) -> int:
-    return train(tmp_path / "initial_hf", "--checkpoint.initial_load_in_hf",
-                 "--checkpoint.initial_load_path", str(folder))
+    return train(
+        tmp_path / "initial_hf",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path",
+        str(folder),
+    )
 
 
 def convert_from_hf(folder: Path, tmp_path: Path) -> int:
@@ -201,18 +245,31 @@ def test_generation_exploit_is_refused(valid, tmp_path):
     its payload (with weights_only=False) and then generate as if nothing happened."""
     folder, marker = crafted(valid["step"], generation_exploit, tmp_path)
     result = run_command(
-        [sys.executable, str(SCRIPTS / "generate" / "test_generate.py"), "--config", str(DEBUG_TOML),
-         "--checkpoint", str(folder), "--model.flavor", "debugmodel_tiny", "--max_new_tokens", "2"],
+        [
+            sys.executable,
+            str(SCRIPTS / "generate" / "test_generate.py"),
+            "--config",
+            str(DEBUG_TOML),
+            "--checkpoint",
+            str(folder),
+            "--model.flavor",
+            "debugmodel_tiny",
+            "--max_new_tokens",
+            "2",
+        ],
         timeout=120,
     )
     assert_refused(result.returncode, result.stdout, marker)
-    assert "'tok_embeddings.weight': a bytes record with crafted attributes ['size']" in result.stdout
+    assert (
+        "'tok_embeddings.weight': a bytes record with crafted attributes ['size']" in result.stdout
+    )
 
 
 def run_train_sh(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     env = {"NGPU": str(nproc), "MASTER_PORT": str(_free_port()), "PYTHON": sys.executable}
-    return run_command(["./run_train.sh", *MODEL[2:], "--training.steps", "1", *args],
-                       env=env, timeout=180)
+    return run_command(
+        ["./run_train.sh", *MODEL[2:], "--training.steps", "1", *args], env=env, timeout=180
+    )
 
 
 @pytest.mark.multiprocess
@@ -228,9 +285,16 @@ def test_refused_resume_under_torchrun_is_one_line_and_exit_2(valid, tmp_path):
 @pytest.mark.multiprocess
 def test_refused_hf_load_under_torchrun_is_one_line_and_exit_2(valid, tmp_path):
     folder, marker = crafted(valid["hf"], pickle_named_safetensors, tmp_path)
-    result = run_train_sh(["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable",
-                           "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
-                           str(folder)])
+    result = run_train_sh(
+        [
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_path",
+            str(folder),
+        ]
+    )
     assert_refused(result.returncode, result.stdout, marker)
     assert "ChildFailedError" not in result.stdout
 

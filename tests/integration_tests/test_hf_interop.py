@@ -20,9 +20,17 @@ def hf_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf_llama")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5,
-        rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="eager",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
     )
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder, safe_serialization=True)
@@ -41,11 +49,14 @@ def probe(nproc, hf_dir, out_dir, overrides=(), save_dir=None):
     return torch.load(out_dir / "logits.pt")
 
 
-@pytest.mark.parametrize("nproc, overrides", [
-    (1, []),
-    (2, []),  # FSDP 2
-    (2, ["--parallelism.tensor_parallel_degree", "2"]),
-])
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        (1, []),
+        (2, []),  # FSDP 2
+        (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    ],
+)
 def test_initial_load_matches_transformers_logits(hf_model, tmp_path, nproc, overrides):
     folder, _, expected = hf_model
     logits = probe(nproc, folder, tmp_path, overrides)
@@ -56,7 +67,10 @@ def test_export_round_trip_is_exact_and_loads_in_transformers(hf_model, tmp_path
     folder, tokens, expected = hf_model
     export = tmp_path / "export"
     probe(2, folder, tmp_path, save_dir=export)
-    original, exported = load_file(folder / "model.safetensors"), load_file(export / "model.safetensors")
+    original, exported = (
+        load_file(folder / "model.safetensors"),
+        load_file(export / "model.safetensors"),
+    )
     assert original.keys() == exported.keys()
     for key in original:
         assert torch.equal(original[key], exported[key]), key
@@ -75,11 +89,15 @@ def test_mismatched_config_names_the_field(hf_model, tmp_path):
     spec = get_train_spec("llama3")
     args = spec.flavor_args("debugmodel_tiny")
     model = spec.model_cls(args)
-    with pytest.raises(HFCheckpointError, match="config.json has n_layers = 2 but model.flavor gives 4"):
+    with pytest.raises(
+        HFCheckpointError, match="config.json has n_layers = 2 but model.flavor gives 4"
+    ):
         load_hf_weights([model], folder, Llama3StateDictAdapter(args))
     bad = tmp_path / "bad"
     bad.mkdir()
-    with pytest.raises(HFCheckpointError, match="checkpoint.initial_load_path: .*bad: no \\*.safetensors"):
+    with pytest.raises(
+        HFCheckpointError, match="checkpoint.initial_load_path: .*bad: no \\*.safetensors"
+    ):
         load_hf_weights([model], bad, Llama3StateDictAdapter(args))
 
 
@@ -93,9 +111,23 @@ def trained_export(tmp_path_factory):
     from tests.parity import train
 
     folder = tmp_path_factory.mktemp("hf_export_run")
-    train(1, folder, ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "3",
-                      "--checkpoint.last_save_in_hf", "--debug.stop_after_step", "2"])
-    train(1, folder, ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.last_save_in_hf"])
+    train(
+        1,
+        folder,
+        [
+            "--training.steps",
+            "3",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "3",
+            "--checkpoint.last_save_in_hf",
+            "--debug.stop_after_step",
+            "2",
+        ],
+    )
+    train(
+        1, folder, ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
+    )
     return folder / "checkpoint"
 
 
@@ -123,13 +155,23 @@ def test_dcp_to_hf_to_dcp_round_trip_is_bit_exact(trained_export, tmp_path):
 
     from torchtitan.components.safe_loading import load_dcp, read_dcp_metadata
 
-    config = ["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
-              "--model.flavor", "debugmodel_tiny"]
+    config = [
+        "--job.config_file",
+        str(REPO_ROOT / "train_configs" / "debug_model.toml"),
+        "--model.flavor",
+        "debugmodel_tiny",
+    ]
     source = trained_export / "step-2"  # the full checkpoint the stopped run saved
-    for script, args in (("convert_to_hf.py", [str(source), str(tmp_path / "hf")]),
-                         ("convert_from_hf.py", [str(tmp_path / "hf"), str(tmp_path / "dcp")])):
-        subprocess.run([sys.executable, str(CONVERT / script), *args, *config], check=True,
-                       cwd=REPO_ROOT, timeout=120)
+    for script, args in (
+        ("convert_to_hf.py", [str(source), str(tmp_path / "hf")]),
+        ("convert_from_hf.py", [str(tmp_path / "hf"), str(tmp_path / "dcp")]),
+    ):
+        subprocess.run(
+            [sys.executable, str(CONVERT / script), *args, *config],
+            check=True,
+            cwd=REPO_ROOT,
+            timeout=120,
+        )
     keys = list(read_dcp_metadata(tmp_path / "dcp").state_dict_metadata)
     meta = read_dcp_metadata(source).state_dict_metadata
     original = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
@@ -144,8 +186,14 @@ def test_dcp_to_hf_to_dcp_round_trip_is_bit_exact(trained_export, tmp_path):
 def test_initial_load_in_hf_gives_every_layout_the_same_start(trained_export, tmp_path):
     from tests.parity import train
 
-    start = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--training.steps", "1",
-             "--checkpoint.initial_load_path", str(trained_export / "step-3-hf")]
+    start = [
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--training.steps",
+        "1",
+        "--checkpoint.initial_load_path",
+        str(trained_export / "step-3-hf"),
+    ]
     one = train(1, tmp_path / "one", start)
     fsdp = train(2, tmp_path / "fsdp", start)
     scratch = train(1, tmp_path / "scratch", ["--training.steps", "1"])

@@ -18,16 +18,37 @@ VOCAB, TOLERANCE = 96, 1e-5
 
 
 def tiny_args():
-    from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
     from torchtitan.layers.moe import MoEArgs
+    from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 
     # 1 dense + 2 MoE blocks, 8 experts in 4 groups (2 kept), low-rank queries, YaRN.
     return DeepSeekV3ModelArgs(
-        vocab_size=VOCAB, dim=48, inter_dim=80, moe_inter_dim=24, n_layers=3, n_dense_layers=1,
-        n_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=12, max_seq_len=64, rope_factor=4.0, rope_original_seq_len=16, rope_mscale=0.707,
-        moe=MoEArgs(num_experts=8, num_shared_experts=1, top_k=3, score_func="sigmoid",
-                    route_norm=True, route_scale=2.5, num_expert_groups=4, num_limited_groups=2),
+        vocab_size=VOCAB,
+        dim=48,
+        inter_dim=80,
+        moe_inter_dim=24,
+        n_layers=3,
+        n_dense_layers=1,
+        n_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        max_seq_len=64,
+        rope_factor=4.0,
+        rope_original_seq_len=16,
+        rope_mscale=0.707,
+        moe=MoEArgs(
+            num_experts=8,
+            num_shared_experts=1,
+            top_k=3,
+            score_func="sigmoid",
+            route_norm=True,
+            route_scale=2.5,
+            num_expert_groups=4,
+            num_limited_groups=2,
+        ),
     )
 
 
@@ -68,7 +89,9 @@ def test_one_process_load_matches_transformers_logits(hf_model):
     folder, tokens, expected = hf_model
     model = our_model()
     load(model, folder)
-    bias = load_file(folder / "model.safetensors")["model.layers.2.mlp.gate.e_score_correction_bias"]
+    bias = load_file(folder / "model.safetensors")[
+        "model.layers.2.mlp.gate.e_score_correction_bias"
+    ]
     assert bias.abs().min() > 0 and torch.equal(model.layers["2"].moe.expert_bias, bias)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), expected, rtol=0, atol=TOLERANCE)
@@ -92,18 +115,32 @@ def test_expert_parallel_load_and_export_round_trip(hf_model, tmp_path):
     and an export with the same keys and tensors that transformers loads."""
     folder, tokens, expected = hf_model
     export = tmp_path / "export"
-    run_torchrun(2, ["--parallelism.expert_parallel_degree", "2"], script=PROBE, timeout=280,
-                 env={"MODEL": "deepseek_v3", "HF_DIR": str(folder), "OUT_DIR": str(tmp_path),
-                      "SAVE_DIR": str(export)})
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0,
-                               atol=TOLERANCE)
-    original, exported = load_file(folder / "model.safetensors"), load_file(export / "model.safetensors")
+    run_torchrun(
+        2,
+        ["--parallelism.expert_parallel_degree", "2"],
+        script=PROBE,
+        timeout=280,
+        env={
+            "MODEL": "deepseek_v3",
+            "HF_DIR": str(folder),
+            "OUT_DIR": str(tmp_path),
+            "SAVE_DIR": str(export),
+        },
+    )
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=TOLERANCE)
+    original, exported = (
+        load_file(folder / "model.safetensors"),
+        load_file(export / "model.safetensors"),
+    )
     assert original.keys() == exported.keys()
     for key in original:
         assert torch.equal(original[key], exported[key]), key
-    assert json.loads((export / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert json.loads((export / "config.json").read_text())["architectures"] == [
+        "DeepseekV3ForCausalLM"
+    ]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        export, attn_implementation="eager").eval()
+        export, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=TOLERANCE)
 
@@ -124,12 +161,21 @@ def test_bad_checkpoints_give_one_line_naming_the_problem(hf_model, tmp_path):
     folder, _, _ = hf_model
     model = our_model()
     cases = {
-        "layers": ({"num_hidden_layers": 2}, (),
-                   "config.json has n_layers = 2 but model.flavor gives 3; choose the flavor"),
-        "experts": ({"n_routed_experts": 16}, (),
-                    "config.json has moe.num_experts = 16 but model.flavor gives 8;"),
-        "missing_expert": ({}, ("model.layers.1.mlp.experts.5.up_proj.weight",),
-                           "layer 1: expected experts 0..7 for moe.experts.w3, got"),
+        "layers": (
+            {"num_hidden_layers": 2},
+            (),
+            "config.json has n_layers = 2 but model.flavor gives 3; choose the flavor",
+        ),
+        "experts": (
+            {"n_routed_experts": 16},
+            (),
+            "config.json has moe.num_experts = 16 but model.flavor gives 8;",
+        ),
+        "missing_expert": (
+            {},
+            ("model.layers.1.mlp.experts.5.up_proj.weight",),
+            "layer 1: expected experts 0..7 for moe.experts.w3, got",
+        ),
     }
     for name, (edit, drop, message) in cases.items():
         bad = _copy_with(folder, tmp_path / name, edit, drop)
@@ -148,9 +194,19 @@ def test_trainer_exports_under_expert_parallel_and_loads_the_export(tmp_path):
     from torchtitan.protocols import get_train_spec
 
     deepseek = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
-    trained = train(2, tmp_path / "ep", deepseek + [
-        "--parallelism.expert_parallel_degree", "2", "--training.steps", "3",
-        "--checkpoint.enable", "--checkpoint.last_save_in_hf"])
+    trained = train(
+        2,
+        tmp_path / "ep",
+        deepseek
+        + [
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--training.steps",
+            "3",
+            "--checkpoint.enable",
+            "--checkpoint.last_save_in_hf",
+        ],
+    )
     export = tmp_path / "ep" / "checkpoint" / "step-3-hf"
     spec = get_train_spec("deepseek_v3")
     args = spec.flavor_args("debugmodel")
@@ -162,9 +218,20 @@ def test_trainer_exports_under_expert_parallel_and_loads_the_export(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
     tokens = torch.randint(0, 264, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(tokens), hf.eval()(tokens).logits, rtol=0,
-                                   atol=TOLERANCE)
-    loaded = train(1, tmp_path / "loaded", deepseek + [
-        "--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--training.steps", "1",
-        "--checkpoint.initial_load_path", str(export)])
+        torch.testing.assert_close(
+            ours.eval()(tokens), hf.eval()(tokens).logits, rtol=0, atol=TOLERANCE
+        )
+    loaded = train(
+        1,
+        tmp_path / "loaded",
+        deepseek
+        + [
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_in_hf",
+            "--training.steps",
+            "1",
+            "--checkpoint.initial_load_path",
+            str(export),
+        ],
+    )
     assert loaded[0]["loss"] < trained[0]["loss"] - 0.1  # same first batch, trained weights

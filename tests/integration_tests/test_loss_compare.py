@@ -12,23 +12,48 @@ from tests.launcher import REPO_ROOT, run_torchrun
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 SCRIPT = REPO_ROOT / "scripts" / "loss_compare.py"
-TINY_OPTIONS = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64",
-                "--training.local_batch_size", "4", "--training.mixed_precision_param", "float32",
-                "--training.data_shards", "8", "--lr_scheduler.warmup_steps", "2"]
+TINY_OPTIONS = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.data_shards",
+    "8",
+    "--lr_scheduler.warmup_steps",
+    "2",
+]
 STEPS = 5
 
 
 def _loss_compare(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          cwd=REPO_ROOT, timeout=240)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=240,
+    )
 
 
 @pytest.fixture(scope="module")
 def identical_runs(tmp_path_factory):
     """Both runs trained by the script itself from the same config and options."""
     output = tmp_path_factory.mktemp("loss_compare")
-    result = _loss_compare("--config", "train_configs/debug_model.toml", "--options", shlex.join(TINY_OPTIONS),
-                           "--steps", str(STEPS), "--output-dir", str(output), "--assert-equal")
+    result = _loss_compare(
+        "--config",
+        "train_configs/debug_model.toml",
+        "--options",
+        shlex.join(TINY_OPTIONS),
+        "--steps",
+        str(STEPS),
+        "--output-dir",
+        str(output),
+        "--assert-equal",
+    )
     return output, result
 
 
@@ -43,11 +68,34 @@ def test_identical_runs_pass(identical_runs) -> None:
 
 def test_a_planted_lr_change_is_detected(identical_runs, tmp_path) -> None:
     output, _ = identical_runs
-    run_torchrun(1, ["--job.config_file", "train_configs/debug_model.toml", *TINY_OPTIONS,
-                     "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--debug.seed", "42",
-                     "--debug.deterministic", "--optimizer.lr", "1.6e-3", "--job.dump_folder", str(tmp_path)])
-    result = _loss_compare("--baseline-dump", str(output / "baseline"), "--test-dump", str(tmp_path),
-                           "--assert-equal", "--rtol", "1e-4")
+    run_torchrun(
+        1,
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            *TINY_OPTIONS,
+            "--training.steps",
+            str(STEPS),
+            "--metrics.log_freq",
+            "1",
+            "--debug.seed",
+            "42",
+            "--debug.deterministic",
+            "--optimizer.lr",
+            "1.6e-3",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+    )
+    result = _loss_compare(
+        "--baseline-dump",
+        str(output / "baseline"),
+        "--test-dump",
+        str(tmp_path),
+        "--assert-equal",
+        "--rtol",
+        "1e-4",
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "MISMATCH step 2: loss" in result.stdout  # step 1 trains before the lr matters
     assert "runs differ" in result.stdout

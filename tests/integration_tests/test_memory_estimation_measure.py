@@ -15,22 +15,30 @@ from tests.layouts import HSDP_2X2
 ESTIMATION = REPO_ROOT / "scripts" / "estimate" / "estimation.py"
 MEASURE = ["--memory_estimation.mode", "measure", "--memory_estimation.target_device", "cpu"]
 LLAMA = [
-    "--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
-    "--model.flavor", "debugmodel_tiny",
-    "--training.seq_len", "256",
-    "--training.local_batch_size", "8",
+    "--job.config_file",
+    str(REPO_ROOT / "train_configs" / "debug_model.toml"),
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "8",
 ]
 # Forced balance: the estimate assumes balanced routing, so the real run routes that way.
 DEEPSEEK_EP2 = [
-    "--job.config_file", str(REPO_ROOT / "train_configs" / "deepseek_v3_debug.toml"),
-    "--parallelism.expert_parallel_degree", "2",
+    "--job.config_file",
+    str(REPO_ROOT / "train_configs" / "deepseek_v3_debug.toml"),
+    "--parallelism.expert_parallel_degree",
+    "2",
     "--debug.moe_force_load_balance",
 ]
 RANK_LINE = re.compile(
     r"rank (\d+): tracker on real tensors ([\d,]+) B .*?; CPU allocator events .*? ([\d,]+) B"
 )
 ESTIMATE_LINE = re.compile(r"estimate \(fake tensors, rank 0 of \d+\): ([\d,]+) B")
-PP_ESTIMATE_LINE = re.compile(r"estimate \(fake tensors, rank \d+ of \d+, pipeline rank (\d+)\): ([\d,]+) B")
+PP_ESTIMATE_LINE = re.compile(
+    r"estimate \(fake tensors, rank \d+ of \d+, pipeline rank (\d+)\): ([\d,]+) B"
+)
 PP_RANK_LINE = re.compile(
     r"rank (\d+): schedule: CPU allocator events .*? ([\d,]+) B .*?; "
     r"replayed schedule: tracker on real tensors ([\d,]+) B"
@@ -98,7 +106,9 @@ def test_pipeline_estimate_matches_real_schedule(nproc, overrides, allocator_rto
     """Every pipeline rank's trace (the schedule replayed on fake tensors) against torch's
     schedule running for real (allocator events; torch's MemTracker cannot follow it), and
     against the same replay on real tensors (tracker: what fake tensors may have missed)."""
-    out = run_torchrun(nproc, LLAMA + overrides + MEASURE, script=str(ESTIMATION), timeout=280).stdout
+    out = run_torchrun(
+        nproc, LLAMA + overrides + MEASURE, script=str(ESTIMATION), timeout=280
+    ).stdout
     estimates = {int(pp): _bytes(b) for pp, b in PP_ESTIMATE_LINE.findall(out)}
     assert sorted(estimates) == [0, 1], out[-3000:]
     ranks = PP_RANK_LINE.findall(out)

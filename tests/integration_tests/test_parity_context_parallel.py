@@ -9,9 +9,14 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def cp(degree, method="allgather", balancer="headtail"):
-    return ["--parallelism.context_parallel_degree", str(degree),
-            "--parallelism.context_parallel_rotate_method", method,
-            "--parallelism.context_parallel_load_balancer", balancer]
+    return [
+        "--parallelism.context_parallel_degree",
+        str(degree),
+        "--parallelism.context_parallel_rotate_method",
+        method,
+        "--parallelism.context_parallel_load_balancer",
+        balancer,
+    ]
 
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
@@ -22,8 +27,17 @@ CASES = {
     "cp4_alltoall": (4, 1, cp(4, "alltoall")),
     "cp2_ulysses": (2, 1, cp(2, "ulysses")),
     "fsdp2_cp2": (4, 2, cp(2)),
-    "hsdp2x1_cp2": (4, 2, cp(2) + ["--parallelism.data_parallel_replicate_degree", "2",
-                                   "--parallelism.data_parallel_shard_degree", "1"]),
+    "hsdp2x1_cp2": (
+        4,
+        2,
+        cp(2)
+        + [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
+    ),
     "tp2_cp2": (4, 1, cp(2, "alltoall") + TP2),
     "fsdp2_tp2_cp2": (8, 2, cp(2) + TP2),
 }

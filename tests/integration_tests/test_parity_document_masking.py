@@ -18,16 +18,27 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 SFT_FILE = str(REPO_ROOT / "tests" / "assets" / "sft_tiny.jsonl")
 SFT = [
-    "--training.dataset", "sft",
-    "--training.dataset_path", SFT_FILE,
-    "--model.attn_type", "flex",
-    "--model.attn_mask_type", "block_causal",
-    "--training.steps", "6",
-    "--training.data_shards", "4",
+    "--training.dataset",
+    "sft",
+    "--training.dataset_path",
+    SFT_FILE,
+    "--model.attn_type",
+    "flex",
+    "--model.attn_mask_type",
+    "block_causal",
+    "--training.steps",
+    "6",
+    "--training.data_shards",
+    "4",
 ]
 CP = "--parallelism.context_parallel_degree"
 TP = "--parallelism.tensor_parallel_degree"
-PP = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
+PP = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_schedule",
+    "1F1B",
+]
 
 CASES = {
     "fsdp2": (2, 2, []),
@@ -44,9 +55,23 @@ CASES = {
 
 def validation(dp: int) -> list[str]:
     """Two validation passes (steps 3 and 6) over the same 16 sequences on any dp degree."""
-    return ["--validation.enable", "--validation.dataset", "sft", "--validation.dataset_path", SFT_FILE,
-            "--validation.freq", "3", "--validation.seq_len", "64", "--validation.data_shards", "4",
-            "--validation.local_batch_size", str(8 // dp), "--validation.steps", "2"]
+    return [
+        "--validation.enable",
+        "--validation.dataset",
+        "sft",
+        "--validation.dataset_path",
+        SFT_FILE,
+        "--validation.freq",
+        "3",
+        "--validation.seq_len",
+        "64",
+        "--validation.data_shards",
+        "4",
+        "--validation.local_batch_size",
+        str(8 // dp),
+        "--validation.steps",
+        "2",
+    ]
 
 
 def validation_losses(folder) -> list[float]:
@@ -74,15 +99,28 @@ def test_parity_with_one_process(case, sft_reference, tmp_path):
 
 
 def test_negative_control_per_microbatch_mean_is_detected(sft_reference, tmp_path):
-    planted = ["--training.local_batch_size", "2",
-               "--experimental.custom_import", "tests.integration_tests.per_microbatch_mean"]
+    planted = [
+        "--training.local_batch_size",
+        "2",
+        "--experimental.custom_import",
+        "tests.integration_tests.per_microbatch_mean",
+    ]
     with pytest.raises(ParityError):
         assert_parity(sft_reference[0], train(1, tmp_path, SFT + planted))
 
 
-MOE = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--debug.moe_force_load_balance"]
+MOE = [
+    "--model.name",
+    "deepseek_v3",
+    "--model.flavor",
+    "debugmodel",
+    "--debug.moe_force_load_balance",
+]
 
 
 def test_expert_parallel_parity_with_one_process(tmp_path):
     reference = train(1, tmp_path / "reference", SFT + MOE)
-    assert_parity(reference, train(2, tmp_path / "ep2", SFT + MOE + ["--parallelism.expert_parallel_degree", "2"]))
+    assert_parity(
+        reference,
+        train(2, tmp_path / "ep2", SFT + MOE + ["--parallelism.expert_parallel_degree", "2"]),
+    )

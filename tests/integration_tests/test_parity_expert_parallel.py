@@ -76,14 +76,24 @@ GRAD_LAYOUTS = [
 
 
 def test_every_gradient_matches_one_process(tmp_path):
-    run_torchrun(4, [], script=str(SCRIPTS / "moe_grad_probe.py"), timeout=300,
-                 env={"OUT_DIR": str(tmp_path), "LAYOUTS": ";".join(GRAD_LAYOUTS)})
+    run_torchrun(
+        4,
+        [],
+        script=str(SCRIPTS / "moe_grad_probe.py"),
+        timeout=300,
+        env={"OUT_DIR": str(tmp_path), "LAYOUTS": ";".join(GRAD_LAYOUTS)},
+    )
     for rank in range(4):
         results = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
         assert results == ["ok"] * len(GRAD_LAYOUTS), results
 
 
 def test_dispatch_and_combine_round_trip_uneven_routing(tmp_path):
-    run_torchrun(4, [], script=str(SCRIPTS / "ep_dispatch_probe.py"), timeout=120,
-                 env={"OUT_DIR": str(tmp_path)})
+    run_torchrun(
+        4,
+        [],
+        script=str(SCRIPTS / "ep_dispatch_probe.py"),
+        timeout=120,
+        env={"OUT_DIR": str(tmp_path)},
+    )
     assert {(tmp_path / f"rank{r}.txt").read_text() for r in range(4)} == {"ok"}

@@ -18,8 +18,10 @@ from tests.parity import ParityError, assert_parity, train
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 FLOAT8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate"]
-FSDP_FLOAT8 = FLOAT8 + ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
-                        "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
+FSDP_FLOAT8 = FLOAT8 + [
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+]
 STALE_SCALES = ["--experimental.custom_import", "tests.integration_tests.stale_float8_scales"]
 FLOAT8_RTOL = 3e-3
 VS_HIGH_PRECISION_RTOL = 2e-2

@@ -12,8 +12,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def pp(schedule):
-    return ["--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_schedule", schedule]
+    return [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+    ]
 
 
 CASES = {
@@ -35,7 +39,9 @@ def test_parity_with_one_process(case, reference_run, tmp_path):
     assert_parity(reference_run, train(nproc, tmp_path, overrides, dp=dp))
 
 
-def _write_looped_csv(path: Path, pp_degree: int = 2, stages_per_rank: int = 2, microbatches: int = 8) -> Path:
+def _write_looped_csv(
+    path: Path, pp_degree: int = 2, stages_per_rank: int = 2, microbatches: int = 8
+) -> Path:
     """A compute-only CSV schedule (one row per pp rank): each rank runs all forwards of its
     stages in order, then all backwards in reverse stage order (stage s lives on rank
     s % pp_degree, as the stage plan places them)."""

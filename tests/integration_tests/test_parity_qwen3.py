@@ -12,19 +12,40 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 DENSE = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
-MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--debug.moe_force_load_balance"]
+MOE = [
+    "--model.name",
+    "qwen3",
+    "--model.flavor",
+    "debugmodel_moe",
+    "--debug.moe_force_load_balance",
+]
 
 # name: (reference, processes, data-parallel degree, overrides)
 CASES = {
     "fsdp2": ("dense", 2, 2, DENSE),
     "tp2": ("dense", 2, 1, DENSE + TP2),
     "cp2": ("dense", 2, 1, DENSE + ["--parallelism.context_parallel_degree", "2"]),
-    "pp2": ("dense", 2, 1, DENSE + ["--parallelism.pipeline_parallel_degree", "2",
-                                    "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    "pp2": (
+        "dense",
+        2,
+        1,
+        DENSE
+        + [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+        ],
+    ),
     "fsdp2_tp2": ("dense", 4, 2, DENSE + TP2),
     "moe_ep2": ("moe", 2, 2, MOE + EP2),
     "moe_fsdp4_ep2": ("moe", 4, 4, MOE + EP2),  # experts also FSDP-sharded over efsdp 2
-    "moe_tp2_ep2_etp2": ("moe", 4, 2, MOE + TP2 + EP2 + ["--parallelism.expert_tensor_parallel_degree", "2"]),
+    "moe_tp2_ep2_etp2": (
+        "moe",
+        4,
+        2,
+        MOE + TP2 + EP2 + ["--parallelism.expert_tensor_parallel_degree", "2"],
+    ),
 }
 
 
@@ -35,7 +56,9 @@ def references(tmp_path_factory):
 
     def get(name: str) -> list[dict]:
         if name not in runs:
-            runs[name] = train(1, tmp_path_factory.mktemp(f"qwen3_{name}"), DENSE if name == "dense" else MOE)
+            runs[name] = train(
+                1, tmp_path_factory.mktemp(f"qwen3_{name}"), DENSE if name == "dense" else MOE
+            )
             assert_loss_falls(runs[name])
         return runs[name]
 

@@ -29,13 +29,26 @@ def test_parity_with_one_process(case, reference_run, tmp_path):
 
 AC_MODES = {
     "full": ["--activation_checkpoint.mode", "full"],
-    "selective_every_2nd_block": ["--activation_checkpoint.mode", "selective",
-                                  "--activation_checkpoint.selective_ac_option", "2"],
+    "selective_every_2nd_block": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "2",
+    ],
     "selective_every_2nd_block_recomputing_attention": [
-        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2",
-        "--activation_checkpoint.save_attention_output", "never"],
-    "selective_op": ["--activation_checkpoint.mode", "selective",
-                     "--activation_checkpoint.selective_ac_option", "op"],
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "2",
+        "--activation_checkpoint.save_attention_output",
+        "never",
+    ],
+    "selective_op": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ],
 }
 
 
@@ -48,7 +61,8 @@ def test_activation_checkpointing_matches(mode, reference_run, tmp_path):
 def inductor_cache(tmp_path_factory):
     """One inductor cache for all compile tests so CI compiles each graph once."""
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
-        tmp_path_factory.getbasetemp().parent / "torchtitan-inductor-cache")
+        tmp_path_factory.getbasetemp().parent / "torchtitan-inductor-cache"
+    )
     return {"TORCHINDUCTOR_CACHE_DIR": cache}
 
 

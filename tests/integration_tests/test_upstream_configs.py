@@ -61,12 +61,35 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     old = UPSTREAM_CONFIGS / "llama3_debug_2025_07.toml"
     new = UPSTREAM_CONFIGS / "llama3_debug_v0_2_2.toml"
     run_args = {
-        "old": ["--job.config_file", str(old), *OURS, *SMALL, "--job.dump_folder", str(folder / "old"),
-                "--job.save_config_file", "config.json"],
-        "new": ["--job.config_file", str(new), *OURS, *SMALL, "--job.dump_folder", str(folder / "new"),
-                "--model.print_after_conversion"],
-        "bf16": ["--job.config_file", str(new), *OURS, *SMALL, "--job.dump_folder",
-                 str(folder / "bf16"), "--training.dtype", "bfloat16"],
+        "old": [
+            "--job.config_file",
+            str(old),
+            *OURS,
+            *SMALL,
+            "--job.dump_folder",
+            str(folder / "old"),
+            "--job.save_config_file",
+            "config.json",
+        ],
+        "new": [
+            "--job.config_file",
+            str(new),
+            *OURS,
+            *SMALL,
+            "--job.dump_folder",
+            str(folder / "new"),
+            "--model.print_after_conversion",
+        ],
+        "bf16": [
+            "--job.config_file",
+            str(new),
+            *OURS,
+            *SMALL,
+            "--job.dump_folder",
+            str(folder / "bf16"),
+            "--training.dtype",
+            "bfloat16",
+        ],
     }
     (folder / "runs.args").write_text(json.dumps(run_args))
     return folder, run_probe(2, PROBE, folder, timeout=240)
@@ -88,7 +111,11 @@ def test_save_config_file_holds_the_merged_config(runs) -> None:
 
 def test_full_bf16_training_under_fsdp_keeps_no_float32_copy(runs) -> None:
     _, found = runs
-    bf16_only = {"params": ["torch.bfloat16"], "grads": ["torch.bfloat16"], "states": ["torch.bfloat16"]}
+    bf16_only = {
+        "params": ["torch.bfloat16"],
+        "grads": ["torch.bfloat16"],
+        "states": ["torch.bfloat16"],
+    }
     assert [{k: found[rank][k] for k in bf16_only} for rank in (0, 1)] == [bf16_only, bf16_only]
 
 

@@ -26,23 +26,41 @@ TINY = ["--model.flavor", "debugmodel_tiny", "--training.steps", "1"]
 # case -> (CLI overrides, the field the error line must name); caught before any rank starts
 BEFORE_LAUNCH = {
     "unknown dataset": (["--training.dataset", "nosuch"], "training.dataset"),
-    "missing dataset path": (["--training.dataset", "jsonl", "--training.dataset_path", "/no/such/data"],
-                             "training.dataset_path"),
+    "missing dataset path": (
+        ["--training.dataset", "jsonl", "--training.dataset_path", "/no/such/data"],
+        "training.dataset_path",
+    ),
     "missing tokenizer": (["--model.tokenizer_path", "/no/such/tokenizer"], "model.tokenizer_path"),
     "global batch": (["--training.global_batch_size", "12"], "training.global_batch_size"),
     "load_step": (["--checkpoint.enable", "--checkpoint.load_step", "5"], "checkpoint.load_step"),
-    "initial_load_path": (["--checkpoint.enable", "--checkpoint.initial_load_path", "/no/such/ckpt"],
-                          "checkpoint.initial_load_path"),
+    "initial_load_path": (
+        ["--checkpoint.enable", "--checkpoint.initial_load_path", "/no/such/ckpt"],
+        "checkpoint.initial_load_path",
+    ),
     "unknown converter": (["--model.converters", "nosuch"], "model.converters"),
-    "no lighthouse": (["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"], "fault_tolerance.enable"),
-    "CLI choice": (["--parallelism.fsdp_reshard_after_forward", "maybe"],
-                   "--parallelism.fsdp_reshard_after_forward: invalid choice 'maybe'; valid: "
-                   "'default', 'always', 'never'"),
+    "no lighthouse": (
+        ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"],
+        "fault_tolerance.enable",
+    ),
+    "CLI choice": (
+        ["--parallelism.fsdp_reshard_after_forward", "maybe"],
+        "--parallelism.fsdp_reshard_after_forward: invalid choice 'maybe'; valid: "
+        "'default', 'always', 'never'",
+    ),
 }
-RANK_LOCAL = ["--experimental.custom_import", "tests.integration_tests.rank_local_user_error",
-              "--model.name", "llama3_rank1_user_error"]
-SLURM_NODE_1_OF_2 = {"SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
-                     "SLURM_GPUS_ON_NODE": "2", "LOG_RANK": "0,3"}
+RANK_LOCAL = [
+    "--experimental.custom_import",
+    "tests.integration_tests.rank_local_user_error",
+    "--model.name",
+    "llama3_rank1_user_error",
+]
+SLURM_NODE_1_OF_2 = {
+    "SLURM_JOB_NODELIST": "gpu[007-008]",
+    "SLURM_NNODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_GPUS_ON_NODE": "2",
+    "LOG_RANK": "0,3",
+}
 
 
 def _fake_srun(folder: Path) -> dict[str, str]:
@@ -53,10 +71,14 @@ def _fake_srun(folder: Path) -> dict[str, str]:
     return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
 
 
-def _slurm(env: dict[str, str], bin_dir: Path, submit_dir: Path = REPO_ROOT) -> subprocess.CompletedProcess:
-    return run_command(["bash", str(REPO_ROOT / "scripts" / "run_train.slurm"), *TINY],
-                       env={**_fake_srun(bin_dir), "SLURM_SUBMIT_DIR": str(submit_dir), "DRY_RUN": "1", **env},
-                       timeout=300)
+def _slurm(
+    env: dict[str, str], bin_dir: Path, submit_dir: Path = REPO_ROOT
+) -> subprocess.CompletedProcess:
+    return run_command(
+        ["bash", str(REPO_ROOT / "scripts" / "run_train.slurm"), *TINY],
+        env={**_fake_srun(bin_dir), "SLURM_SUBMIT_DIR": str(submit_dir), "DRY_RUN": "1", **env},
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +86,23 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """Every run_train.sh case, two at a time (each costs at least one Python start)."""
     root = tmp_path_factory.mktemp("user-errors")
     dump = ["--job.dump_folder", str(root / "dump")]
-    jobs = {case: (lambda args=args: run_command(["./run_train.sh", *TINY, *dump, *args],
-                                                 env={"NGPU": "1", "TORCHFT_LIGHTHOUSE": ""}, timeout=300))
-            for case, (args, _) in BEFORE_LAUNCH.items()}
-    jobs["rank-local"] = lambda: run_command(["./run_train.sh", *TINY, *dump, *RANK_LOCAL],
-                                             env={"NGPU": "2"}, timeout=300)
+    jobs = {
+        case: (
+            lambda args=args: run_command(
+                ["./run_train.sh", *TINY, *dump, *args],
+                env={"NGPU": "1", "TORCHFT_LIGHTHOUSE": ""},
+                timeout=300,
+            )
+        )
+        for case, (args, _) in BEFORE_LAUNCH.items()
+    }
+    jobs["rank-local"] = lambda: run_command(
+        ["./run_train.sh", *TINY, *dump, *RANK_LOCAL], env={"NGPU": "2"}, timeout=300
+    )
     jobs["slurm"] = lambda: _slurm(SLURM_NODE_1_OF_2, root)
-    jobs["one node"] = lambda: run_command(["./run_train.sh", *TINY], env={"NGPU": "2", "DRY_RUN": "1"},
-                                           timeout=300)
+    jobs["one node"] = lambda: run_command(
+        ["./run_train.sh", *TINY], env={"NGPU": "2", "DRY_RUN": "1"}, timeout=300
+    )
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -94,7 +125,9 @@ def test_error_on_one_rank_is_printed_once_without_tracebacks(runs):
     next collective: one line, exit 2, no traceback and no torchrun log or report."""
     output = runs["rank-local"].stdout
     assert runs["rank-local"].returncode == 2, output
-    assert _error_lines(output) == ["error: training.dataset_path: planted error found on rank 1 only"], output
+    assert _error_lines(output) == [
+        "error: training.dataset_path: planted error found on rank 1 only"
+    ], output
     assert "Traceback" not in output and "ChildFailedError" not in output, output
     assert not [line for line in output.splitlines() if re.match(r"[EW]\d{4} ", line)], output
 
@@ -111,8 +144,17 @@ def _choice_fields() -> dict[str, tuple]:
     """Every config field whose value is one of fixed choices (also when it may be None)."""
     out = {}
     for field, tp in _field_types(JobConfig).items():
-        arms = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, type(int | None)) else (tp,)
-        choices = [c for arm in arms if typing.get_origin(arm) is typing.Literal for c in typing.get_args(arm)]
+        arms = (
+            typing.get_args(tp)
+            if typing.get_origin(tp) in (typing.Union, type(int | None))
+            else (tp,)
+        )
+        choices = [
+            c
+            for arm in arms
+            if typing.get_origin(arm) is typing.Literal
+            for c in typing.get_args(arm)
+        ]
         if choices:
             out[field] = tuple(choices)
     return out
@@ -135,8 +177,13 @@ def test_slurm_node_runs_torchrun_on_the_named_rendezvous(runs):
     result = runs["slurm"]
     assert result.returncode == 0, result.stdout
     command = result.stdout.strip().splitlines()[-1]
-    for option in ("--nproc_per_node=2", "--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d",
-                   "--rdzv_endpoint=gpu007:29500"):
+    for option in (
+        "--nproc_per_node=2",
+        "--nnodes=2",
+        "--node_rank=1",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=gpu007:29500",
+    ):
         assert f"'{option}'" in command, command
     assert "'--local-ranks-filter' '1'" in command, command  # global rank 3 = node 1's local rank 1
     assert "--standalone" not in command and "'-m' 'torchtitan.train'" in command, command
@@ -150,10 +197,15 @@ def test_one_node_uses_a_standalone_rendezvous(runs):
 
 
 @pytest.mark.skipif(shutil.which("scontrol") is not None, reason="scontrol expands the list itself")
-@pytest.mark.parametrize("nodelist, first", [
-    ("gpu[003-005,9]", "gpu003"), ("node-a1,node-b2", "node-a1"), ("big[12],small[1-3]", "big12"),
-    ("solo", "solo"),
-])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("gpu[003-005,9]", "gpu003"),
+        ("node-a1,node-b2", "node-a1"),
+        ("big[12],small[1-3]", "big12"),
+        ("solo", "solo"),
+    ],
+)
 def test_slurm_rendezvous_is_the_first_host(tmp_path, nodelist, first):
     """The rendezvous address and node rank run_train.sh gets (a stand-in prints them)."""
     stand_in = tmp_path / "run_train.sh"
@@ -165,21 +217,30 @@ def test_slurm_rendezvous_is_the_first_host(tmp_path, nodelist, first):
 
 
 def test_several_nodes_need_the_rendezvous_address():
-    result = run_command(["./run_train.sh"], env={"NGPU": "1", "NNODES": "2", "DRY_RUN": "1", "MASTER_ADDR": ""})
+    result = run_command(
+        ["./run_train.sh"], env={"NGPU": "1", "NNODES": "2", "DRY_RUN": "1", "MASTER_ADDR": ""}
+    )
     assert result.returncode == 2
-    assert result.stdout.strip() == "error: MASTER_ADDR: set it to the address of node 0 for a run on NNODES=2 nodes"
+    assert (
+        result.stdout.strip()
+        == "error: MASTER_ADDR: set it to the address of node 0 for a run on NNODES=2 nodes"
+    )
 
 
 def test_run_train_sh_leaves_warnings_to_the_trainer(tmp_path):
     """The one-process check before launch prints warnings (here: a deprecated alias) only on a
     dry run; otherwise the trainer prints them (a stand-in launcher here), so they show once."""
     python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nif [ "$2" = torchtitan.distributed.launch ]; then echo launched; exit 0; fi\n'
-                      f'exec {sys.executable} "$@"\n')
+    python.write_text(
+        f'#!/bin/sh\nif [ "$2" = torchtitan.distributed.launch ]; then echo launched; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
     python.chmod(0o755)
     warning = "'training.seed' is deprecated; use 'debug.seed'"
     for dry_run, shown in (("1", 1), ("0", 0)):
-        result = run_command(["./run_train.sh", *TINY, "--training.seed", "3"],
-                             env={"NGPU": "1", "DRY_RUN": dry_run, "PYTHON": str(python)})
+        result = run_command(
+            ["./run_train.sh", *TINY, "--training.seed", "3"],
+            env={"NGPU": "1", "DRY_RUN": dry_run, "PYTHON": str(python)},
+        )
         assert result.returncode == 0, result.stdout
         assert result.stdout.count(warning) == shown, result.stdout

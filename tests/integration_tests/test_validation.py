@@ -23,15 +23,20 @@ VALIDATION_STEPS = 4
 def _validation_overrides(dp: int, batches: int) -> list[str]:
     return [
         "--validation.enable",
-        "--validation.freq", "5",
-        "--validation.seq_len", "64",
-        "--validation.local_batch_size", str(VALIDATION_SEQUENCES * VALIDATION_STEPS // (batches * dp)),
-        "--validation.steps", str(batches),
+        "--validation.freq",
+        "5",
+        "--validation.seq_len",
+        "64",
+        "--validation.local_batch_size",
+        str(VALIDATION_SEQUENCES * VALIDATION_STEPS // (batches * dp)),
+        "--validation.steps",
+        str(batches),
     ]
 
 
-def _run(nproc: int, dp: int, folder, overrides: list[str] = (),
-         batches: int = VALIDATION_STEPS) -> tuple[list[dict], list[dict]]:
+def _run(
+    nproc: int, dp: int, folder, overrides: list[str] = (), batches: int = VALIDATION_STEPS
+) -> tuple[list[dict], list[dict]]:
     metrics = train(nproc, folder, _validation_overrides(dp, batches) + list(overrides), dp=dp)
     with open(folder / "validation.jsonl") as f:
         return metrics, [json.loads(line) for line in f]
@@ -46,10 +51,24 @@ def one_process(tmp_path_factory):
 CASES = {
     "fsdp2": (2, 2, [], VALIDATION_STEPS),
     "hsdp2x2": (4, 4, HSDP_2X2, VALIDATION_STEPS),
-    "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"], VALIDATION_STEPS),  # loss parallel
+    "fsdp2_tp2": (
+        4,
+        2,
+        ["--parallelism.tensor_parallel_degree", "2"],
+        VALIDATION_STEPS,
+    ),  # loss parallel
     "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2"], VALIDATION_STEPS),
-    "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2",
-                   "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 2),
+    "pp2": (
+        2,
+        1,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+        ],
+        2,
+    ),
 }
 
 
@@ -62,13 +81,16 @@ def test_one_process_validates_every_freq_steps(one_process, reference_run) -> N
     assert_parity(reference_run, metrics)  # validating changes nothing in training
 
 
-def _assert_same_validation(reference_run: tuple[list[dict], list[dict]],
-                            run: tuple[list[dict], list[dict]]) -> None:
+def _assert_same_validation(
+    reference_run: tuple[list[dict], list[dict]], run: tuple[list[dict], list[dict]]
+) -> None:
     (reference_metrics, reference), (metrics, validation) = reference_run, run
     assert_parity(reference_metrics, metrics)
     assert [r["step"] for r in validation] == [r["step"] for r in reference]
     for ref, got in zip(reference, validation):
-        assert math.isclose(got["validation_loss"], ref["validation_loss"], rel_tol=RTOL, abs_tol=0.0), (
+        assert math.isclose(
+            got["validation_loss"], ref["validation_loss"], rel_tol=RTOL, abs_tol=0.0
+        ), (
             f"step {ref['step']}: validation loss {got['validation_loss']!r} vs one process "
             f"{ref['validation_loss']!r}"
         )
@@ -81,7 +103,13 @@ def test_validation_loss_matches_one_process(case, one_process, tmp_path) -> Non
 
 
 # Forced-balanced routing, as the expert-parallel parity tests use.
-DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--debug.moe_force_load_balance"]
+DEEPSEEK = [
+    "--model.name",
+    "deepseek_v3",
+    "--model.flavor",
+    "debugmodel",
+    "--debug.moe_force_load_balance",
+]
 
 
 def test_validation_under_expert_parallel_matches_one_process(tmp_path) -> None:

@@ -17,20 +17,20 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan.layers.loss import cross_entropy_loss
 from torchtitan.distributed.context_parallel import (
     ContextParallelAttention,
+    _to_global_order,
     apply_cp,
     cp_shard,
-    _to_global_order,
     shard_batch_for_cp,
 )
 from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+from torchtitan.layers.attention import MaskSpec
+from torchtitan.layers.blockwise_attention import visible
+from torchtitan.layers.loss import cross_entropy_loss
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import apply_tp
-from torchtitan.layers.attention import MaskSpec
-from torchtitan.layers.blockwise_attention import visible
 
 METHODS = ("allgather", "alltoall", "ulysses")
 BALANCERS = ("headtail", "none")
@@ -92,29 +92,42 @@ def attention_cases(meshes: dict[int, DeviceMesh]) -> list[dict]:
             for balancer in BALANCERS:
                 for shape, scale in shapes_for(method):
                     errs = attention_errors(mesh, method, balancer, balancer, shape, scale)
-                    results.append(dict(kind="attention", cp=cp, method=method,
-                                        balancer=balancer, shape=shape, errors=errs))
+                    results.append(
+                        dict(
+                            kind="attention",
+                            cp=cp,
+                            method=method,
+                            balancer=balancer,
+                            shape=shape,
+                            errors=errs,
+                        )
+                    )
             # bf16 inputs (fp32 block math inside, bf16 in and out), loose tolerance.
-            errs = attention_errors(mesh, method, "headtail", "headtail", (2, 4, 24, 8),
-                                    dtype=torch.bfloat16)
-            results.append(dict(kind="attention_bf16", cp=cp, method=method,
-                                balancer="headtail", errors=errs))
+            errs = attention_errors(
+                mesh, method, "headtail", "headtail", (2, 4, 24, 8), dtype=torch.bfloat16
+            )
+            results.append(
+                dict(kind="attention_bf16", cp=cp, method=method, balancer="headtail", errors=errs)
+            )
             # Negative control: attention told the wrong layout must not match.
             errs = attention_errors(mesh, method, "headtail", "none", (2, 4, 24, 8))
-            results.append(dict(kind="attention_wrong_layout", cp=cp, method=method,
-                                errors=errs))
+            results.append(dict(kind="attention_wrong_layout", cp=cp, method=method, errors=errs))
     return results
 
 
 # Document ids of the masked cases: three documents in the first sequence (boundaries inside
 # CP chunks and on one), one in the second.
 DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 12, [0] * 24])
-MASKS = {"block_causal": MaskSpec(block_causal=True), "window": MaskSpec(sliding_window=7),
-         "block_causal_window": MaskSpec(block_causal=True, sliding_window=7)}
+MASKS = {
+    "block_causal": MaskSpec(block_causal=True),
+    "window": MaskSpec(sliding_window=7),
+    "block_causal_window": MaskSpec(block_causal=True, sliding_window=7),
+}
 
 
-def masked_attention_errors(cp_mesh: DeviceMesh, method: str, balancer: str, spec: MaskSpec,
-                            plant_shift: bool = False) -> dict[str, float]:
+def masked_attention_errors(
+    cp_mesh: DeviceMesh, method: str, balancer: str, spec: MaskSpec, plant_shift: bool = False
+) -> dict[str, float]:
     """As :func:`attention_errors` for a document / window mask against SDPA with the dense
     mask; ``plant_shift`` gives the CP kernel document ids one token late."""
     shape = (2, 4, 24, 8)
@@ -122,10 +135,17 @@ def masked_attention_errors(cp_mesh: DeviceMesh, method: str, balancer: str, spe
     q, k, v, dout = (torch.randn(shape, generator=gen) for _ in range(4))
     docs = DOCUMENTS if spec.block_causal else None
     pos = torch.arange(24)
-    dense = visible(pos[:, None], pos[None, :], None if docs is None else docs[:, :, None],
-                    None if docs is None else docs[:, None, :], spec.sliding_window)
+    dense = visible(
+        pos[:, None],
+        pos[None, :],
+        None if docs is None else docs[:, :, None],
+        None if docs is None else docs[:, None, :],
+        spec.sliding_window,
+    )
     ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref_out = F.scaled_dot_product_attention(*ref, attn_mask=dense.unsqueeze(1) if dense.dim() == 3 else dense)
+    ref_out = F.scaled_dot_product_attention(
+        *ref, attn_mask=dense.unsqueeze(1) if dense.dim() == 3 else dense
+    )
     ref_out.backward(dout)
 
     def shard(t: torch.Tensor) -> torch.Tensor:
@@ -148,18 +168,42 @@ def masked_cases(meshes: dict[int, DeviceMesh]) -> list[dict]:
         for method in METHODS:
             for balancer in BALANCERS:
                 for name, spec in MASKS.items():
-                    results.append(dict(kind="masked_attention", cp=cp, method=method, balancer=balancer,
-                                        mask=name, errors=masked_attention_errors(mesh, method, balancer, spec)))
-            results.append(dict(kind="masked_attention_shifted", cp=cp, method=method, errors=masked_attention_errors(
-                mesh, method, "headtail", MASKS["block_causal"], plant_shift=True)))
+                    results.append(
+                        dict(
+                            kind="masked_attention",
+                            cp=cp,
+                            method=method,
+                            balancer=balancer,
+                            mask=name,
+                            errors=masked_attention_errors(mesh, method, balancer, spec),
+                        )
+                    )
+            results.append(
+                dict(
+                    kind="masked_attention_shifted",
+                    cp=cp,
+                    method=method,
+                    errors=masked_attention_errors(
+                        mesh, method, "headtail", MASKS["block_causal"], plant_shift=True
+                    ),
+                )
+            )
     return results
 
 
 def tiny_llama(seq_len: int, spec: MaskSpec = MaskSpec()) -> Transformer:
-    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
-                                multiple_of=16, max_seq_len=seq_len, attn_type="flex" if not spec.causal_only else "sdpa",
-                                attn_mask_type="block_causal" if spec.block_causal else "causal",
-                                sliding_window=spec.sliding_window)
+    args = TransformerModelArgs(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=64,
+        multiple_of=16,
+        max_seq_len=seq_len,
+        attn_type="flex" if not spec.causal_only else "sdpa",
+        attn_mask_type="block_causal" if spec.block_causal else "causal",
+        sliding_window=spec.sliding_window,
+    )
     model = Transformer(args)
     model.init_weights(seed=0)
     with torch.no_grad():  # sharpen attention, so that positions and masks matter
@@ -183,7 +227,9 @@ def model_errors(
     seq_len = 32
     tokens = torch.randint(0, 64, (2, seq_len + 1), generator=torch.Generator().manual_seed(1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    documents = torch.tensor([[0] * 7 + [1] * 13 + [2] * 12, [0] * 32]) if spec.block_causal else None
+    documents = (
+        torch.tensor([[0] * 7 + [1] * 13 + [2] * 12, [0] * 32]) if spec.block_causal else None
+    )
     ref = tiny_llama(seq_len, spec)
     ref_loss = cross_entropy_loss(ref(inputs, document_ids=documents), labels)
     ref_loss.backward()
@@ -194,7 +240,9 @@ def model_errors(
         apply_tp(model, tp_mesh, loss_parallel=False)
     apply_cp(model, cp_mesh, method, balancer)
     x, y, positions = shard_batch_for_cp(inputs, labels, cp_mesh, balancer)
-    loss = cross_entropy_loss(model(x, positions=positions if pass_positions else None, document_ids=documents), y)
+    loss = cross_entropy_loss(
+        model(x, positions=positions if pass_positions else None, document_ids=documents), y
+    )
     loss.backward()
 
     group, cp = cp_mesh.get_group(), cp_mesh.size()
@@ -212,21 +260,51 @@ def model_cases(meshes: dict[int, DeviceMesh], cp_tp: DeviceMesh) -> list[dict]:
     results = []
     for method in METHODS:
         errors = model_errors(cp_tp["cp"], method, "headtail", tp_mesh=cp_tp["tp"])
-        results.append(dict(kind="model_tp", cp=cp_tp["cp"].size(), method=method,
-                            balancer="headtail", errors=errors))
+        results.append(
+            dict(
+                kind="model_tp",
+                cp=cp_tp["cp"].size(),
+                method=method,
+                balancer="headtail",
+                errors=errors,
+            )
+        )
     for method in METHODS:
-        errors = model_errors(cp_tp["cp"], method, "headtail", tp_mesh=cp_tp["tp"], spec=MASKS["block_causal"])
+        errors = model_errors(
+            cp_tp["cp"], method, "headtail", tp_mesh=cp_tp["tp"], spec=MASKS["block_causal"]
+        )
         results.append(dict(kind="model_tp_block_causal", method=method, errors=errors))
     for cp, mesh in meshes.items():
         for method in METHODS:
             for balancer in BALANCERS:
-                results.append(dict(kind="model", cp=cp, method=method, balancer=balancer,
-                                    errors=model_errors(mesh, method, balancer)))
-            results.append(dict(kind="model_block_causal", cp=cp, method=method, errors=model_errors(
-                mesh, method, "headtail", spec=MASKS["block_causal_window"])))
+                results.append(
+                    dict(
+                        kind="model",
+                        cp=cp,
+                        method=method,
+                        balancer=balancer,
+                        errors=model_errors(mesh, method, balancer),
+                    )
+                )
+            results.append(
+                dict(
+                    kind="model_block_causal",
+                    cp=cp,
+                    method=method,
+                    errors=model_errors(
+                        mesh, method, "headtail", spec=MASKS["block_causal_window"]
+                    ),
+                )
+            )
         # Negative control: local positions (0..S_local-1) for RoPE must change the loss.
-        results.append(dict(kind="model_no_positions", cp=cp, method="allgather",
-                            errors=model_errors(mesh, "allgather", "headtail", False)))
+        results.append(
+            dict(
+                kind="model_no_positions",
+                cp=cp,
+                method="allgather",
+                errors=model_errors(mesh, "allgather", "headtail", False),
+            )
+        )
     return results
 
 

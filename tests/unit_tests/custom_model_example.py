@@ -8,6 +8,4 @@ from torchtitan.protocols import TrainSpec, get_train_spec, register_train_spec
 _base = get_train_spec("llama3")
 _flavors = {"micro": replace(_base.model_args["debugmodel_tiny"], n_layers=2)}
 
-register_train_spec(
-    TrainSpec(**{**vars(_base), "name": "my_llama", "model_args": _flavors})
-)
+register_train_spec(TrainSpec(**{**vars(_base), "name": "my_llama", "model_args": _flavors}))

@@ -4,9 +4,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config import ActivationCheckpointConfig
-from torchtitan.distributed import ParallelDims
 from torchtitan.config.checks import check_ac_config
-from torchtitan.distributed.activation_checkpoint import _ATTENTION, apply_ac, keeps_attention_output
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import (
+    _ATTENTION,
+    apply_ac,
+    keeps_attention_output,
+)
 from torchtitan.tools.compile import CompileError, compile_blocks
 
 
@@ -27,13 +31,16 @@ def wrapped(module_dict):
     return [name for name, m in module_dict.items() if type(m).__name__ == "CheckpointWrapper"]
 
 
-@pytest.mark.parametrize("mode, option, expected", [
-    ("none", "2", []),
-    ("full", "2", ["0", "1", "2", "3"]),
-    ("selective", "2", ["1", "3"]),
-    ("selective", "3", ["2"]),
-    ("selective", "op", ["0", "1", "2", "3"]),
-])
+@pytest.mark.parametrize(
+    "mode, option, expected",
+    [
+        ("none", "2", []),
+        ("full", "2", ["0", "1", "2", "3"]),
+        ("selective", "2", ["1", "3"]),
+        ("selective", "3", ["2"]),
+        ("selective", "op", ["0", "1", "2", "3"]),
+    ],
+)
 def test_which_blocks_are_checkpointed(mode, option, expected):
     b = blocks()
     apply_ac(b, mode, option)
@@ -77,7 +84,9 @@ class AttentionBlock(nn.Module):
 
     def forward(self, x):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).transpose(1, 3).unbind(2)
-        return x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        return x + torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True
+        ).transpose(1, 2).flatten(2)
 
 
 class AttentionCounter(TorchDispatchMode):
@@ -92,7 +101,9 @@ class AttentionCounter(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("save_attention_output, attention_calls", [(False, 2), (True, 1)])
-def test_saving_attention_output_skips_its_recompute_with_equal_gradients(save_attention_output, attention_calls):
+def test_saving_attention_output_skips_its_recompute_with_equal_gradients(
+    save_attention_output, attention_calls
+):
     torch.manual_seed(0)
     ref = nn.ModuleDict({"0": AttentionBlock()})
     ac = nn.ModuleDict({"0": AttentionBlock()})
@@ -107,22 +118,31 @@ def test_saving_attention_output_skips_its_recompute_with_equal_gradients(save_a
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("policy, mode, option, ring, kept", [
-    ("selective", "selective", "2", False, True),
-    ("selective", "selective", "2", True, False),  # ring CP would keep every ring step's output
-    ("selective", "full", "2", False, False),
-    ("selective", "selective", "op", False, False),  # the op policy keeps it by itself
-    ("always", "full", "2", True, True),
-    ("never", "selective", "2", False, False),
-])
+@pytest.mark.parametrize(
+    "policy, mode, option, ring, kept",
+    [
+        ("selective", "selective", "2", False, True),
+        ("selective", "selective", "2", True, False),  # ring CP would keep every ring step's output
+        ("selective", "full", "2", False, False),
+        ("selective", "selective", "op", False, False),  # the op policy keeps it by itself
+        ("always", "full", "2", True, True),
+        ("never", "selective", "2", False, False),
+    ],
+)
 def test_which_recomputed_blocks_keep_their_attention_output(policy, mode, option, ring, kept):
-    ac = ActivationCheckpointConfig(mode=mode, selective_ac_option=option, save_attention_output=policy)
+    ac = ActivationCheckpointConfig(
+        mode=mode, selective_ac_option=option, save_attention_output=policy
+    )
     assert keeps_attention_output(ac, ring_cp=ring) is kept
 
 
-@pytest.mark.parametrize("cp, rotate, ring", [(2, "alltoall", True), (2, "allgather", False), (1, "alltoall", False)])
+@pytest.mark.parametrize(
+    "cp, rotate, ring", [(2, "alltoall", True), (2, "allgather", False), (1, "alltoall", False)]
+)
 def test_ring_cp_is_read_from_the_parallel_layout(cp, rotate, ring):
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=1, pp=1, ep=1, world_size=cp, cp_rotate_method=rotate)
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=1, cp=cp, tp=1, pp=1, ep=1, world_size=cp, cp_rotate_method=rotate
+    )
     assert dims.ring_cp is ring
 
 
@@ -132,6 +152,8 @@ def test_compile_failure_names_the_block():
 
     b = blocks(2)
     compile_blocks(b, broken_backend)
-    with pytest.raises(CompileError, match=r"torch.compile failed for layers.0 .*run without --compile.enable"):
+    with pytest.raises(
+        CompileError, match=r"torch.compile failed for layers.0 .*run without --compile.enable"
+    ):
         b["0"](torch.randn(2, 4))
     assert list(b.state_dict()) == list(blocks(2).state_dict())  # FQNs unchanged

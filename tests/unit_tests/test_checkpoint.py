@@ -23,9 +23,9 @@ from torchtitan.components.checkpoint import (
     inspect_checkpoint,
     purge_old_checkpoints,
 )
-from torchtitan.components.safe_loading import read_dcp_metadata
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.safe_loading import read_dcp_metadata
 from torchtitan.config import ConfigError, ConfigManager
 
 
@@ -57,8 +57,11 @@ class Loader:
         self.position = 0
 
     def state_dict(self) -> dict:
-        return {"data_shards": 2, "next_position": self.position,
-                "shards": {"0": [0, 0, 0, self.position // 2], "1": [0, 0, 0, self.position // 2]}}
+        return {
+            "data_shards": 2,
+            "next_position": self.position,
+            "shards": {"0": [0, 0, 0, self.position // 2], "1": [0, 0, 0, self.position // 2]},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.position = state["next_position"]
@@ -79,21 +82,38 @@ class Run:
     """A model, its optimizer, LR schedule, loader, step and CheckpointManager."""
 
     def __init__(self, folder: Path, *args: str, device: str = "cpu") -> None:
-        self.job_config = ConfigManager().parse_args([
-            "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.interval", "2",
-            "--training.steps", "10", "--lr_scheduler.warmup_steps", "3", *args,
-        ])
+        self.job_config = ConfigManager().parse_args(
+            [
+                "--job.dump_folder",
+                str(folder),
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "2",
+                "--training.steps",
+                "10",
+                "--lr_scheduler.warmup_steps",
+                "3",
+                *args,
+            ]
+        )
         torch.manual_seed(0)
         self.model = torch.compile(Net().to(device))  # an OptimizedModule: keys lose _orig_mod too
         self.device = device
         dims = single_process_dims()
         self.optimizers = build_optimizers([self.model], self.job_config.optimizer, dims)
-        self.lr_schedulers = build_lr_schedulers(self.optimizers, self.job_config.lr_scheduler, self.job_config.training.steps)
+        self.lr_schedulers = build_lr_schedulers(
+            self.optimizers, self.job_config.lr_scheduler, self.job_config.training.steps
+        )
         self.loader, self.train_state = Loader(), TrainState()
         self.checkpointer = CheckpointManager(
-            self.job_config.checkpoint, dump_folder=self.job_config.job.dump_folder,
-            dataloader=self.loader, model_parts=[self.model], optimizers=self.optimizers,
-            lr_schedulers=self.lr_schedulers, states={"train_state": self.train_state}, parallel_dims=dims,
+            self.job_config.checkpoint,
+            dump_folder=self.job_config.job.dump_folder,
+            dataloader=self.loader,
+            model_parts=[self.model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self.train_state},
+            parallel_dims=dims,
         )
         self.folder = folder / "checkpoint"
 
@@ -111,8 +131,10 @@ class Run:
     def snapshot(self) -> dict:
         return {
             "model": {k: v.clone() for k, v in self.model.state_dict().items()},
-            "optimizer": {k: v.clone() if isinstance(v, torch.Tensor) else v
-                          for k, v in self.optimizers.state_dict().items()},
+            "optimizer": {
+                k: v.clone() if isinstance(v, torch.Tensor) else v
+                for k, v in self.optimizers.state_dict().items()
+            },
             "lr": self.lr_schedulers.state_dict()["last_epoch"],
             "data": self.loader.position,
             "step": self.train_state.step,
@@ -154,7 +176,10 @@ def test_round_trip_restores_every_state(tmp_path, mode, caplog):
     with caplog.at_level("INFO", logger="torchtitan"):
         assert fresh.checkpointer.load(step=-1)
     assert_same(saved, fresh.snapshot())
-    assert "step-4 (step 4; model, optimizer, rng, lr_scheduler, dataloader, train_state)" in caplog.text
+    assert (
+        "step-4 (step 4; model, optimizer, rng, lr_scheduler, dataloader, train_state)"
+        in caplog.text
+    )
     fresh.checkpointer.close()
 
 
@@ -173,7 +198,9 @@ def test_pinned_memory_staging_round_trip_on_cuda(tmp_path):
 
 
 def test_cadence_first_step_interval_last_step_force_and_load_only(tmp_path):
-    run = Run(tmp_path / "a", "--checkpoint.interval", "3", "--checkpoint.enable_first_step_checkpoint")
+    run = Run(
+        tmp_path / "a", "--checkpoint.interval", "3", "--checkpoint.enable_first_step_checkpoint"
+    )
     run.train(10)
     run.checkpointer.save(7, force=True)
     run.checkpointer.close()
@@ -217,7 +244,9 @@ def test_explicit_incomplete_checkpoint_is_an_error_and_latest_falls_back(tmp_pa
     (run.folder / "step-4" / MANIFEST).unlink()
 
     fresh = Run(tmp_path)
-    with pytest.raises(ConfigError, match=r"checkpoint.load_step=4: .*step-4 is incomplete .*complete: 2"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint.load_step=4: .*step-4 is incomplete .*complete: 2"
+    ):
         fresh.checkpointer.load(step=4)
     with caplog.at_level("INFO", logger="torchtitan"):
         assert fresh.checkpointer.load(step=-1)
@@ -233,7 +262,9 @@ def test_truncated_file_is_reported_as_corrupt(tmp_path):
     run.checkpointer.close()
     data = next((run.folder / "step-2").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:100])
-    with pytest.raises(ConfigError, match=r"step-2 is corrupt \(__0_0.distcp: 100 bytes, expected \d+ bytes\)"):
+    with pytest.raises(
+        ConfigError, match=r"step-2 is corrupt \(__0_0.distcp: 100 bytes, expected \d+ bytes\)"
+    ):
         Run(tmp_path).checkpointer.load(step=2)
     assert not Run(tmp_path).checkpointer.load(step=-1)  # nothing complete is left
 
@@ -250,7 +281,9 @@ def test_exclude_from_loading(tmp_path):
     assert_same(saved, after, skip=("optimizer", "lr", "data"))
     assert_same(before, after, skip=("model", "step", "rng"))  # the fresh optimizer, LR and data
     assert after["lr"] == 0 and after["data"] == 0
-    with pytest.raises(ConfigError, match="checkpoint.exclude_from_loading: unknown state.*optimiser"):
+    with pytest.raises(
+        ConfigError, match="checkpoint.exclude_from_loading: unknown state.*optimiser"
+    ):
         Run(tmp_path, "--checkpoint.exclude_from_loading", "optimiser")
 
 
@@ -262,8 +295,11 @@ def test_checkpoint_of_another_model_is_one_clear_error(tmp_path):
     other.model._orig_mod.b = nn.Linear(8, 3)  # another output size
     other.optimizers = build_optimizers([other.model], other.job_config.optimizer, None)
     other.checkpointer.optimizers = other.optimizers
-    with pytest.raises(ConfigError, match=r"step-2/\.metadata: 'b\.(weight|bias)' has shape \(2,.*\), "
-                                          r"the model has \(3,.*; load it with the model flavor"):
+    with pytest.raises(
+        ConfigError,
+        match=r"step-2/\.metadata: 'b\.(weight|bias)' has shape \(2,.*\), "
+        r"the model has \(3,.*; load it with the model flavor",
+    ):
         other.checkpointer.load(step=-1)
 
 
@@ -277,7 +313,13 @@ def test_purge_keeps_newest_complete_and_ignores_other_folders(tmp_path):
     assert purge_old_checkpoints(tmp_path, keep=0) == []
     assert purge_old_checkpoints(tmp_path, keep=1) == [20, 10]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ft-replica-0", "notes", "step-30", "step-40", "step-5.tmp", "step-x"]
+        "ft-replica-0",
+        "notes",
+        "step-30",
+        "step-40",
+        "step-5.tmp",
+        "step-x",
+    ]
 
 
 def test_background_purge_with_keep_latest_k(tmp_path):
@@ -302,7 +344,9 @@ def test_loading_runs_no_code_from_the_files(tmp_path, monkeypatch):
     manifest = json.loads((step / MANIFEST).read_text())
     manifest["files"][".metadata"] = (step / ".metadata").stat().st_size
     (step / MANIFEST).write_text(json.dumps(manifest))
-    assert "os.system" in inspect_checkpoint(step)[1] or "posix.system" in inspect_checkpoint(step)[1]
+    assert (
+        "os.system" in inspect_checkpoint(step)[1] or "posix.system" in inspect_checkpoint(step)[1]
+    )
     with pytest.raises(ConfigError, match="not valid DCP metadata.*not allowed"):
         Run(tmp_path).checkpointer.load(step=2)
     assert not (tmp_path / "pwned").exists()
@@ -311,12 +355,21 @@ def test_loading_runs_no_code_from_the_files(tmp_path, monkeypatch):
 def test_hf_export_of_a_model_without_hf_equivalent_fails_at_start(tmp_path):
     from torchtitan.preflight import preflight
 
-    job_config = ConfigManager().parse_args([
-        "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.last_save_in_hf",
-        "--model.name", "deepseek_v3", "--model.flavor", "16B",  # softmax routing: no Hugging Face DeepseekV3
-    ])
-    with pytest.raises(ConfigError, match="checkpoint.last_save_in_hf: this model routes with "
-                                          "softmax scores"):
+    job_config = ConfigManager().parse_args(
+        [
+            "--job.dump_folder",
+            str(tmp_path),
+            "--checkpoint.enable",
+            "--checkpoint.last_save_in_hf",
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "16B",  # softmax routing: no Hugging Face DeepseekV3
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match="checkpoint.last_save_in_hf: this model routes with softmax scores"
+    ):
         preflight(job_config, 1, "cpu")
 
 
@@ -324,8 +377,17 @@ def test_seed_checkpoint_into_a_folder_with_later_checkpoints_is_refused_before_
     run = Run(tmp_path)
     run.train(2)
     run.checkpointer.close()
-    seed = ConfigManager().parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable",
-                                       "--checkpoint.create_seed_checkpoint"])
-    with pytest.raises(ConfigError, match=r"^checkpoint.create_seed_checkpoint: .* already holds checkpoints \(step-2\)"):
+    seed = ConfigManager().parse_args(
+        [
+            "--job.dump_folder",
+            str(tmp_path),
+            "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint",
+        ]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^checkpoint.create_seed_checkpoint: .* already holds checkpoints \(step-2\)",
+    ):
         check_checkpoint_inputs(seed.checkpoint, seed.job.dump_folder)
     check_checkpoint_inputs(seed.checkpoint, str(tmp_path / "empty"))

@@ -28,12 +28,20 @@ def _write(path: Path, text: str) -> Path:
 @pytest.fixture
 def chain(tmp_path: Path) -> Path:
     """grand.toml <- configs/base.toml <- configs/child/run.toml, paths relative per file."""
-    _write(tmp_path / "grand.toml", "[training]\nsteps = 3\nseq_len = 32\nlocal_batch_size = 2\n"
-           "[training.dataloader]\npin_memory = true\n[optimizer]\nlr = 0.5\n")
-    _write(tmp_path / "configs" / "base.toml", '[job]\nbase_config = "../grand.toml"\n'
-           "[training]\nseq_len = 64\n[checkpoint]\nenable_checkpoint = true\n")
-    return _write(tmp_path / "configs" / "child" / "run.toml", '[job]\nbase_config = "../base.toml"\n'
-                  "[training]\nsteps = 7\n")
+    _write(
+        tmp_path / "grand.toml",
+        "[training]\nsteps = 3\nseq_len = 32\nlocal_batch_size = 2\n"
+        "[training.dataloader]\npin_memory = true\n[optimizer]\nlr = 0.5\n",
+    )
+    _write(
+        tmp_path / "configs" / "base.toml",
+        '[job]\nbase_config = "../grand.toml"\n'
+        "[training]\nseq_len = 64\n[checkpoint]\nenable_checkpoint = true\n",
+    )
+    return _write(
+        tmp_path / "configs" / "child" / "run.toml",
+        '[job]\nbase_config = "../base.toml"\n[training]\nsteps = 7\n',
+    )
 
 
 def test_child_overrides_base_key_by_key_along_the_chain(chain: Path) -> None:
@@ -47,8 +55,12 @@ def test_child_overrides_base_key_by_key_along_the_chain(chain: Path) -> None:
 
 
 def test_show_sources_names_the_file_of_every_value(chain: Path, capsys) -> None:
-    assert print_config_main(["--job.config_file", str(chain), "--show-sources",
-                              "--optimizer.lr", "0.25"]) == 0
+    assert (
+        print_config_main(
+            ["--job.config_file", str(chain), "--show-sources", "--optimizer.lr", "0.25"]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     base, grand = chain.parent.parent / "base.toml", chain.parent.parent.parent / "grand.toml"
     assert f"steps = 7  # from {chain}" in lines
@@ -66,13 +78,18 @@ def test_printed_config_without_the_flag_is_plain_toml(chain: Path, capsys) -> N
 def test_a_cycle_is_one_error_line(tmp_path: Path) -> None:
     _write(tmp_path / "a.toml", '[job]\nbase_config = "b.toml"\n')
     _write(tmp_path / "b.toml", '[job]\nbase_config = "a.toml"\n')
-    with pytest.raises(ConfigError, match=r"^job\.base_config: the base configs form a cycle: .*a\.toml -> .*b\.toml -> .*a\.toml$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^job\.base_config: the base configs form a cycle: .*a\.toml -> .*b\.toml -> .*a\.toml$",
+    ):
         ConfigManager().parse_args(["--job.config_file", str(tmp_path / "a.toml")])
 
 
 def test_a_missing_base_file_is_one_error_line(tmp_path: Path) -> None:
     child = _write(tmp_path / "child.toml", '[job]\nbase_config = "nowhere.toml"\n')
-    with pytest.raises(ConfigError, match=rf"^job\.base_config \(in {child}\): no such file: .*nowhere\.toml$"):
+    with pytest.raises(
+        ConfigError, match=rf"^job\.base_config \(in {child}\): no such file: .*nowhere\.toml$"
+    ):
         ConfigManager().parse_args(["--job.config_file", str(child)])
 
 
@@ -83,8 +100,16 @@ def test_base_config_is_not_a_command_line_flag(chain: Path) -> None:
 
 @pytest.mark.parametrize("name", ["config.json", "saved/config.toml"])
 def test_save_config_file_writes_the_merged_config(chain: Path, tmp_path: Path, name: str) -> None:
-    config = ConfigManager().parse_args(["--job.config_file", str(chain), "--job.dump_folder",
-                                         str(tmp_path / "out"), "--job.save_config_file", name])
+    config = ConfigManager().parse_args(
+        [
+            "--job.config_file",
+            str(chain),
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+            "--job.save_config_file",
+            name,
+        ]
+    )
     path = save_config_file(config)
     assert path == os.path.join(tmp_path / "out", name)
     text = Path(path).read_text()
@@ -95,7 +120,9 @@ def test_save_config_file_writes_the_merged_config(chain: Path, tmp_path: Path, 
 def test_an_old_torch_is_refused_with_one_line() -> None:
     check_torch_version("2.11.0a0+git1234")
     check_torch_version("3.0.0")
-    with pytest.raises(ConfigError, match=r"^torch 2\.10\.1\+cu128 is installed but this code needs torch >= 2\.11"):
+    with pytest.raises(
+        ConfigError, match=r"^torch 2\.10\.1\+cu128 is installed but this code needs torch >= 2\.11"
+    ):
         check_torch_version("2.10.1+cu128")
 
 
@@ -105,8 +132,13 @@ def test_entry_points_check_the_torch_version(tmp_path: Path) -> None:
     dist_info = tmp_path / "torch-2.9.0.dist-info"
     _write(dist_info / "METADATA", "Metadata-Version: 2.1\nName: torch\nVersion: 2.9.0\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
-    result = subprocess.run([sys.executable, "-m", "torchtitan.config"], env=env,
-                            capture_output=True, text=True, cwd=REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "torchtitan.config"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: torch 2.9.0 is installed but this code needs torch >= 2.11; "

@@ -41,11 +41,14 @@ class FakeMesh:
         return self._rank
 
 
-@pytest.mark.parametrize("cp, balancer, chunks", [
-    (2, "headtail", [0, 3, 1, 2]),
-    (4, "headtail", [0, 7, 1, 6, 2, 5, 3, 4]),
-    (4, "none", [0, 1, 2, 3]),
-])
+@pytest.mark.parametrize(
+    "cp, balancer, chunks",
+    [
+        (2, "headtail", [0, 3, 1, 2]),
+        (4, "headtail", [0, 7, 1, 6, 2, 5, 3, 4]),
+        (4, "none", [0, 1, 2, 3]),
+    ],
+)
 def test_rank_major_chunk_order(cp, balancer, chunks):
     assert _rank_major_chunks(cp, balancer) == chunks
 
@@ -68,14 +71,17 @@ def test_headtail_balances_causal_work():
     assert len(work) == 1
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(seq_len=30, cp=2, tp=1), r"divisible by 4 \(= 2 \* cp 2 \* tp 1\)"),
-    (dict(seq_len=20, cp=2, tp=2), r"divisible by 8"),
-    (dict(seq_len=6, cp=4, tp=1, load_balancer="none"), r"divisible by 4 \(= cp 4"),
-    (dict(seq_len=32, cp=4, tp=1, n_heads=6, rotate_method="ulysses"), "n_heads 6"),
-    (dict(seq_len=32, cp=2, tp=2, n_heads=6, rotate_method="ulysses"), "cp 2 \\* tp 2"),
-    (dict(seq_len=32, cp=2, tp=1, rotate_method="ring"), "rotate_method must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(seq_len=30, cp=2, tp=1), r"divisible by 4 \(= 2 \* cp 2 \* tp 1\)"),
+        (dict(seq_len=20, cp=2, tp=2), r"divisible by 8"),
+        (dict(seq_len=6, cp=4, tp=1, load_balancer="none"), r"divisible by 4 \(= cp 4"),
+        (dict(seq_len=32, cp=4, tp=1, n_heads=6, rotate_method="ulysses"), "n_heads 6"),
+        (dict(seq_len=32, cp=2, tp=2, n_heads=6, rotate_method="ulysses"), "cp 2 \\* tp 2"),
+        (dict(seq_len=32, cp=2, tp=1, rotate_method="ring"), "rotate_method must be one of"),
+    ],
+)
 def test_check_cp_config_rejects_with_one_line(kwargs, match):
     args = dict(n_heads=8, rotate_method="allgather") | kwargs
     with pytest.raises(ValueError, match=match) as info:
@@ -89,8 +95,9 @@ def test_check_cp_config_accepts_valid_layouts():
 
 
 def test_apply_cp_replaces_every_attention_seam():
-    args = TransformerModelArgs(dim=16, n_layers=3, n_heads=2, vocab_size=8, multiple_of=8,
-                                max_seq_len=8)
+    args = TransformerModelArgs(
+        dim=16, n_layers=3, n_heads=2, vocab_size=8, multiple_of=8, max_seq_len=8
+    )
     model = Transformer(args)
     assert apply_cp(model, FakeMesh(2), "alltoall", "none") == 3
     seams = [m.attention.inner_attention for m in model.layers.values()]
@@ -124,7 +131,9 @@ def test_cp_attention_matches_sdpa_output_and_grads(probe_results):
     # 2 cp degrees x 3 methods x 2 balancers x 2 shapes, on 4 ranks
     assert len(cases) == 24 * 4
     assert {(c["cp"], c["method"], c["balancer"]) for c in cases} == {
-        (cp, m, b) for cp in (2, 4) for m in ("allgather", "alltoall", "ulysses")
+        (cp, m, b)
+        for cp in (2, 4)
+        for m in ("allgather", "alltoall", "ulysses")
         for b in ("headtail", "none")
     }
     bad = [c for c in cases if max(c["errors"].values()) > 1e-5]
@@ -138,8 +147,11 @@ def test_cp_attention_matches_sdpa_output_and_grads(probe_results):
 def test_cp_attention_with_document_and_window_masks_matches_dense_masks(probe_results):
     cases = _cases(probe_results, "masked_attention")
     assert {(c["cp"], c["method"], c["balancer"], c["mask"]) for c in cases} == {
-        (cp, m, b, mask) for cp in (2, 4) for m in ("allgather", "alltoall", "ulysses")
-        for b in ("headtail", "none") for mask in ("block_causal", "window", "block_causal_window")
+        (cp, m, b, mask)
+        for cp in (2, 4)
+        for m in ("allgather", "alltoall", "ulysses")
+        for b in ("headtail", "none")
+        for mask in ("block_causal", "window", "block_causal_window")
     }
     bad = [c for c in cases if max(c["errors"].values()) > 1e-5]
     assert not bad, bad
@@ -153,7 +165,9 @@ def test_cp_llama_matches_unsharded_loss_and_grads(probe_results):
     cases = _cases(probe_results, "model")
     assert len(cases) == 2 * 3 * 2 * 4
     cases += _cases(probe_results, "model_tp")  # TP 2 x CP 2, CP applied after TP
-    cases += _cases(probe_results, "model_block_causal") + _cases(probe_results, "model_tp_block_causal")
+    cases += _cases(probe_results, "model_block_causal") + _cases(
+        probe_results, "model_tp_block_causal"
+    )
     bad = [c for c in cases if c["errors"]["loss"] > 1e-5 or c["errors"]["grads"] > 1e-5]
     assert not bad, bad
 

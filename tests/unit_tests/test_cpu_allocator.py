@@ -31,8 +31,14 @@ print(json.dumps({{"applied": applied, "faults": faults}}))
 
 
 def faults_of_the_second_tensor(mode: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, mode],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -17,14 +17,23 @@ from torchtitan.datasets import DatasetConfig, merge_data_states, register_datas
 
 GLOBAL_BATCH = 8
 SHARDS = 8
-EPOCH_DOCS = ["first document", "2nd", "the third one is longer", "iv", "five!", "six six six six six"]
+EPOCH_DOCS = [
+    "first document",
+    "2nd",
+    "the third one is longer",
+    "iv",
+    "five!",
+    "six six six six six",
+]
 
 register_dataset("test_epoch_docs", DatasetConfig("test_epoch_docs", lambda path: EPOCH_DOCS))
 
 
 def _finite_docs() -> list[str]:
     rng = random.Random(2)
-    return ["".join(rng.choice("abc xyz\n") for _ in range(rng.randint(20, 400))) for _ in range(80)]
+    return [
+        "".join(rng.choice("abc xyz\n") for _ in range(rng.randint(20, 400))) for _ in range(80)
+    ]
 
 
 register_dataset("test_finite_docs", DatasetConfig("test_finite_docs", lambda path: _finite_docs()))
@@ -76,7 +85,9 @@ def global_batches(loaders, count: int) -> list[torch.Tensor]:
 
 
 def same_batches(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(
+        x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True)
+    )
 
 
 def as_multiset(batches: list[torch.Tensor]) -> Counter:
@@ -112,7 +123,9 @@ def test_rank_only_reads_its_own_shards():
             seen.append(index)
             return super().__getitem__(index)
 
-    register_dataset("test_recording", DatasetConfig("test_recording", lambda path: Recording(EPOCH_DOCS * 8)))
+    register_dataset(
+        "test_recording", DatasetConfig("test_recording", lambda path: Recording(EPOCH_DOCS * 8))
+    )
     loader = rank_loaders(4, dataset="test_recording", seq_len=8)[3]
     global_batches([loader], 4)
     assert seen and all(index % SHARDS in (3, 7) for index in seen)
@@ -141,13 +154,18 @@ def test_merged_state_loads_under_another_dp(reference, new_dp):
     assert same_batches(global_batches(resumed, 3), reference[3:6])
 
 
-@pytest.mark.parametrize("options", [dict(num_workers=2), dict(num_workers=4, prefetch_factor=1, persistent_workers=True)])
+@pytest.mark.parametrize(
+    "options",
+    [dict(num_workers=2), dict(num_workers=4, prefetch_factor=1, persistent_workers=True)],
+)
 def test_worker_processes_keep_the_order_and_the_exact_state(reference, options):
     loaders = rank_loaders(2, **options)
     assert same_batches(global_batches(loaders, 2), reference[:2])
     assert same_batches(global_batches(loaders, 1), reference[2:3])  # a second iter() continues
     merged = merge_data_states([loader.state_dict() for loader in loaders])
-    assert merged["next_position"] == 3 * GLOBAL_BATCH  # what was taken, not what workers prefetched
+    assert (
+        merged["next_position"] == 3 * GLOBAL_BATCH
+    )  # what was taken, not what workers prefetched
     resumed = rank_loaders(1, num_workers=2)
     resumed[0].load_state_dict(merged)
     assert same_batches(global_batches(resumed, 3), reference[3:6])
@@ -160,7 +178,9 @@ class _Streamed:
         return iter(_finite_docs())
 
 
-register_dataset("test_streamed_docs", DatasetConfig("test_streamed_docs", lambda path: _Streamed()))
+register_dataset(
+    "test_streamed_docs", DatasetConfig("test_streamed_docs", lambda path: _Streamed())
+)
 
 
 def test_worker_processes_over_a_streamed_dataset():
@@ -182,8 +202,12 @@ def test_inconsistent_or_mismatched_states_are_refused():
     global_batches([loader], 1)
     state = loader.state_dict()
     with pytest.raises(ValueError, match=r"data state is inconsistent: data shard 0"):
-        rank_loaders(1)[0].load_state_dict({**state, "next_position": state["next_position"] + SHARDS})
-    with pytest.raises(ValueError, match=r"training.data_shards: .*saved with 8 data shards.*is 16"):
+        rank_loaders(1)[0].load_state_dict(
+            {**state, "next_position": state["next_position"] + SHARDS}
+        )
+    with pytest.raises(
+        ValueError, match=r"training.data_shards: .*saved with 8 data shards.*is 16"
+    ):
         rank_loaders(1, shards=16)[0].load_state_dict(state)
     with pytest.raises(ValueError, match=r"disagree on data_shards"):
         merge_data_states([state, {**state, "data_shards": 16}])
@@ -208,7 +232,10 @@ def test_epoch_rollover_restarts_each_shard_on_its_own_documents():
     loaders = rank_loaders(2, dataset="test_epoch_docs", seq_len=seq_len, shards=shards)
     batches = global_batches(loaders, steps)
     positions = torch.cat(batches)
-    per_shard = {s: _expected_epoch_windows(s, shards, seq_len + 1, len(positions) // shards) for s in range(shards)}
+    per_shard = {
+        s: _expected_epoch_windows(s, shards, seq_len + 1, len(positions) // shards)
+        for s in range(shards)
+    }
     expected = [per_shard[p % shards][p // shards] for p in range(len(positions))]
     assert positions.tolist() == expected
     state = merge_data_states([loader.state_dict() for loader in loaders])
@@ -248,7 +275,9 @@ def _finite_run(dp: int) -> list[torch.Tensor]:
 
 def test_finite_loader_is_layout_independent_and_restartable():
     one = _finite_run(1)
-    assert len(one) > 2 and 0 < len(one[-1]) < FINITE["global_batch"]  # ends with a partial global batch
+    assert (
+        len(one) > 2 and 0 < len(one[-1]) < FINITE["global_batch"]
+    )  # ends with a partial global batch
     for dp in (2, 4):
         assert same_batches(_finite_run(dp), one), f"dp={dp}"
     loader = rank_loaders(1, **FINITE)[0]
@@ -298,5 +327,7 @@ def test_validation_loader_under_real_gloo_dp(tmp_path):
     probes = run_probe(2, GLOO_PROBE, tmp_path)
     per_rank = [torch.tensor(probes[rank]) for rank in range(2)]
     assert len(per_rank[0]) == len(per_rank[1]) > 0
-    single = rank_loader(1, 0, dataset="python_stdlib_validation", seq_len=512, global_batch=3, infinite=False)
+    single = rank_loader(
+        1, 0, dataset="python_stdlib_validation", seq_len=512, global_batch=3, infinite=False
+    )
     assert torch.equal(_assemble(per_rank), torch.cat([_windows(batch) for batch in single]))

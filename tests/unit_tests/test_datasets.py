@@ -18,7 +18,16 @@ from torchtitan.datasets import (
 )
 from torchtitan.datasets.sources import StreamedDocuments
 
-TINY_DOCS = ["alpha beta", "", "gamma", "delta epsilon zeta", "eta", "theta iota kappa lambda", "mu", "nu xi"]
+TINY_DOCS = [
+    "alpha beta",
+    "",
+    "gamma",
+    "delta epsilon zeta",
+    "eta",
+    "theta iota kappa lambda",
+    "mu",
+    "nu xi",
+]
 
 
 class _Stream:
@@ -33,12 +42,17 @@ class _Stream:
 
 def _random_docs(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    return ["".join(rng.choice("abcdefgh \n") for _ in range(rng.randint(0, 60))) for _ in range(count)]
+    return [
+        "".join(rng.choice("abcdefgh \n") for _ in range(rng.randint(0, 60))) for _ in range(count)
+    ]
 
 
 register_dataset("test_tiny", DatasetConfig("test_tiny", lambda path: TINY_DOCS))
 register_dataset("test_random", DatasetConfig("test_random", lambda path: _random_docs(40)))
-register_dataset("test_random_stream", DatasetConfig("test_random_stream", lambda path: _Stream(_random_docs(40))))
+register_dataset(
+    "test_random_stream",
+    DatasetConfig("test_random_stream", lambda path: _Stream(_random_docs(40))),
+)
 
 
 def _loader(dataset="test_tiny", **overrides):
@@ -94,23 +108,37 @@ def test_stdlib_documents_and_fingerprint(caplog):
 
 
 def test_unknown_dataset_lists_registered_names():
-    with pytest.raises(ValueError, match=r"training.dataset: unknown dataset 'nope'.*python_stdlib.*test_tiny"):
+    with pytest.raises(
+        ValueError, match=r"training.dataset: unknown dataset 'nope'.*python_stdlib.*test_tiny"
+    ):
         get_dataset_config("nope")
     with pytest.raises(ValueError, match=r"validation.dataset: unknown dataset 'nope'"):
         _loader(dataset="nope", section="validation")
-    assert {"c4", "c4_validation", "json", "jsonl", "parquet", "txt", "python_stdlib_validation"} <= set(
-        registered_datasets()
-    )
+    assert {
+        "c4",
+        "c4_validation",
+        "json",
+        "jsonl",
+        "parquet",
+        "txt",
+        "python_stdlib_validation",
+    } <= set(registered_datasets())
 
 
 def test_dataset_path_rules(tmp_path):
-    with pytest.raises(ValueError, match=r"training.dataset_path: dataset 'python_stdlib' does not read a path"):
+    with pytest.raises(
+        ValueError, match=r"training.dataset_path: dataset 'python_stdlib' does not read a path"
+    ):
         load_documents("python_stdlib", str(tmp_path))
-    with pytest.raises(ValueError, match=r"training.dataset_path: dataset 'jsonl' reads local files"):
+    with pytest.raises(
+        ValueError, match=r"training.dataset_path: dataset 'jsonl' reads local files"
+    ):
         load_documents("jsonl", None)
     with pytest.raises(FileNotFoundError, match=r"training.dataset_path: .*does not exist"):
         load_documents("jsonl", str(tmp_path / "missing.jsonl"))
-    with pytest.raises(FileNotFoundError, match=r"validation.dataset_path: .*contains no files ending in .parquet"):
+    with pytest.raises(
+        FileNotFoundError, match=r"validation.dataset_path: .*contains no files ending in .parquet"
+    ):
         load_documents("parquet", str(tmp_path), section="validation")
 
 
@@ -119,7 +147,9 @@ def test_dataset_path_rules(tmp_path):
 
 def test_jsonl_directory(tmp_path):
     for name, texts in (("b.jsonl", ["third", "fourth"]), ("a.jsonl", ["first", "second"])):
-        (tmp_path / name).write_text("".join(json.dumps({"text": t, "id": 1}) + "\n" for t in texts))
+        (tmp_path / name).write_text(
+            "".join(json.dumps({"text": t, "id": 1}) + "\n" for t in texts)
+        )
     (tmp_path / "ignored.csv").write_text("x\n")
     config, documents = load_documents("jsonl", str(tmp_path))
     texts = [config.text_processor(documents[i]) for i in range(len(documents))]
@@ -151,10 +181,14 @@ def test_parquet_and_missing_text_column(tmp_path):
     config, documents = load_documents("parquet", str(tmp_path / "data.parquet"))
     assert [config.text_processor(d) for d in documents] == ["x", "yy", "zzz"]
     (tmp_path / "bad.json").write_text(json.dumps({"content": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"training.dataset_path: .*has no 'text' column \(columns: content\)"):
+    with pytest.raises(
+        ValueError, match=r"training.dataset_path: .*has no 'text' column \(columns: content\)"
+    ):
         load_documents("json", str(tmp_path / "bad.json"))
     (tmp_path / "broken.jsonl").write_text('{"text": "a"\n')
-    with pytest.raises(ValueError, match=r"training.dataset_path: cannot read json files .*JSON parse error"):
+    with pytest.raises(
+        ValueError, match=r"training.dataset_path: cannot read json files .*JSON parse error"
+    ):
         load_documents("jsonl", str(tmp_path / "broken.jsonl"))
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"training.dataset_path: dataset has no documents"):
@@ -180,7 +214,9 @@ def test_c4_without_network_is_one_clear_error(monkeypatch):
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ConnectionError, match=r"^training.dataset: cannot reach dataset 'c4'.*python_stdlib") as info:
+    with pytest.raises(
+        ConnectionError, match=r"^training.dataset: cannot reach dataset 'c4'.*python_stdlib"
+    ) as info:
         load_documents("c4", None)
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
@@ -196,7 +232,9 @@ def test_packing_matches_manual_concatenation():
 
 
 def test_batches_are_shifted_long_tensors():
-    inputs, labels = next(iter(_loader(dataset="python_stdlib", seq_len=32, local_batch_size=3, data_shards=4)))
+    inputs, labels = next(
+        iter(_loader(dataset="python_stdlib", seq_len=32, local_batch_size=3, data_shards=4))
+    )
     assert set(inputs) == {"input", "document_ids"}
     assert inputs["input"].shape == labels.shape == inputs["document_ids"].shape == (3, 32)
     assert inputs["input"].dtype == labels.dtype == torch.long
@@ -236,7 +274,9 @@ class _PipeIsEos(ByteTokenizer):
 def test_document_ids_do_not_come_from_eos_tokens():
     """An EOS token inside a text is not a boundary; only the packer's documents are."""
     register_dataset("test_eos_text", DatasetConfig("test_eos_text", lambda path: ["a|b", "cd"]))
-    loader = _loader("test_eos_text", data_shards=1, seq_len=8, local_batch_size=1, tokenizer=_PipeIsEos())
+    loader = _loader(
+        "test_eos_text", data_shards=1, seq_len=8, local_batch_size=1, tokenizer=_PipeIsEos()
+    )
     inputs, _ = next(iter(loader))
     assert inputs["input"][0, 2] == ByteTokenizer().eos_id
     assert inputs["document_ids"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 1]]
@@ -274,48 +314,85 @@ def test_streamed_finite_matches_indexed():
 
 def _windows_all(loader) -> list[list[int]]:
     return [
-        [*x, y[-1]] for inputs, labels in loader for x, y in zip(inputs["input"].tolist(), labels.tolist(), strict=True)
+        [*x, y[-1]]
+        for inputs, labels in loader
+        for x, y in zip(inputs["input"].tolist(), labels.tolist(), strict=True)
     ]
 
 
 def test_stream_cache_only_holds_documents_still_needed():
     source = StreamedDocuments(_Stream(list(range(100))), num_shards=4, shards=[0, 2])
     assert source.get(2, 0, 5) == 22
-    assert sorted(source._passes[0].cache) == [0, 4, 8, 12, 16, 20]  # shard 0 still needs them; shard 2's are read
+    assert sorted(source._passes[0].cache) == [
+        0,
+        4,
+        8,
+        12,
+        16,
+        20,
+    ]  # shard 0 still needs them; shard 2's are read
     assert [source.get(0, 0, j) for j in range(3)] == [0, 4, 8]
     assert source.get(2, 0, 6) == 26 and source.get(2, 0, 25) is None and source.get(2, 1, 0) == 2
 
 
 def test_finite_loader_with_too_many_shards_for_its_data():
-    with pytest.raises(ValueError, match=r"validation.dataset 'test_tiny': .*data shards hold less than one sequence"):
+    with pytest.raises(
+        ValueError,
+        match=r"validation.dataset 'test_tiny': .*data shards hold less than one sequence",
+    ):
         list(_loader(seq_len=64, infinite=False, section="validation"))
-    with pytest.raises(ValueError, match=r"training.data_shards \(16\) exceeds the number of documents \(8\)"):
+    with pytest.raises(
+        ValueError, match=r"training.data_shards \(16\) exceeds the number of documents \(8\)"
+    ):
         _loader(data_shards=16)
-    register_dataset("test_tiny_stream", DatasetConfig("test_tiny_stream", lambda path: _Stream(TINY_DOCS)))
+    register_dataset(
+        "test_tiny_stream", DatasetConfig("test_tiny_stream", lambda path: _Stream(TINY_DOCS))
+    )
     message = r"^training.data_shards \(16\) with dataset 'test_tiny_stream': data shard 8 yields no tokens"
     for workers in (0, 2):  # the same one-line error from a worker process
         with pytest.raises(ValueError, match=message + r"[^\n]*$"):
-            next(iter(_loader("test_tiny_stream", data_shards=16, local_batch_size=16, num_workers=workers)))
+            next(
+                iter(
+                    _loader(
+                        "test_tiny_stream", data_shards=16, local_batch_size=16, num_workers=workers
+                    )
+                )
+            )
 
 
 def test_bad_loader_arguments():
     with pytest.raises(ValueError, match=r"training.seq_len must be a positive integer, got 0"):
         _loader(seq_len=0)
-    with pytest.raises(ValueError, match=r"training.dataloader.num_workers \(3\) must divide the data shards of each"):
+    with pytest.raises(
+        ValueError,
+        match=r"training.dataloader.num_workers \(3\) must divide the data shards of each",
+    ):
         _loader(num_workers=3)
-    with pytest.raises(ValueError, match=r"validation.dataloader.num_workers: the finite validation loader reads in"):
+    with pytest.raises(
+        ValueError,
+        match=r"validation.dataloader.num_workers: the finite validation loader reads in",
+    ):
         _loader(num_workers=2, infinite=False, section="validation")
 
 
-@pytest.mark.parametrize("option", [["--training.dataloader.persistent_workers"],
-                                    ["--validation.dataloader.prefetch_factor", "4"]])
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--training.dataloader.persistent_workers"],
+        ["--validation.dataloader.prefetch_factor", "4"],
+    ],
+)
 def test_worker_options_without_workers_are_refused(option):
     from torchtitan.config import ConfigError, ConfigManager
 
     section = option[0][2:].split(".")[0]
-    with pytest.raises(ConfigError, match=rf"^{option[0][2:]}: needs {section}.dataloader.num_workers > 0$"):
+    with pytest.raises(
+        ConfigError, match=rf"^{option[0][2:]}: needs {section}.dataloader.num_workers > 0$"
+    ):
         ConfigManager().parse_args(option)
-    with pytest.raises(ConfigError, match=r"^validation.dataloader.num_workers: the finite validation loader reads"):
+    with pytest.raises(
+        ConfigError, match=r"^validation.dataloader.num_workers: the finite validation loader reads"
+    ):
         ConfigManager().parse_args(["--validation.dataloader.num_workers", "2"])
 
 
@@ -324,22 +401,38 @@ def test_build_dataloader_from_job_config():
 
     from torchtitan.config import ConfigManager
 
-    job = ConfigManager().parse_args([
-        "--training.dataset", "test_random", "--training.seq_len", "16",
-        "--training.local_batch_size", "2", "--training.data_shards", "4",
-        "--validation.dataset", "test_random", "--validation.seq_len", "16",
-        "--validation.local_batch_size", "4",
-    ])
+    job = ConfigManager().parse_args(
+        [
+            "--training.dataset",
+            "test_random",
+            "--training.seq_len",
+            "16",
+            "--training.local_batch_size",
+            "2",
+            "--training.data_shards",
+            "4",
+            "--validation.dataset",
+            "test_random",
+            "--validation.seq_len",
+            "16",
+            "--validation.local_batch_size",
+            "4",
+        ]
+    )
     train = build_dataloader(job.training, None, ByteTokenizer())
     assert next(iter(train))[0]["input"].shape == (2, 16)
-    val = build_dataloader(job.validation, SimpleNamespace(dp_enabled=False), ByteTokenizer(), split="validation")
+    val = build_dataloader(
+        job.validation, SimpleNamespace(dp_enabled=False), ByteTokenizer(), split="validation"
+    )
     assert val.dataset.state_dict()["data_shards"] == 8
     assert len(list(val)) > 0
     with pytest.raises(ValueError, match="unknown data split 'test'"):
         build_dataloader(job.training, None, ByteTokenizer(), split="test")
 
 
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning works where there is an accelerator")
+@pytest.mark.skipif(
+    torch.accelerator.is_available(), reason="pinning works where there is an accelerator"
+)
 def test_pin_memory_without_accelerator_warns_naming_the_section(caplog):
     with caplog.at_level(logging.WARNING, logger="torchtitan"):
         _loader(section="validation", pin_memory=True)

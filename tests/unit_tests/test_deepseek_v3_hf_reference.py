@@ -14,38 +14,62 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
+from torchtitan.layers.moe import MoEArgs  # noqa: E402
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs  # noqa: E402
-from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
 from torchtitan.models.deepseek_v3.flavors import deepseek_v3_flavors  # noqa: E402
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     DeepSeekV3StateDictAdapter,
     from_hf_config,
     to_hf_config,
 )
-from torchtitan.layers.moe import MoEArgs  # noqa: E402
 
 VOCAB, SEQ_LEN, TOLERANCE = 96, 40, 1e-5
 
 PLAIN = DeepSeekV3ModelArgs(
-    vocab_size=VOCAB, dim=48, inter_dim=80, moe_inter_dim=24, n_layers=3, n_dense_layers=1, n_heads=4,
+    vocab_size=VOCAB,
+    dim=48,
+    inter_dim=80,
+    moe_inter_dim=24,
+    n_layers=3,
+    n_dense_layers=1,
+    n_heads=4,
     moe=MoEArgs(num_experts=8, num_shared_experts=1, top_k=2, score_func="sigmoid"),
-    q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    q_lora_rank=0,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
     max_seq_len=64,
 )
 # Low-rank queries, YaRN over a 16-token original context (so every frequency band is
 # touched within SEQ_LEN), 4 groups of which 2 are kept, normalised and scaled weights.
 FULL = dataclasses.replace(
-    PLAIN, n_layers=4, n_dense_layers=2, q_lora_rank=24, rope_factor=4.0, rope_original_seq_len=16,
+    PLAIN,
+    n_layers=4,
+    n_dense_layers=2,
+    q_lora_rank=24,
+    rope_factor=4.0,
+    rope_original_seq_len=16,
     rope_mscale=0.707,
-    moe=MoEArgs(num_experts=8, num_shared_experts=2, top_k=3, score_func="sigmoid", route_norm=True,
-                route_scale=2.5, num_expert_groups=4, num_limited_groups=2),
+    moe=MoEArgs(
+        num_experts=8,
+        num_shared_experts=2,
+        top_k=3,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=2.5,
+        num_expert_groups=4,
+        num_limited_groups=2,
+    ),
 )
 
 
 def hf_model(args: DeepSeekV3ModelArgs) -> transformers.DeepseekV3ForCausalLM:
     config = transformers.DeepseekV3Config(
         **{k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "model_type")},
-        initializer_range=0.1, attn_implementation="eager",
+        initializer_range=0.1,
+        attn_implementation="eager",
     )
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(0)
@@ -101,8 +125,11 @@ def test_adapter_rejects_unknown_keys_and_missing_experts():
         adapter.from_hf({"model.layers.1.mlp.experts.0.gate_proj.weight": torch.zeros(2, 2)})
 
 
-@pytest.mark.parametrize("args", [PLAIN, FULL, deepseek_v3_flavors["671B"]],
-                         ids=["plain", "lowrank_q_yarn_groups", "671B"])
+@pytest.mark.parametrize(
+    "args",
+    [PLAIN, FULL, deepseek_v3_flavors["671B"]],
+    ids=["plain", "lowrank_q_yarn_groups", "671B"],
+)
 def test_config_round_trips_through_transformers(args):
     config = transformers.DeepseekV3Config(
         **{k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "model_type")}
@@ -118,12 +145,25 @@ def test_published_config_form_is_understood():
     """The 671B checkpoint's config.json spells RoPE the transformers 4.x way."""
     args = deepseek_v3_flavors["671B"]
     config = {k: v for k, v in to_hf_config(args).items() if k != "rope_parameters"}
-    config.update(rope_theta=10000, scoring_func="sigmoid", topk_method="noaux_tc", rope_scaling={
-        "type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
-        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096})
+    config.update(
+        rope_theta=10000,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+    )
     DeepSeekV3StateDictAdapter(args).check_hf_config(config)
     config["num_hidden_layers"] = 60
-    with pytest.raises(ValueError, match="^config.json has n_layers = 60 but model.flavor gives 61; "):
+    with pytest.raises(
+        ValueError, match="^config.json has n_layers = 60 but model.flavor gives 61; "
+    ):
         DeepSeekV3StateDictAdapter(args).check_hf_config(config)
 
 

@@ -20,28 +20,63 @@ def test_published_flavors_have_the_published_size(flavor, billions):
 
 def check(world_size: int, *args: str):
     config = ConfigManager().parse_args(
-        ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "64", *args]
+        [
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "debugmodel",
+            "--training.seq_len",
+            "64",
+            *args,
+        ]
     )
     return preflight(config, world_size, "cpu")
 
 
 def test_expert_parallel_layout_is_accepted():
-    dims = check(4, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
-                 "--parallelism.expert_tensor_parallel_degree", "2")
+    dims = check(
+        4,
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.expert_tensor_parallel_degree",
+        "2",
+    )
     assert (dims.dp_shard, dims.ep, dims.etp) == (2, 2, 2)
 
 
-@pytest.mark.parametrize("world, args, message", [
-    (6, ["--parallelism.expert_parallel_degree", "3"],
-     "expert_parallel_degree (3) must divide the model's number of routed experts (8)"),
-    (2, ["--parallelism.expert_parallel_degree", "4"], "dp_shard*cp must be divisible by ep"),
-    (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
-         "--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "2"],
-     "dp_shard*cp must be divisible by ep"),
-    (4, ["--parallelism.expert_tensor_parallel_degree", "2"],
-     "expert_tensor_parallel_degree: must be 1 or tensor_parallel_degree (1)"),
-    (8, ["--parallelism.tensor_parallel_degree", "8"], "must divide the model's n_heads (4)"),
-])
+@pytest.mark.parametrize(
+    "world, args, message",
+    [
+        (
+            6,
+            ["--parallelism.expert_parallel_degree", "3"],
+            "expert_parallel_degree (3) must divide the model's number of routed experts (8)",
+        ),
+        (2, ["--parallelism.expert_parallel_degree", "4"], "dp_shard*cp must be divisible by ep"),
+        (
+            4,
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+            ],
+            "dp_shard*cp must be divisible by ep",
+        ),
+        (
+            4,
+            ["--parallelism.expert_tensor_parallel_degree", "2"],
+            "expert_tensor_parallel_degree: must be 1 or tensor_parallel_degree (1)",
+        ),
+        (8, ["--parallelism.tensor_parallel_degree", "8"], "must divide the model's n_heads (4)"),
+    ],
+)
 def test_impossible_expert_layouts_give_one_line(world, args, message):
     with pytest.raises(ConfigError) as e:
         check(world, *args)

@@ -23,21 +23,28 @@ DOC_LENGTHS = [[5, 17, 3, 7], [32]]  # two samples of 32 tokens: four documents,
 
 
 def _document_ids(lengths: list[list[int]]) -> torch.Tensor:
-    return torch.stack([
-        torch.cat([torch.full((n,), i) for i, n in enumerate(sample)]) for sample in lengths
-    ])
+    return torch.stack(
+        [torch.cat([torch.full((n,), i) for i, n in enumerate(sample)]) for sample in lengths]
+    )
 
 
 def _dense_reference(q, k, v, document_ids, window):
     pos = torch.arange(q.shape[2])
     docs = document_ids
-    mask = visible(pos[:, None], pos[None, :], None if docs is None else docs[:, :, None],
-                   None if docs is None else docs[:, None, :], window)
+    mask = visible(
+        pos[:, None],
+        pos[None, :],
+        None if docs is None else docs[:, :, None],
+        None if docs is None else docs[:, None, :],
+        window,
+    )
     mask = mask.unsqueeze(1) if mask.dim() == 3 else mask
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-6)])  # math / fused blocks
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-6)]
+)  # math / fused blocks
 @pytest.mark.parametrize("documents", [True, False])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("block", [4, 8, 32])
@@ -47,7 +54,7 @@ def test_blockwise_attention_matches_a_dense_mask(documents, window, block, dtyp
     q, k, v = (torch.randn(2, 3, 32, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     chunks = list(range(32 // block))
     plan = build_block_plan(chunks, chunks, block, document_ids, window)
-    out = blockwise_attention(q, k, v, plan, chunks, chunks, 8 ** -0.5)
+    out = blockwise_attention(q, k, v, plan, chunks, chunks, 8**-0.5)
     grads = torch.autograd.grad((out * out.detach().sin()).sum(), (q, k, v))
     ref = _dense_reference(q, k, v, document_ids, window)
     ref_grads = torch.autograd.grad((ref * ref.detach().sin()).sum(), (q, k, v))
@@ -73,8 +80,13 @@ def test_document_positions_restart_at_every_document():
 
 
 def _tiny_model(mask_type: str, window: int | None = None) -> Transformer:
-    args = replace(llama3_flavors["debugmodel_tiny"], attn_type="flex", attn_mask_type=mask_type,
-                   sliding_window=window, max_seq_len=64)
+    args = replace(
+        llama3_flavors["debugmodel_tiny"],
+        attn_type="flex",
+        attn_mask_type=mask_type,
+        sliding_window=window,
+        max_seq_len=64,
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights(seed=3)
@@ -97,8 +109,8 @@ def _packed_vs_alone(document_ids: torch.Tensor, plant_error: bool = False):
     for b in range(document_ids.shape[0]):
         for doc in document_ids[b].unique():
             span = (document_ids[b] == doc).nonzero().flatten()
-            logits = model(tokens[b:b + 1, span])  # causal: one document, no document ids
-            (logits * weight[b:b + 1, span]).sum().backward()
+            logits = model(tokens[b : b + 1, span])  # causal: one document, no document ids
+            (logits * weight[b : b + 1, span]).sum().backward()
             alone[b, span] = logits[0].detach()
     alone_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return packed.detach(), packed_grads, alone, alone_grads
@@ -136,13 +148,31 @@ def test_sliding_window_kernel_masks_keys_beyond_the_window():
     torch.testing.assert_close(out, _dense_reference(q, k, v, None, 4))
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--model.attn_mask_type", "block_causal"], "model.attn_mask_type 'block_causal' needs model.attn_type 'flex'"),
-    (["--model.sliding_window", "64"], "model.sliding_window needs model.attn_type 'flex'"),
-    (["--model.attn_type", "flex", "--model.sliding_window", "4096", "--training.seq_len", "2048"],
-     r"model.sliding_window: must be between 1 and training.seq_len \(2048\), got 4096"),
-    (["--training.reset_position_ids_per_document"], "needs model.attn_mask_type 'block_causal'"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (
+            ["--model.attn_mask_type", "block_causal"],
+            "model.attn_mask_type 'block_causal' needs model.attn_type 'flex'",
+        ),
+        (["--model.sliding_window", "64"], "model.sliding_window needs model.attn_type 'flex'"),
+        (
+            [
+                "--model.attn_type",
+                "flex",
+                "--model.sliding_window",
+                "4096",
+                "--training.seq_len",
+                "2048",
+            ],
+            r"model.sliding_window: must be between 1 and training.seq_len \(2048\), got 4096",
+        ),
+        (
+            ["--training.reset_position_ids_per_document"],
+            "needs model.attn_mask_type 'block_causal'",
+        ),
+    ],
+)
 def test_attention_config_errors_are_one_line(args, match):
     with pytest.raises(ConfigError, match=match) as info:
         ConfigManager().parse_args(args)
@@ -151,17 +181,24 @@ def test_attention_config_errors_are_one_line(args, match):
 
 def test_model_inputs_carry_document_ids_and_per_document_positions():
     ids = _document_ids([[2, 3, 3]])
-    batch = MicroBatch(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long), ids)
+    batch = MicroBatch(
+        torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long), ids
+    )
     dims = single_process_dims()
     _, _, kwargs = model_inputs(batch, dims, reset_positions=True)
-    assert kwargs["document_ids"] is ids and kwargs["positions"].tolist() == [[0, 1, 0, 1, 2, 0, 1, 2]]
+    assert kwargs["document_ids"] is ids and kwargs["positions"].tolist() == [
+        [0, 1, 0, 1, 2, 0, 1, 2]
+    ]
     _, _, plain = model_inputs(batch, dims)
     assert "positions" not in plain
 
 
 def test_block_causal_with_sdpa_stops_run_train_with_one_line():
-    result = run_command(["./run_train.sh", "--model.attn_mask_type", "block_causal", "--training.steps", "1"],
-                         env={"NGPU": "1"}, timeout=120)
+    result = run_command(
+        ["./run_train.sh", "--model.attn_mask_type", "block_causal", "--training.steps", "1"],
+        env={"NGPU": "1"},
+        timeout=120,
+    )
     assert result.returncode == 2, result.stdout
     errors = [line for line in result.stdout.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "--model.attn_type flex" in errors[0], result.stdout

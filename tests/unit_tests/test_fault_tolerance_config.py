@@ -19,16 +19,44 @@ def parse(*args: str):
     return ConfigManager().parse_args(["--model.flavor", "debugmodel_tiny", *args])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--fault_tolerance.enable"], "fault_tolerance.group_size: must be >= 1"),
-    ([*FT, "--fault_tolerance.replica_id", "2"], "fault_tolerance.replica_id: must be in 0 .. group_size - 1 = 1, got 2"),
-    ([*FT, "--fault_tolerance.min_replica_size", "3"], "fault_tolerance.min_replica_size: must be in 1 .. group_size = 2"),
-    ([*FT, "--fault_tolerance.semi_sync_method", "hogwild"], "fault_tolerance.semi_sync_method: must be unset"),
-    ([*FT, "--fault_tolerance.semi_sync_method", "diloco", "--parallelism.pipeline_parallel_degree", "2"],
-     "fault_tolerance.semi_sync_method='diloco': not with pipeline parallel"),
-    ([*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.fragment_sync_delay", "5"],
-     "fault_tolerance.fragment_sync_delay: must be in 0 .. sync_steps - 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--fault_tolerance.enable"], "fault_tolerance.group_size: must be >= 1"),
+        (
+            [*FT, "--fault_tolerance.replica_id", "2"],
+            "fault_tolerance.replica_id: must be in 0 .. group_size - 1 = 1, got 2",
+        ),
+        (
+            [*FT, "--fault_tolerance.min_replica_size", "3"],
+            "fault_tolerance.min_replica_size: must be in 1 .. group_size = 2",
+        ),
+        (
+            [*FT, "--fault_tolerance.semi_sync_method", "hogwild"],
+            "fault_tolerance.semi_sync_method: must be unset",
+        ),
+        (
+            [
+                *FT,
+                "--fault_tolerance.semi_sync_method",
+                "diloco",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ],
+            "fault_tolerance.semi_sync_method='diloco': not with pipeline parallel",
+        ),
+        (
+            [
+                *FT,
+                "--fault_tolerance.semi_sync_method",
+                "diloco",
+                "--fault_tolerance.fragment_sync_delay",
+                "5",
+            ],
+            "fault_tolerance.fragment_sync_delay: must be in 0 .. sync_steps - 1",
+        ),
+    ],
+)
 def test_bad_setting_is_one_line_naming_it(args, message):
     with pytest.raises(ConfigError) as error:
         parse(*args)
@@ -47,8 +75,12 @@ def test_unreachable_lighthouse_is_one_line_naming_the_address(monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setenv(LIGHTHOUSE_ENV, f"http://localhost:{port}")
     with pytest.raises(ConfigError) as error:
-        check_fault_tolerance_inputs(parse(*FT, "--fault_tolerance.process_group_timeout_ms", "2000").fault_tolerance)
-    assert f"no torchft lighthouse reachable at {LIGHTHOUSE_ENV}=http://localhost:{port}" in str(error.value)
+        check_fault_tolerance_inputs(
+            parse(*FT, "--fault_tolerance.process_group_timeout_ms", "2000").fault_tolerance
+        )
+    assert f"no torchft lighthouse reachable at {LIGHTHOUSE_ENV}=http://localhost:{port}" in str(
+        error.value
+    )
 
 
 def test_reachable_lighthouse_passes(monkeypatch):
@@ -60,10 +92,19 @@ def test_reachable_lighthouse_passes(monkeypatch):
 
 
 def test_replica_groups_split_the_data_and_the_global_batch():
-    config = parse(*FT, "--fault_tolerance.replica_id", "1", "--training.local_batch_size", "2",
-                   "--training.global_batch_size", "8")
+    config = parse(
+        *FT,
+        "--fault_tolerance.replica_id",
+        "1",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "8",
+    )
     dims = parallel_dims_from_config(config.parallelism, config.fault_tolerance, world_size=1)
     assert dims.data_layout() == (1, 2)  # group 1's only rank is data rank 1 of 2
     assert grad_accumulation_steps(config.training, dims) == 2  # 8 = 2 x (1 rank x 2 groups) x 2
     plain = parse("--training.local_batch_size", "2", "--training.global_batch_size", "8")
-    assert parallel_dims_from_config(plain.parallelism, plain.fault_tolerance, world_size=1).data_layout() == (0, 1)
+    assert parallel_dims_from_config(
+        plain.parallelism, plain.fault_tolerance, world_size=1
+    ).data_layout() == (0, 1)

@@ -49,11 +49,15 @@ def test_kv_cache_logits_equal_the_training_forward(model, prompt) -> None:
     full = model(prompt)
     with kv_cache(model, max_len=prompt.shape[1]) as caches:
         pieces = [model(prompt[:, :5], positions=torch.arange(5))]
-        pieces += [model(prompt[:, p : p + 1], positions=torch.arange(p, p + 1)) for p in range(5, 9)]
+        pieces += [
+            model(prompt[:, p : p + 1], positions=torch.arange(p, p + 1)) for p in range(5, 9)
+        ]
         assert all(cache.length == 9 for cache in caches)
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
-    assert all(isinstance(layer.attention.inner_attention, ScaledDotProductAttention)
-               for layer in model.layers.values()), "the original attention must be restored"
+    assert all(
+        isinstance(layer.attention.inner_attention, ScaledDotProductAttention)
+        for layer in model.layers.values()
+    ), "the original attention must be restored"
 
 
 @pytest.mark.parametrize("temperature, top_k", [(0.0, None), (1.0, None), (0.8, 20)])
@@ -74,7 +78,9 @@ def test_a_fixed_seed_gives_the_same_tokens(model, prompt) -> None:
 
 def test_top_k_1_is_greedy(model, prompt) -> None:
     greedy = generate(model, prompt, max_new_tokens=12, temperature=0.0)
-    assert torch.equal(generate(model, prompt, max_new_tokens=12, temperature=1.0, top_k=1, seed=3), greedy)
+    assert torch.equal(
+        generate(model, prompt, max_new_tokens=12, temperature=1.0, top_k=1, seed=3), greedy
+    )
 
 
 def test_generation_stops_once_every_row_ended(model, prompt) -> None:
@@ -82,7 +88,7 @@ def test_generation_stops_once_every_row_ended(model, prompt) -> None:
     out = generate(model, prompt, max_new_tokens=10, temperature=0.0, eos_id=int(first[0]))
     if first[1] == first[0]:
         assert out.shape[1] == prompt.shape[1] + 1
-    assert (out[0, prompt.shape[1]:] == first[0]).all(), "a finished row is padded with EOS"
+    assert (out[0, prompt.shape[1] :] == first[0]).all(), "a finished row is padded with EOS"
 
 
 @pytest.mark.parametrize("layout", ["nested", "flat"])
@@ -97,11 +103,15 @@ def test_loads_both_checkpoint_layouts(layout, tmp_path) -> None:
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path) -> None:
-    dcp.save({"model": {"tok_embeddings.weight": torch.zeros(3, 3)}}, checkpoint_id=str(tmp_path / "a"))
+    dcp.save(
+        {"model": {"tok_embeddings.weight": torch.zeros(3, 3)}}, checkpoint_id=str(tmp_path / "a")
+    )
     with pytest.raises(CheckpointError, match="--checkpoint: .* entries to load are missing"):
         load_model_weights(build(), tmp_path / "a")
-    dcp.save(build(max_seq_len=8).state_dict() | {"output.weight": torch.zeros(5, 64)},
-             checkpoint_id=str(tmp_path / "b"))
+    dcp.save(
+        build(max_seq_len=8).state_dict() | {"output.weight": torch.zeros(5, 64)},
+        checkpoint_id=str(tmp_path / "b"),
+    )
     with pytest.raises(CheckpointError, match="'output.weight' has shape \\(5, 64\\)"):
         load_model_weights(build(), tmp_path / "b")
 
@@ -130,7 +140,9 @@ def test_command_line_refuses_a_missing_checkpoint_in_one_line(tmp_path, capsys)
 
 def test_sliding_window_flex_model_generates_the_same_with_and_without_cache(prompt) -> None:
     """A prompt is one document; the KV cache applies the model's window."""
-    args = dataclasses.replace(llama3_flavors[TINY], max_seq_len=64, attn_type="flex", sliding_window=4)
+    args = dataclasses.replace(
+        llama3_flavors[TINY], max_seq_len=64, attn_type="flex", sliding_window=4
+    )
     flex_model = Transformer(args)
     with torch.no_grad():
         flex_model.init_weights(seed=0)

@@ -15,8 +15,12 @@ from torchtitan.protocols.train_spec import get_train_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-DEBUG_FLAVORS = [(name, flavor) for name in BUILTIN_MODELS
-                 for flavor in get_train_spec(name).model_args if flavor.startswith("debugmodel")]
+DEBUG_FLAVORS = [
+    (name, flavor)
+    for name in BUILTIN_MODELS
+    for flavor in get_train_spec(name).model_args
+    if flavor.startswith("debugmodel")
+]
 # MLA with YaRN: its softmax scale is not 1 / sqrt(head_dim), so a cache that dropped the
 # scale would give other logits.
 CASES = [(name, flavor, {}) for name, flavor in DEBUG_FLAVORS] + [
@@ -57,5 +61,7 @@ def test_kv_cache_logits_equal_the_training_forward(name, flavor, overrides):
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     with kv_cache(model, max_len=9):
         pieces = [model(tokens[:, :5], positions=torch.arange(5))]
-        pieces += [model(tokens[:, p : p + 1], positions=torch.arange(p, p + 1)) for p in range(5, 9)]
+        pieces += [
+            model(tokens[:, p : p + 1], positions=torch.arange(p, p + 1)) for p in range(5, 9)
+        ]
     torch.testing.assert_close(torch.cat(pieces, dim=1), model(tokens), rtol=1e-5, atol=1e-5)

@@ -25,9 +25,20 @@ def test_forward_on_cuda_matches_cpu():
 
 
 def test_trainer_on_one_gpu_learns_in_bf16(tmp_path):
-    run_torchrun(1, [*BASE_OVERRIDES, "--training.local_batch_size", "8",
-                     "--training.mixed_precision_param", "bfloat16", "--job.dump_folder", str(tmp_path)],
-                 env={"TORCHTITAN_DEVICE_TYPE": "cuda"}, timeout=300)
+    run_torchrun(
+        1,
+        [
+            *BASE_OVERRIDES,
+            "--training.local_batch_size",
+            "8",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        env={"TORCHTITAN_DEVICE_TYPE": "cuda"},
+        timeout=300,
+    )
     records = read_metrics(tmp_path)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert records[-1]["memory_gib"] > 0 and records[-1]["mfu"] > 0

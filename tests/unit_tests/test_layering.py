@@ -49,8 +49,10 @@ def torchtitan_imports(path: Path) -> set[str]:
 def import_graph(root: Path = REPO_ROOT) -> dict[str, set[str]]:
     """Module -> the torchtitan modules it imports (``from torchtitan.x import y`` counts
     as importing ``torchtitan.x.y`` when that is a module, else ``torchtitan.x``)."""
-    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in sorted((root / "torchtitan").rglob("*.py"))}
+    modules = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted((root / "torchtitan").rglob("*.py"))
+    }
     graph = {}
     for name, path in modules.items():
         imported = {n if n in modules else n.rsplit(".", 1)[0] for n in torchtitan_imports(path)}
@@ -67,7 +69,9 @@ def level_of(room: str) -> int:
     for level, rooms in enumerate(ROOMS):
         if room in rooms:
             return level
-    raise AssertionError(f"room {room!r} is not in ROOMS: add it at its level (and to the README's Layout)")
+    raise AssertionError(
+        f"room {room!r} is not in ROOMS: add it at its level (and to the README's Layout)"
+    )
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -76,7 +80,11 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
         room = room_of(module)
         for name in sorted(names):
             other = room_of(name)
-            if other == room or room == "torchtitan" or (module, room_of_package(name)) in LAZY_EXCEPTIONS:
+            if (
+                other == room
+                or room == "torchtitan"
+                or (module, room_of_package(name)) in LAZY_EXCEPTIONS
+            ):
                 continue
             if level_of(other) >= level_of(room):
                 found.append(f"{module} ({room}) imports {name} ({other})")
@@ -97,7 +105,7 @@ def cycles(graph: dict[str, set[str]]) -> list[str]:
             if (module, room_of_package(name)) in LAZY_EXCEPTIONS:
                 continue
             if state.get(name) == "open":
-                found.append(" -> ".join(path[path.index(name):] + [name]))
+                found.append(" -> ".join(path[path.index(name) :] + [name]))
             elif name not in state:
                 visit(name, path + [name])
         state[module] = "done"
@@ -128,12 +136,15 @@ def test_the_readme_lists_the_rooms_in_this_order() -> None:
     assert f"`{order}`" in " ".join(layout.split())
 
 
-@pytest.mark.parametrize("importer, imported", [
-    ("components/optimizer.py", "from torchtitan.models.llama3 import Transformer"),
-    ("layers/moe.py", "from torchtitan.distributed import ParallelDims"),
-    ("estimate/report.py", "from torchtitan.generation import generate"),
-    ("config/manager.py", "import torchtitan.tools.logging"),
-])
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("components/optimizer.py", "from torchtitan.models.llama3 import Transformer"),
+        ("layers/moe.py", "from torchtitan.distributed import ParallelDims"),
+        ("estimate/report.py", "from torchtitan.generation import generate"),
+        ("config/manager.py", "import torchtitan.tools.logging"),
+    ],
+)
 def test_a_planted_upward_import_is_found(tmp_path: Path, importer: str, imported: str) -> None:
     for path in PACKAGE.rglob("*.py"):
         copy = tmp_path / path.relative_to(REPO_ROOT)
@@ -146,6 +157,8 @@ def test_a_planted_upward_import_is_found(tmp_path: Path, importer: str, importe
 
 def test_a_planted_cycle_is_found() -> None:
     graph = import_graph()
-    graph["torchtitan.tools.logging"] = graph["torchtitan.tools.logging"] | {"torchtitan.tools.utils"}
+    graph["torchtitan.tools.logging"] = graph["torchtitan.tools.logging"] | {
+        "torchtitan.tools.utils"
+    }
     graph["torchtitan.tools.utils"] = graph["torchtitan.tools.utils"] | {"torchtitan.tools.logging"}
     assert cycles(graph)

@@ -168,8 +168,18 @@ def test_flavor_config_round_trip(flavor: str) -> None:
     expected_type = "llama3" if args.use_scaled_rope else "default"
     assert config.rope_parameters["rope_type"] == expected_type
     back = from_hf_config(config.to_dict())
-    for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim",
-                  "norm_eps", "rope_theta", "use_scaled_rope", "max_seq_len"):
+    for field in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "kv_heads",
+        "vocab_size",
+        "ffn_hidden_dim",
+        "norm_eps",
+        "rope_theta",
+        "use_scaled_rope",
+        "max_seq_len",
+    ):
         assert getattr(back, field) == getattr(args, field), field
     if args.use_scaled_rope:
         torch.testing.assert_close(rope_inv_freq(back), rope_inv_freq(args), rtol=0, atol=0)

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchtitan.layers.init import clean_fqn, init_param_, normal_init, param_seed
@@ -126,19 +125,6 @@ def test_rope_cache_recomputed_and_not_persistent() -> None:
     model = build(tiny_args())
     assert "rope_cache" not in model.state_dict()
     assert torch.equal(model.rope_cache, precompute_rope_cache(model.model_args))
-
-
-@pytest.fixture
-def fake_rank1_of_2():
-    """A fake 2-rank process group in which this process is rank 1."""
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
-    try:
-        yield dist.device_mesh.init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_init_dtensor_gets_its_slice(fake_rank1_of_2) -> None:
@@ -307,7 +293,6 @@ def test_tiny_flavor_is_small() -> None:
 
 def test_update_from_config() -> None:
     from torchtitan.config import ConfigManager
-
     from torchtitan.recipe import max_seq_len
 
     args = tiny_args()
@@ -315,9 +300,12 @@ def test_update_from_config() -> None:
     args.update_from_config(job_config.model, max_seq_len=max_seq_len(job_config))
     assert args.max_seq_len == 512 and args.vocab_size == TINY.vocab_size
     with_validation = ConfigManager().parse_args(
-        ["--training.seq_len", "512", "--validation.enable", "--validation.seq_len", "1024"])
+        ["--training.seq_len", "512", "--validation.enable", "--validation.seq_len", "1024"]
+    )
     args.update_from_config(with_validation.model, max_seq_len=max_seq_len(with_validation))
     assert args.max_seq_len == 1024  # RoPE covers the longer validation sequences
-    args.update_from_config(job_config.model, max_seq_len=512, tokenizer=SimpleNamespace(vocab_size=1000))
+    args.update_from_config(
+        job_config.model, max_seq_len=512, tokenizer=SimpleNamespace(vocab_size=1000)
+    )
     assert args.vocab_size == 1000
     assert TINY.max_seq_len == 2048  # the flavor itself is untouched

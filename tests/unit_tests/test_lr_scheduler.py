@@ -10,8 +10,17 @@ from torchtitan.config import ConfigManager
 
 def factors(steps, warmup, decay_ratio, decay_type="linear", min_lr=0.0):
     w, d = schedule_lengths(steps, warmup, decay_ratio)
-    return [lr_factor(i, warmup_steps=w, decay_steps=d, total_steps=steps,
-                      decay_type=decay_type, min_lr_factor=min_lr) for i in range(steps)]
+    return [
+        lr_factor(
+            i,
+            warmup_steps=w,
+            decay_steps=d,
+            total_steps=steps,
+            decay_type=decay_type,
+            min_lr_factor=min_lr,
+        )
+        for i in range(steps)
+    ]
 
 
 def test_warmup_then_linear_decay_by_hand():
@@ -28,10 +37,13 @@ def test_warmup_stable_decay_with_min_lr():
     assert got == pytest.approx([1 / 3, 2 / 3] + stable + decay)
 
 
-@pytest.mark.parametrize("decay_type, shape", [
-    ("sqrt", lambda p: 1 - math.sqrt(p)),
-    ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
-])
+@pytest.mark.parametrize(
+    "decay_type, shape",
+    [
+        ("sqrt", lambda p: 1 - math.sqrt(p)),
+        ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+    ],
+)
 def test_decay_shapes(decay_type, shape):
     got = factors(8, 0, 0.5, decay_type=decay_type)
     assert got == pytest.approx([1.0] * 4 + [shape(k / 4) for k in range(4)])
@@ -43,8 +55,17 @@ def test_warmup_longer_than_run_is_shortened():
 
 def test_schedulers_drive_optimizer_lr():
     config = ConfigManager().parse_args(
-        ["--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "1.0",
-         "--optimizer.implementation", "for-loop"])
+        [
+            "--training.steps",
+            "6",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--optimizer.lr",
+            "1.0",
+            "--optimizer.implementation",
+            "for-loop",
+        ]
+    )
     model = torch.nn.Linear(2, 2)
     optimizers = build_optimizers([model], config.optimizer, None)
     schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)

@@ -7,16 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.launcher import REPO_ROOT
 from torchtitan.config import ConfigManager
 from torchtitan.estimate import analytic
-from torchtitan.estimate.cli import measure_single_process, main
+from torchtitan.estimate.cli import main, measure_single_process
 from torchtitan.estimate.trace import trace_training_memory
-from tests.launcher import REPO_ROOT
 
 DEBUG_TOML = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 LLAMA3_8B_TOML = str(REPO_ROOT / "train_configs" / "llama3_8b.toml")
-TINY = ["--job.config_file", DEBUG_TOML, "--model.flavor", "debugmodel_tiny",
-        "--training.seq_len", "64", "--training.local_batch_size", "4"]
+TINY = [
+    "--job.config_file",
+    DEBUG_TOML,
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+]
 GiB = 2**30
 
 
@@ -32,12 +40,22 @@ def _config(*overrides: str):
         (1, ["--training.mixed_precision_param", "bfloat16"]),  # CPU autocast
         (2, []),  # FSDP 2, bf16 parameters, fp32 reduce
         (2, ["--activation_checkpoint.mode", "full"]),
-        (2, ["--activation_checkpoint.mode", "selective"]),  # every 2nd block, attention outputs kept
+        (
+            2,
+            ["--activation_checkpoint.mode", "selective"],
+        ),  # every 2nd block, attention outputs kept
         (2, ["--training.global_batch_size", "16"]),  # two micro-batches per step
         (4, ["--parallelism.tensor_parallel_degree", "2"]),  # FSDP 2 x TP 2, loss parallel
         (4, ["--parallelism.context_parallel_degree", "2"]),  # FSDP 2 x CP 2 (allgather)
-        (4, ["--parallelism.context_parallel_degree", "2",
-             "--parallelism.context_parallel_rotate_method", "alltoall"]),  # ring
+        (
+            4,
+            [
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.context_parallel_rotate_method",
+                "alltoall",
+            ],
+        ),  # ring
     ],
 )
 def test_trace_equals_real_cpu_allocations(world_size, overrides):
@@ -51,11 +69,21 @@ def test_trace_equals_real_cpu_allocations(world_size, overrides):
 
 
 def _cp(method: str) -> list[str]:
-    return ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", method]
+    return [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_rotate_method",
+        method,
+    ]
 
 
 def _pp(schedule: str) -> list[str]:
-    return ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule]
+    return [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -63,31 +91,61 @@ def _pp(schedule: str) -> list[str]:
 @pytest.mark.parametrize(
     ("world_size", "overrides", "rtol"),
     # alltoall on the CPU: the loss backward's closed form (+2.1 %) is the peak there
-    [(2, [], 0.01), (4, _cp("allgather"), 0.01), (4, _cp("ulysses"), 0.01), (4, _cp("alltoall"), 0.025),
-     # pipeline stages: the closed form over-approximates (held gradients, buffers): +2 to
-     # +12 % on the debug models, checked loosely
-     (2, _pp("1F1B"), 0.15), (2, _pp("GPipe"), 0.15)],
-    ids=["fsdp2", "fsdp2_cp2_allgather", "fsdp2_cp2_ulysses", "fsdp2_cp2_alltoall", "pp2_1f1b", "pp2_gpipe"],
+    [
+        (2, [], 0.01),
+        (4, _cp("allgather"), 0.01),
+        (4, _cp("ulysses"), 0.01),
+        (4, _cp("alltoall"), 0.025),
+        # pipeline stages: the closed form over-approximates (held gradients, buffers): +2 to
+        # +12 % on the debug models, checked loosely
+        (2, _pp("1F1B"), 0.15),
+        (2, _pp("GPipe"), 0.15),
+    ],
+    ids=[
+        "fsdp2",
+        "fsdp2_cp2_allgather",
+        "fsdp2_cp2_ulysses",
+        "fsdp2_cp2_alltoall",
+        "pp2_1f1b",
+        "pp2_gpipe",
+    ],
 )
 def test_analytic_matches_trace(target, world_size, overrides, rtol):
     config = ConfigManager().parse_args(
-        TINY[:-4] + ["--training.seq_len", "256", "--training.local_batch_size", "8"] + overrides)
+        TINY[:-4] + ["--training.seq_len", "256", "--training.local_batch_size", "8"] + overrides
+    )
     error = _analytic_error(config, world_size, target)
     assert abs(error) < rtol, error
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ac", [["full"], ["selective", "--activation_checkpoint.selective_ac_option", "2"]])
+@pytest.mark.parametrize(
+    "ac", [["full"], ["selective", "--activation_checkpoint.selective_ac_option", "2"]]
+)
 def test_analytic_counts_kept_attention_outputs_like_the_trace(ac):
     """What keeping the recomputed blocks' attention outputs adds to the peak (FSDP 2): the
     closed form's increase within 10 % of the trace's (the closed form's AC peak itself is
     within a few % only: it averages the kept activations over the blocks)."""
     (traced_keep, closed_keep), (traced_never, closed_never) = (
-        _traced_and_closed_form(ConfigManager().parse_args(
-            TINY[:-4] + ["--training.seq_len", "256", "--training.local_batch_size", "8",
-                         "--activation_checkpoint.mode", *ac, "--activation_checkpoint.save_attention_output", policy]),
-            2, "cpu")
-        for policy in ("always", "never"))
+        _traced_and_closed_form(
+            ConfigManager().parse_args(
+                TINY[:-4]
+                + [
+                    "--training.seq_len",
+                    "256",
+                    "--training.local_batch_size",
+                    "8",
+                    "--activation_checkpoint.mode",
+                    *ac,
+                    "--activation_checkpoint.save_attention_output",
+                    policy,
+                ]
+            ),
+            2,
+            "cpu",
+        )
+        for policy in ("always", "never")
+    )
     traced, closed_form = traced_keep - traced_never, closed_keep - closed_never
     assert traced > 0
     assert abs(closed_form / traced - 1) < 0.1, (closed_form, traced)
@@ -97,7 +155,9 @@ def _traced_and_closed_form(config, world_size: int, target: str) -> tuple[int, 
     """The traced peak and the closed form's."""
     outcome = trace_training_memory(config, world_size, target)
     setup = outcome.setup
-    geometry, layout, run = analytic.from_job_config(config, setup.model_args, setup.parallel_dims, 1, target)
+    geometry, layout, run = analytic.from_job_config(
+        config, setup.model_args, setup.parallel_dims, 1, target
+    )
     return outcome.result.peak_bytes, analytic.estimate(geometry, layout, run).peak_bytes
 
 
@@ -112,8 +172,14 @@ def _analytic_error(config, world_size: int, target: str) -> float:
 def test_analytic_matches_trace_of_moe_models(config_file):
     """FSDP 2 x EP 2: Qwen3-MoE (q/k norms, routed experts; +1.9 %) and DeepSeek-V3 (latent
     attention, dense and MoE blocks, shared experts; -1.2 %)."""
-    config = ConfigManager().parse_args(["--job.config_file", str(REPO_ROOT / "train_configs" / config_file),
-                                         "--parallelism.expert_parallel_degree", "2"])
+    config = ConfigManager().parse_args(
+        [
+            "--job.config_file",
+            str(REPO_ROOT / "train_configs" / config_file),
+            "--parallelism.expert_parallel_degree",
+            "2",
+        ]
+    )
     error = _analytic_error(config, 2, "cuda")
     assert abs(error) < 0.03, error
 
@@ -125,7 +191,9 @@ def test_cuda_target_keeps_what_the_fused_rms_norm_keeps():
     config = _config()
     tokens, dim = 4 * 64, 64
     kept = {
-        target: trace_training_memory(config, 2, target).result.modules["layers.0.attention_norm"].activations_kept
+        target: trace_training_memory(config, 2, target)
+        .result.modules["layers.0.attention_norm"]
+        .activations_kept
         for target in ("cpu", "cuda")
     }
     assert kept["cuda"] == tokens * (2 * dim + 4)
@@ -136,16 +204,31 @@ def test_cuda_target_keeps_what_the_fused_rms_norm_keeps():
 def test_llama3_8b_fsdp8_matches_h200_reference():
     """69.55 GiB was measured on an H200 (max_memory_allocated) for this configuration
     without activation checkpointing."""
-    config = ConfigManager().parse_args(["--job.config_file", LLAMA3_8B_TOML, "--activation_checkpoint.mode", "none"])
+    config = ConfigManager().parse_args(
+        ["--job.config_file", LLAMA3_8B_TOML, "--activation_checkpoint.mode", "none"]
+    )
     peak = trace_training_memory(config, 8, "cuda").result.peak_bytes
     assert abs(peak / (69.5 * GiB) - 1) < 0.05
 
 
 def test_cli_estimate_prints_the_report(capsys):
-    assert main(TINY + ["--memory_estimation.world_size", "2", "--memory_estimation.device_memory_gib", "4"]) == 0
+    assert (
+        main(
+            TINY
+            + ["--memory_estimation.world_size", "2", "--memory_estimation.device_memory_gib", "4"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for expected in ("traced allocated peak per rank:", "breakdown at the peak", "optimizer states",
-                     "analytic estimate:", "not seen by tracing", "cuBLAS workspaces", "verdict: fits"):
+    for expected in (
+        "traced allocated peak per rank:",
+        "breakdown at the peak",
+        "optimizer states",
+        "analytic estimate:",
+        "not seen by tracing",
+        "cuBLAS workspaces",
+        "verdict: fits",
+    ):
         assert expected in out
 
 
@@ -162,15 +245,40 @@ def test_cli_errors_are_one_line(capsys, monkeypatch):
     monkeypatch.delenv("NGPU", raising=False)
     assert "memory_estimation.world_size: not set" in _cli_error(TINY, capsys)
     assert "memory_estimation.world_size: must be >= 1" in _cli_error(
-        TINY + ["--memory_estimation.world_size", "0"], capsys)
-    err = _cli_error(TINY + ["--memory_estimation.world_size", "2", "--parallelism.pipeline_parallel_degree", "2",
-                             "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], capsys)
+        TINY + ["--memory_estimation.world_size", "0"], capsys
+    )
+    err = _cli_error(
+        TINY
+        + [
+            "--memory_estimation.world_size",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
+        ],
+        capsys,
+    )
     assert "ZBVZeroBubble: schedules with a split input/weight backward" in err
     assert "is not covered by the memory estimator yet" in err
-    err = _cli_error(TINY + ["--memory_estimation.world_size", "2", "--parallelism.pipeline_parallel_degree", "2",
-                             "--memory_estimation.mode", "measure", "--memory_estimation.target_device", "cpu"], capsys)
+    err = _cli_error(
+        TINY
+        + [
+            "--memory_estimation.world_size",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--memory_estimation.mode",
+            "measure",
+            "--memory_estimation.target_device",
+            "cpu",
+        ],
+        capsys,
+    )
     assert "cannot pass activations between pipeline stages; measure under torchrun" in err
-    err = _cli_error(TINY + ["--memory_estimation.world_size", "2", "--memory_estimation.mode", "plan"], capsys)
+    err = _cli_error(
+        TINY + ["--memory_estimation.world_size", "2", "--memory_estimation.mode", "plan"], capsys
+    )
     assert "memory_estimation.device_memory_gib: mode plan needs" in err
 
 
@@ -181,21 +289,46 @@ def test_trainer_still_refuses_memory_estimation_enable():
         ConfigManager().parse_args(TINY + ["--memory_estimation.enable"])
 
 
-PLAN_70B = ["--job.config_file", LLAMA3_8B_TOML, "--model.flavor", "70B", "--memory_estimation.mode", "plan",
-            "--memory_estimation.plan_traced_layouts", "0", "--training.global_batch_size", "64"]
+PLAN_70B = [
+    "--job.config_file",
+    LLAMA3_8B_TOML,
+    "--model.flavor",
+    "70B",
+    "--memory_estimation.mode",
+    "plan",
+    "--memory_estimation.plan_traced_layouts",
+    "0",
+    "--training.global_batch_size",
+    "64",
+]
 
 
 def test_plan_lists_layouts_for_70b_on_64_gpus(capsys):
-    assert main(PLAN_70B + ["--memory_estimation.world_size", "64",
-                            "--memory_estimation.device_memory_gib", "80"]) == 0
+    assert (
+        main(
+            PLAN_70B
+            + [
+                "--memory_estimation.world_size",
+                "64",
+                "--memory_estimation.device_memory_gib",
+                "80",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "layouts the trainer runs and the estimator traces:" in out
     assert "dp_shard=64, AC full" in out
 
 
 def test_plan_says_when_nothing_fits(capsys):
-    assert main(PLAN_70B + ["--memory_estimation.world_size", "2",
-                            "--memory_estimation.device_memory_gib", "16"]) == 1
+    assert (
+        main(
+            PLAN_70B
+            + ["--memory_estimation.world_size", "2", "--memory_estimation.device_memory_gib", "16"]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "no layout fits in 16 GiB per GPU: the least any layout needs is" in err
 
@@ -221,8 +354,22 @@ def test_pipeline_trace_reports_every_pipeline_rank(capsys):
     """PP 2 (1F1B): each pipeline rank is traced (the second in a fresh process); the
     first stage keeps two micro-batches in flight, the last one, and the report names
     the pipeline rank with the largest peak."""
-    assert main(TINY + ["--memory_estimation.world_size", "2", "--parallelism.pipeline_parallel_degree", "2",
-                        "--training.local_batch_size", "8", "--memory_estimation.target_device", "cpu"]) == 0
+    assert (
+        main(
+            TINY
+            + [
+                "--memory_estimation.world_size",
+                "2",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "8",
+                "--memory_estimation.target_device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "peak per pipeline rank" in out
     assert "pp 0" in out and "pp 1" in out

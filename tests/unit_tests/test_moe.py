@@ -64,7 +64,10 @@ def test_expert_bias_steers_choice_but_not_gating_weights():
 
 
 def test_group_limited_routing_picks_from_the_best_groups_only():
-    router, x = _router(score_func="sigmoid", num_expert_groups=4, num_limited_groups=1), torch.randn(32, DIM)
+    router, x = (
+        _router(score_func="sigmoid", num_expert_groups=4, num_limited_groups=1),
+        torch.randn(32, DIM),
+    )
     _, chosen, scores = router(x, None, seq_len=32)
     group_scores = scores.view(32, 4, 2).sum(-1)  # top-2 of a 2-expert group = both
     assert (chosen // 2 == group_scores.argmax(-1, keepdim=True)).all()
@@ -76,7 +79,9 @@ def test_route_norm_and_scale():
 
 
 def test_forced_load_balance_is_round_robin_by_position():
-    _, chosen, _ = _router(top_k=3, force_load_balance=True)(torch.randn(2 * 8, DIM), None, seq_len=8)
+    _, chosen, _ = _router(top_k=3, force_load_balance=True)(
+        torch.randn(2 * 8, DIM), None, seq_len=8
+    )
     assert chosen.view(2, 8, 3)[0].tolist() == chosen.view(2, 8, 3)[1].tolist()
     assert torch.bincount(chosen.flatten(), minlength=8).tolist() == [6] * 8
 
@@ -119,12 +124,14 @@ def test_bias_update_moves_towards_balance_and_resets_counts():
 
 
 def test_moe_optimizer_updates_biases_before_each_step():
-    from torchtitan.config import ConfigManager
     from tests.layouts import single_process_dims
+    from torchtitan.config import ConfigManager
 
     model = _debug_model()
     model(torch.randint(0, 264, (2, 16))).sum().backward()
-    config = ConfigManager().parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"])
+    config = ConfigManager().parse_args(
+        ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+    )
     dims = single_process_dims()
     optimizers = build_moe_optimizers([model], config.optimizer, dims)
     optimizers.step()
@@ -153,8 +160,15 @@ def test_aux_loss_gradient_reaches_the_router():
 def test_bias_updates_balance_a_frozen_router():
     """Tokens sharing a common direction overload some experts at first; the bias updates
     alone (router frozen) bring max/mean load close to 1."""
-    args = MoEArgs(num_experts=8, top_k=3, score_func="sigmoid", route_norm=True,
-                   num_expert_groups=4, num_limited_groups=2, load_balance_coeff=1e-3)
+    args = MoEArgs(
+        num_experts=8,
+        top_k=3,
+        score_func="sigmoid",
+        route_norm=True,
+        num_expert_groups=4,
+        num_limited_groups=2,
+        load_balance_coeff=1e-3,
+    )
     gen = torch.Generator().manual_seed(0)
     moe = MoE(DIM, HIDDEN, args)
     for p in moe.parameters():

@@ -8,8 +8,16 @@ from torchtitan.config import ConfigManager
 def step_once(name, implementation):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    config = ConfigManager().parse_args(["--optimizer.name", name, "--optimizer.implementation",
-                                         implementation, "--optimizer.weight_decay", "0.1"])
+    config = ConfigManager().parse_args(
+        [
+            "--optimizer.name",
+            name,
+            "--optimizer.implementation",
+            implementation,
+            "--optimizer.weight_decay",
+            "0.1",
+        ]
+    )
     optimizers = build_optimizers([model], config.optimizer, None)
     for _ in range(3):
         optimizers.zero_grad()

@@ -8,30 +8,44 @@ from torchtitan.distributed import ParallelDims
 
 
 def dims(world_size, dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1):
-    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp,
-                        ep=ep, etp=etp, world_size=world_size, device_type="cpu")
+    return ParallelDims(
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        cp=cp,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        etp=etp,
+        world_size=world_size,
+        device_type="cpu",
+    )
 
 
 @pytest.fixture
 def fake_world():
     """A fake process group of the requested size (no real communication)."""
+
     def start(world_size, rank=0):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
     yield start
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kwargs, rule", [
-    (dict(world_size=8, dp_replicate=0), "dp_replicate must be >= 1"),
-    (dict(world_size=8, tp=0), "tp must be >= 1"),
-    (dict(world_size=8, dp_shard=0), "dp_shard must be -1"),
-    (dict(world_size=8, tp=3), "cannot infer dp_shard"),
-    (dict(world_size=8, dp_shard=2, tp=2), "must equal world_size 8"),
-    (dict(world_size=8, tp=2, etp=4), "etp (expert tensor parallel) must be 1 or equal to tp"),
-    (dict(world_size=8, dp_shard=2, cp=4, ep=2), "ep must be a multiple of cp"),
-    (dict(world_size=8, dp_shard=2, tp=4, ep=4), "dp_shard*cp must be divisible by ep"),
-])
+@pytest.mark.parametrize(
+    "kwargs, rule",
+    [
+        (dict(world_size=8, dp_replicate=0), "dp_replicate must be >= 1"),
+        (dict(world_size=8, tp=0), "tp must be >= 1"),
+        (dict(world_size=8, dp_shard=0), "dp_shard must be -1"),
+        (dict(world_size=8, tp=3), "cannot infer dp_shard"),
+        (dict(world_size=8, dp_shard=2, tp=2), "must equal world_size 8"),
+        (dict(world_size=8, tp=2, etp=4), "etp (expert tensor parallel) must be 1 or equal to tp"),
+        (dict(world_size=8, dp_shard=2, cp=4, ep=2), "ep must be a multiple of cp"),
+        (dict(world_size=8, dp_shard=2, tp=4, ep=4), "dp_shard*cp must be divisible by ep"),
+    ],
+)
 def test_validation_rules(kwargs, rule):
     with pytest.raises(ValueError) as e:
         dims(**kwargs)
@@ -66,19 +80,36 @@ LAYOUTS = [
     # (world, kwargs, root mesh dims, {view: size})
     (1, {}, ("world",), {}),
     (2, {}, ("dp_shard",), {"dp": 2, "dp_shard_cp": 2, "dp_cp": 2}),
-    (4, dict(dp_replicate=2), ("dp_replicate", "dp_shard"), {"dp": 4, "dp_shard_cp": 2, "dp_cp": 4}),
+    (
+        4,
+        dict(dp_replicate=2),
+        ("dp_replicate", "dp_shard"),
+        {"dp": 4, "dp_shard_cp": 2, "dp_cp": 4},
+    ),
     (2, dict(dp_replicate=2, dp_shard=1), ("dp_replicate",), {"dp": 2, "dp_cp": 2}),
     (4, dict(tp=2), ("dp_shard", "tp"), {"tp": 2, "dp": 2, "dp_shard_cp": 2}),
     (4, dict(cp=2), ("dp_shard", "cp"), {"cp": 2, "dp": 2, "dp_shard_cp": 4, "dp_cp": 4}),
     (8, dict(pp=2, tp=2), ("pp", "dp_shard", "tp"), {"pp": 2, "tp": 2, "dp": 2}),
     (8, dict(dp_replicate=2, tp=2), ("dp_replicate", "dp_shard", "tp"), {"dp": 4, "dp_cp": 4}),
-    (4, dict(ep=2), ("dp_shard_mod_ep", "dp_shard_in_ep"),
-     {"ep": 2, "efsdp": 2, "dp": 4, "dp_shard_cp": 4, "dp_cp": 4}),
+    (
+        4,
+        dict(ep=2),
+        ("dp_shard_mod_ep", "dp_shard_in_ep"),
+        {"ep": 2, "efsdp": 2, "dp": 4, "dp_shard_cp": 4, "dp_cp": 4},
+    ),
     (4, dict(ep=4), ("dp_shard_mod_ep", "dp_shard_in_ep"), {"ep": 4, "efsdp": 1, "dp": 4}),
-    (8, dict(dp_shard=2, cp=2, tp=2, ep=2), ("dp_shard_mod_ep", "cp", "tp"),
-     {"ep": 2, "efsdp": 2, "dp_shard_cp": 4, "dp_cp": 4, "dp": 2}),
-    (8, dict(dp_shard=4, tp=2, ep=2, etp=2), ("dp_shard_mod_ep", "dp_shard_in_ep", "tp"),
-     {"ep": 2, "etp": 2, "efsdp": 2, "tp": 2}),
+    (
+        8,
+        dict(dp_shard=2, cp=2, tp=2, ep=2),
+        ("dp_shard_mod_ep", "cp", "tp"),
+        {"ep": 2, "efsdp": 2, "dp_shard_cp": 4, "dp_cp": 4, "dp": 2},
+    ),
+    (
+        8,
+        dict(dp_shard=4, tp=2, ep=2, etp=2),
+        ("dp_shard_mod_ep", "dp_shard_in_ep", "tp"),
+        {"ep": 2, "etp": 2, "efsdp": 2, "tp": 2},
+    ),
 ]
 
 

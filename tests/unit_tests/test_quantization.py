@@ -29,7 +29,9 @@ def convert(args: list[str]) -> nn.Module:
     spec = get_train_spec("llama3")
     with torch.device("meta"):
         model = spec.model_cls(spec.flavor_args("debugmodel_tiny"))
-    ModelConvertersContainer(config, parallel_dims_from_config(config.parallelism, config.fault_tolerance, 1)).convert(model)
+    ModelConvertersContainer(
+        config, parallel_dims_from_config(config.parallelism, config.fault_tolerance, 1)
+    ).convert(model)
     return model
 
 
@@ -44,7 +46,9 @@ def test_float8_swaps_every_eligible_linear():
 
 
 def test_filter_fqns_keep_linears_in_high_precision():
-    swapped = float8_linears(convert(EMULATED_FLOAT8 + ["--quantize.linear.float8.filter_fqns", "feed_forward"]))
+    swapped = float8_linears(
+        convert(EMULATED_FLOAT8 + ["--quantize.linear.float8.filter_fqns", "feed_forward"])
+    )
     assert len(swapped) == 4 * 4 and not any("feed_forward" in n for n in swapped)
 
 
@@ -52,8 +56,9 @@ def test_filter_fqn_matching_nothing_warns(caplog):
     with caplog.at_level(logging.WARNING):
         convert(EMULATED_FLOAT8 + ["--quantize.linear.float8.filter_fqns", "attention,feedforward"])
     warnings = [r.getMessage() for r in caplog.records if "matches no nn.Linear" in r.getMessage()]
-    assert warnings == ["quantize.linear.float8.filter_fqns: 'feedforward' matches no nn.Linear; "
-                        "check the spelling"]
+    assert warnings == [
+        "quantize.linear.float8.filter_fqns: 'feedforward' matches no nn.Linear; check the spelling"
+    ]
 
 
 def test_converter_that_swaps_nothing_is_an_error():
@@ -75,8 +80,12 @@ def test_emulated_float8_recipes_train_on_cpu(recipe):
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     x = torch.randn(8, 32)
     expected = model(x).detach()
-    config = ConfigManager().parse_args(EMULATED_FLOAT8 + ["--quantize.linear.float8.recipe_name", recipe])
-    ModelConvertersContainer(config, parallel_dims_from_config(config.parallelism, config.fault_tolerance, 1)).convert(model)
+    config = ConfigManager().parse_args(
+        EMULATED_FLOAT8 + ["--quantize.linear.float8.recipe_name", recipe]
+    )
+    ModelConvertersContainer(
+        config, parallel_dims_from_config(config.parallelism, config.fault_tolerance, 1)
+    ).convert(model)
     assert len(float8_linears(model)) == 2
     out = model(x)
     out.sum().backward()
@@ -90,8 +99,11 @@ def test_mx_linear_converts_weights():
     from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
 
     model = convert(["--model.converters", "mx", "--quantize.linear.mx.emulate"])
-    converted = [n for n, m in model.named_modules()
-                 if isinstance(m, nn.Linear) and isinstance(m.weight.data, MXFP8TrainingWeightWrapperTensor)]
+    converted = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and isinstance(m.weight.data, MXFP8TrainingWeightWrapperTensor)
+    ]
     assert len(converted) == BLOCK_LINEARS
 
 
@@ -99,15 +111,32 @@ def check(args: list[str], device_type: str = "cpu", world_size: int = 1):
     return preflight(ConfigManager().parse_args(TINY + args), world_size, device_type)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model.converters", "float8"],
-     r"^quantize.linear.float8.emulate: float8 matmuls need a CUDA GPU of SM89\+; on cpu set "),
-    (["--model.converters", "mx"], r"^quantize.linear.mx.emulate: MXFP8 matmuls need a CUDA GPU of SM100\+"),
-    (["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"],
-     r"^model.converters: quantize.grouped_mm.float8 needs a MoE model; llama3 debugmodel_tiny has no"),
-    (EMULATED_FLOAT8 + ["--quantize.linear.float8.enable_fsdp_float8_all_gather"],
-     r"^quantize.linear.float8.enable_fsdp_float8_all_gather: needs FSDP"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--model.converters", "float8"],
+            r"^quantize.linear.float8.emulate: float8 matmuls need a CUDA GPU of SM89\+; on cpu set ",
+        ),
+        (
+            ["--model.converters", "mx"],
+            r"^quantize.linear.mx.emulate: MXFP8 matmuls need a CUDA GPU of SM100\+",
+        ),
+        (
+            [
+                "--model.converters",
+                "quantize.grouped_mm.float8",
+                "--quantize.grouped_mm.float8.fqns",
+                "experts",
+            ],
+            r"^model.converters: quantize.grouped_mm.float8 needs a MoE model; llama3 debugmodel_tiny has no",
+        ),
+        (
+            EMULATED_FLOAT8 + ["--quantize.linear.float8.enable_fsdp_float8_all_gather"],
+            r"^quantize.linear.float8.enable_fsdp_float8_all_gather: needs FSDP",
+        ),
+    ],
+)
 def test_bad_quantize_setups_give_one_line(args, message):
     with pytest.raises(ConfigError, match=message):
         check(args)
@@ -115,41 +144,74 @@ def test_bad_quantize_setups_give_one_line(args, message):
 
 def test_float8_on_a_gpu_below_sm89_needs_emulate(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    with pytest.raises(ConfigError, match=r"^quantize.linear.float8.emulate: this GPU \(SM80\) has no "
-                                          r"float8 matmuls \(needs SM89\+\); set --quantize.linear.float8.emulate"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^quantize.linear.float8.emulate: this GPU \(SM80\) has no "
+        r"float8 matmuls \(needs SM89\+\); set --quantize.linear.float8.emulate",
+    ):
         check(["--model.converters", "float8"], device_type="cuda")
     check(EMULATED_FLOAT8, device_type="cuda")
 
 
 def test_grouped_mm_on_cpu_is_refused():
-    moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
-           "--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"]
-    with pytest.raises(ConfigError, match=r"needs CUDA SM90\+ grouped GEMMs \(torchao has no emulation"):
+    moe = [
+        "--model.name",
+        "qwen3",
+        "--model.flavor",
+        "debugmodel_moe",
+        "--model.converters",
+        "quantize.grouped_mm.float8",
+        "--quantize.grouped_mm.float8.fqns",
+        "experts",
+    ]
+    with pytest.raises(
+        ConfigError, match=r"needs CUDA SM90\+ grouped GEMMs \(torchao has no emulation"
+    ):
         preflight(ConfigManager().parse_args(moe), 1, "cpu")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model.converters", "float8,mx"], r"^model.converters: float8 and mx both convert nn.Linear"),
-    (EMULATED_FLOAT8 + ["--quantize.linear.float8.recipe_name", "rowwise",
-                        "--quantize.linear.float8.enable_fsdp_float8_all_gather"],
-     r"enable_fsdp_float8_all_gather: needs quantize.linear.float8.recipe_name 'tensorwise', got 'rowwise'"),
-    (EMULATED_FLOAT8 + ["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
-     r"precompute_float8_dynamic_scale_for_fsdp: needs quantize.linear.float8.enable_fsdp_float8_all_gather"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--model.converters", "float8,mx"],
+            r"^model.converters: float8 and mx both convert nn.Linear",
+        ),
+        (
+            EMULATED_FLOAT8
+            + [
+                "--quantize.linear.float8.recipe_name",
+                "rowwise",
+                "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+            ],
+            r"enable_fsdp_float8_all_gather: needs quantize.linear.float8.recipe_name 'tensorwise', got 'rowwise'",
+        ),
+        (
+            EMULATED_FLOAT8 + ["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
+            r"precompute_float8_dynamic_scale_for_fsdp: needs quantize.linear.float8.enable_fsdp_float8_all_gather",
+        ),
+    ],
+)
 def test_refused_combinations_name_both_settings(args, message):
     with pytest.raises(ConfigError, match=message):
         ConfigManager().parse_args(args)
 
 
 def test_float8_settings_are_accepted_while_float8_is_off():
-    ConfigManager().parse_args(["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"])
+    ConfigManager().parse_args(
+        ["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
+    )
 
 
 def test_2025_float8_section_is_an_alias(tmp_path, caplog):
     toml = tmp_path / "old.toml"
-    toml.write_text('[model]\nconverters = ["float8"]\n[float8]\nemulate = true\nrecipe_name = "rowwise"\n')
+    toml.write_text(
+        '[model]\nconverters = ["float8"]\n[float8]\nemulate = true\nrecipe_name = "rowwise"\n'
+    )
     with caplog.at_level(logging.WARNING):
-        config = ConfigManager().parse_args(["--job.config_file", str(toml), "--float8.filter_fqns", "output"])
+        config = ConfigManager().parse_args(
+            ["--job.config_file", str(toml), "--float8.filter_fqns", "output"]
+        )
     float8 = config.quantize.linear.float8
     assert (float8.emulate, float8.recipe_name, float8.filter_fqns) == (True, "rowwise", ["output"])
     assert "'float8.*' is deprecated; use 'quantize.linear.float8.*'" in caplog.text
@@ -171,10 +233,24 @@ def test_tensorwise_tp_plan_takes_torchao_float8_styles():
     plan = with_float8_styles(block, gqa_block_tp_plan(block))
     styles = {path: type(style) for path, style in plan.items()}
     assert {p for p, s in styles.items() if s is Float8ColwiseParallel} == {
-        "attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"}
-    assert {p for p, s in styles.items() if s is Float8RowwiseParallel} == {"attention.wo", "feed_forward.w2"}
-    assert styles["attention"] is PrepareFloat8ModuleInput and styles["feed_forward"] is PrepareFloat8ModuleInput
-    assert plan["attention.wo"].output_layouts == gqa_block_tp_plan(block)["attention.wo"].output_layouts
+        "attention.wq",
+        "attention.wk",
+        "attention.wv",
+        "feed_forward.w1",
+        "feed_forward.w3",
+    }
+    assert {p for p, s in styles.items() if s is Float8RowwiseParallel} == {
+        "attention.wo",
+        "feed_forward.w2",
+    }
+    assert (
+        styles["attention"] is PrepareFloat8ModuleInput
+        and styles["feed_forward"] is PrepareFloat8ModuleInput
+    )
+    assert (
+        plan["attention.wo"].output_layouts
+        == gqa_block_tp_plan(block)["attention.wo"].output_layouts
+    )
     root = with_float8_styles(model, root_tp_plan(loss_parallel=True))
     assert type(root["output"]).__name__ == "ColwiseParallel"  # output stays nn.Linear
 
@@ -184,6 +260,9 @@ def test_memory_estimator_says_converters_are_not_covered():
 
     # no emulate: the estimator's message comes before the preflight's CPU hardware check
     config = ConfigManager().parse_args(TINY + ["--model.converters", "float8"])
-    with pytest.raises(ConfigError, match=r"^model.converters=\['float8'\]: low-precision training "
-                                          r"\(float8 / MX weights and all-gather buffers\) is not covered"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.converters=\['float8'\]: low-precision training "
+        r"\(float8 / MX weights and all-gather buffers\) is not covered",
+    ):
         check_covered(config, 1)

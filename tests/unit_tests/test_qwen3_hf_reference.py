@@ -29,13 +29,29 @@ from torchtitan.models.qwen3.state_dict_adapter import (  # noqa: E402
 
 VOCAB, SEQ_LEN, TOLERANCE = 96, 40, 1e-5
 
-DENSE = Qwen3ModelArgs(vocab_size=VOCAB, dim=48, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
-                       ffn_hidden_dim=80, rope_theta=10000.0, max_seq_len=64)
+DENSE = Qwen3ModelArgs(
+    vocab_size=VOCAB,
+    dim=48,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    ffn_hidden_dim=80,
+    rope_theta=10000.0,
+    max_seq_len=64,
+)
 TIED = dataclasses.replace(DENSE, tie_word_embeddings=True)
 MOE = dataclasses.replace(
-    DENSE, moe_hidden_dim=24,
-    moe=MoEArgs(num_experts=8, num_shared_experts=0, top_k=3, score_func="softmax", route_norm=True,
-                load_balance_coeff=None),
+    DENSE,
+    moe_hidden_dim=24,
+    moe=MoEArgs(
+        num_experts=8,
+        num_shared_experts=0,
+        top_k=3,
+        score_func="softmax",
+        route_norm=True,
+        load_balance_coeff=None,
+    ),
 )
 # YaRN as published Qwen3 configs extend the context: factor 4 over an original 16 positions
 # (within SEQ_LEN, so both the kept and the interpolated frequency bands are exercised).
@@ -45,7 +61,9 @@ CASES = {"dense": DENSE, "tied": TIED, "moe": MOE, "yarn": YARN}
 
 def hf_config(args: Qwen3ModelArgs):
     cls = transformers.Qwen3Config if args.moe is None else transformers.Qwen3MoeConfig
-    fields = {k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "model_type")}
+    fields = {
+        k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "model_type")
+    }
     return cls(**fields, initializer_range=0.1, attn_implementation="eager")
 
 
@@ -86,7 +104,9 @@ def case(request, tmp_path_factory):
     hf = hf_model(args)
     folder = tmp_path_factory.mktemp(f"qwen3_{request.param}")
     hf.save_pretrained(folder)  # the published layout: one tensor per expert, no tied lm_head
-    ours = our_model(args, Qwen3StateDictAdapter(args).from_hf(load_file(folder / "model.safetensors")))
+    ours = our_model(
+        args, Qwen3StateDictAdapter(args).from_hf(load_file(folder / "model.safetensors"))
+    )
     return args, hf, ours, folder
 
 
@@ -120,10 +140,17 @@ def test_export_round_trip_is_bit_exact_and_loads_in_transformers(case, tmp_path
     assert all(torch.equal(again[k], v) for k, v in ours.state_dict().items())
 
     fresh = our_model(args)  # our own random weights, written as a checkpoint folder
-    save_file({k: v.contiguous() for k, v in adapter.to_hf(fresh.state_dict()).items()},
-              tmp_path / "model.safetensors", metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps(adapter.hf_config() | {"torch_dtype": "float32"}))
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    save_file(
+        {k: v.contiguous() for k, v in adapter.to_hf(fresh.state_dict()).items()},
+        tmp_path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(adapter.hf_config() | {"torch_dtype": "float32"})
+    )
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager"
+    )
     assert type(theirs) is type(hf)
     assert max_logit_error(fresh, theirs.eval(), tokens(seed=3)) < TOLERANCE
 
@@ -132,7 +159,9 @@ def test_reads_transformers_fused_in_memory_experts():
     hf = hf_model(MOE)
     adapter = Qwen3StateDictAdapter(MOE)
     assert "model.layers.0.mlp.experts.gate_up_proj" in hf.state_dict()
-    assert max_logit_error(our_model(MOE, adapter.from_hf(hf.state_dict())), hf, tokens()) < TOLERANCE
+    assert (
+        max_logit_error(our_model(MOE, adapter.from_hf(hf.state_dict())), hf, tokens()) < TOLERANCE
+    )
 
 
 def test_skipping_the_qk_norms_fails_the_comparison(case):
@@ -150,19 +179,33 @@ def test_plain_rope_fails_the_yarn_comparison():
     """Both halves of YaRN matter: the scaled frequencies and the attention factor."""
     hf = hf_model(YARN)
     state = Qwen3StateDictAdapter(YARN).from_hf(hf.state_dict())
-    for planted in (dataclasses.replace(YARN, rope_attention_factor=1.0), dataclasses.replace(YARN, rope_factor=1.0)):
+    for planted in (
+        dataclasses.replace(YARN, rope_attention_factor=1.0),
+        dataclasses.replace(YARN, rope_factor=1.0),
+    ):
         assert max_logit_error(our_model(planted, state), hf, tokens()) > 1e-3
 
 
 def test_yarn_config_json_loads_as_published():
     """A published-style config.json (YaRN in rope_scaling, transformers 4.x form)."""
     config = to_hf_config(qwen3_flavors["8B"]) | {
-        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32768,
+        }
+    }
     del config["rope_parameters"]
     args = from_hf_config(config)
-    assert (args.rope_factor, args.rope_original_seq_len, args.rope_attention_factor) == (4.0, 32768, None)
+    assert (args.rope_factor, args.rope_original_seq_len, args.rope_attention_factor) == (
+        4.0,
+        32768,
+        None,
+    )
     assert args.softmax_scale == pytest.approx(128**-0.5 * (0.1 * math.log(4.0) + 1) ** 2)
-    with pytest.raises(ValueError, match="has rope_scaling = {'rope_type': 'yarn', .* but model.flavor gives None"):
+    with pytest.raises(
+        ValueError, match="has rope_scaling = {'rope_type': 'yarn', .* but model.flavor gives None"
+    ):
         Qwen3StateDictAdapter(qwen3_flavors["8B"]).check_hf_config(config)
 
 
@@ -177,7 +220,9 @@ def test_qk_norm_weights_are_permuted():
     """A q-norm weight must follow its channels into the rotate-half layout."""
     adapter = Qwen3StateDictAdapter(DENSE)
     weight = torch.arange(16.0)
-    hf = adapter.to_hf({"layers.0.attention.q_norm.weight": weight})["model.layers.0.self_attn.q_norm.weight"]
+    hf = adapter.to_hf({"layers.0.attention.q_norm.weight": weight})[
+        "model.layers.0.self_attn.q_norm.weight"
+    ]
     assert hf.tolist() == [*range(0, 16, 2), *range(1, 16, 2)]
 
 
@@ -193,11 +238,18 @@ def test_flavor_config_round_trips_through_transformers(flavor):
 
 def test_config_mismatches_are_named_field_by_field():
     config = to_hf_config(qwen3_flavors["30B-A3B"]) | {"num_experts": 64, "num_hidden_layers": 40}
-    with pytest.raises(ValueError, match="^config.json has n_layers = 40 but model.flavor gives 48, "
-                                         "moe.num_experts = 64 but model.flavor gives 128; "):
+    with pytest.raises(
+        ValueError,
+        match="^config.json has n_layers = 40 but model.flavor gives 48, "
+        "moe.num_experts = 64 but model.flavor gives 128; ",
+    ):
         Qwen3StateDictAdapter(qwen3_flavors["30B-A3B"]).check_hf_config(config)
-    with pytest.raises(ValueError, match="describes \\['Qwen3ForCausalLM'\\], not Qwen3MoeForCausalLM"):
-        Qwen3StateDictAdapter(qwen3_flavors["30B-A3B"]).check_hf_config(to_hf_config(qwen3_flavors["8B"]))
+    with pytest.raises(
+        ValueError, match="describes \\['Qwen3ForCausalLM'\\], not Qwen3MoeForCausalLM"
+    ):
+        Qwen3StateDictAdapter(qwen3_flavors["30B-A3B"]).check_hf_config(
+            to_hf_config(qwen3_flavors["8B"])
+        )
     with pytest.raises(ValueError, match="config.json: sliding-window layers"):
         from_hf_config(to_hf_config(qwen3_flavors["8B"]) | {"use_sliding_window": True})
 
@@ -218,7 +270,14 @@ def test_initial_load_and_last_save_in_hf_go_through_the_adapter(case, tmp_path)
     load_hf_weights([loaded], folder, Qwen3StateDictAdapter(args))
     assert max_logit_error(loaded, hf, tokens()) < TOLERANCE
     save_hf_weights([loaded], tmp_path, Qwen3StateDictAdapter(args), torch.float32, None)
-    on_disk, saved = load_file(folder / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert saved.keys() == on_disk.keys() and all(torch.equal(saved[k], on_disk[k]) for k in on_disk)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    on_disk, saved = (
+        load_file(folder / "model.safetensors"),
+        load_file(tmp_path / "model.safetensors"),
+    )
+    assert saved.keys() == on_disk.keys() and all(
+        torch.equal(saved[k], on_disk[k]) for k in on_disk
+    )
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager"
+    )
     assert max_logit_error(loaded, reloaded.eval(), tokens()) < TOLERANCE

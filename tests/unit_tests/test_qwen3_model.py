@@ -13,7 +13,6 @@ from torchtitan.layers.moe import GroupedExperts
 from torchtitan.models.qwen3.flavors import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.preflight import preflight
-from tests.unit_tests.test_llama3_model import fake_rank1_of_2  # noqa: F401  (fixture: a fake 2-rank group)
 
 # Published totals, activated parameters (MoE) and non-embedding parameters (without the
 # embedding and the output layer), in billions, as the model cards give them.
@@ -38,20 +37,29 @@ def meta_model(flavor: str) -> Qwen3Model:
 def test_published_flavors_have_the_published_size(flavor):
     args, model = qwen3_flavors[flavor], meta_model(flavor)
     total, _ = args.get_nparams_and_flops(model, 4096)
-    routed = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+    routed = sum(
+        p.numel() for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()
+    )
     active = total - (routed * (1 - args.moe.top_k / args.moe.num_experts) if args.moe else 0)
     vocab_weights = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2)
     non_embedding = total - vocab_weights
-    print(f"qwen3 {flavor}: {total:,} parameters ({active / 1e9:.2f}B active, "
-          f"{non_embedding / 1e9:.2f}B non-embedding)")
+    print(
+        f"qwen3 {flavor}: {total:,} parameters ({active / 1e9:.2f}B active, "
+        f"{non_embedding / 1e9:.2f}B non-embedding)"
+    )
     published_total, published_active, published_non_embedding = PUBLISHED[flavor]
-    for ours, published in ((total, published_total), (active, published_active),
-                            (non_embedding, published_non_embedding)):
+    for ours, published in (
+        (total, published_total),
+        (active, published_active),
+        (non_embedding, published_non_embedding),
+    ):
         assert ours / 1e9 == pytest.approx(published, rel=0.02)  # the cards' rounding
 
 
 def test_tied_embeddings_stay_one_parameter():
-    args = dataclasses.replace(qwen3_flavors["debugmodel"], tie_word_embeddings=True, max_seq_len=32)
+    args = dataclasses.replace(
+        qwen3_flavors["debugmodel"], tie_word_embeddings=True, max_seq_len=32
+    )
     with torch.device("meta"):
         model = Qwen3Model(args)
     model.to_empty(device="cpu")  # moving across devices gives each module a copy: tied again
@@ -65,24 +73,54 @@ def test_tied_embeddings_stay_one_parameter():
 
 def check(world_size: int, flavor: str, *args: str):
     config = ConfigManager().parse_args(
-        ["--model.name", "qwen3", "--model.flavor", flavor, "--training.seq_len", "64", *args])
+        ["--model.name", "qwen3", "--model.flavor", flavor, "--training.seq_len", "64", *args]
+    )
     return preflight(config, world_size, "cpu")
 
 
 def test_expert_parallel_layout_is_accepted():
-    dims = check(4, "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2",
-                 "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2")
+    dims = check(
+        4,
+        "debugmodel_moe",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.expert_tensor_parallel_degree",
+        "2",
+    )
     assert (dims.dp_shard, dims.ep, dims.etp) == (2, 2, 2)
 
 
-@pytest.mark.parametrize("world, flavor, args, message", [
-    (6, "debugmodel_moe", ["--parallelism.expert_parallel_degree", "3"],
-     "expert_parallel_degree (3) must divide the model's number of routed experts (8)"),
-    (2, "debugmodel", ["--parallelism.expert_parallel_degree", "2"], "qwen3 flavor (dense) has no experts"),
-    (8, "debugmodel", ["--parallelism.tensor_parallel_degree", "8"], "must divide the model's n_kv_heads (4)"),
-    (2, "0.6B", ["--parallelism.pipeline_parallel_degree", "2"],
-     "pipeline_parallel_degree: this qwen3 flavor ties the output layer to the embedding"),
-])
+@pytest.mark.parametrize(
+    "world, flavor, args, message",
+    [
+        (
+            6,
+            "debugmodel_moe",
+            ["--parallelism.expert_parallel_degree", "3"],
+            "expert_parallel_degree (3) must divide the model's number of routed experts (8)",
+        ),
+        (
+            2,
+            "debugmodel",
+            ["--parallelism.expert_parallel_degree", "2"],
+            "qwen3 flavor (dense) has no experts",
+        ),
+        (
+            8,
+            "debugmodel",
+            ["--parallelism.tensor_parallel_degree", "8"],
+            "must divide the model's n_kv_heads (4)",
+        ),
+        (
+            2,
+            "0.6B",
+            ["--parallelism.pipeline_parallel_degree", "2"],
+            "pipeline_parallel_degree: this qwen3 flavor ties the output layer to the embedding",
+        ),
+    ],
+)
 def test_impossible_layouts_give_one_line(world, flavor, args, message):
     with pytest.raises(ConfigError) as e:
         check(world, flavor, *args)
@@ -95,7 +133,9 @@ def test_tensor_parallel_and_fsdp_keep_tied_embeddings_tied(fake_rank1_of_2):
 
     from torchtitan.models.common.parallelize import apply_tp
 
-    args = dataclasses.replace(qwen3_flavors["debugmodel"], tie_word_embeddings=True, max_seq_len=32)
+    args = dataclasses.replace(
+        qwen3_flavors["debugmodel"], tie_word_embeddings=True, max_seq_len=32
+    )
     with torch.device("meta"):
         model = Qwen3Model(args)
     apply_tp(model, fake_rank1_of_2, loss_parallel=True)

@@ -17,14 +17,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.launcher import REPO_ROOT
 from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.estimate.cli import analytic_fit
-from tests.launcher import REPO_ROOT
 
 CONFIG_DIR = REPO_ROOT / "train_configs"
 READY = sorted(p for p in CONFIG_DIR.glob("*.toml") if "debug" not in p.name)
-EXPECTED = {"llama3_8b", "llama3_70b", "llama3_405b", "qwen3_8b", "qwen3_30b_a3b", "deepseek_v3_16b",
-            "deepseek_v3_671b"}
+EXPECTED = {
+    "llama3_8b",
+    "llama3_70b",
+    "llama3_405b",
+    "qwen3_8b",
+    "qwen3_30b_a3b",
+    "deepseek_v3_16b",
+    "deepseek_v3_671b",
+}
 
 
 def _parse(path: Path, *overrides: str) -> JobConfig:
@@ -49,8 +56,9 @@ def test_the_ready_configs_are_all_there():
 def test_ready_config_fits_the_gpus_it_states(path: Path):
     config = _parse(path)
     me = config.memory_estimation
-    assert me.world_size is not None and me.device_memory_gib is not None, \
+    assert me.world_size is not None and me.device_memory_gib is not None, (
         f"{path.name}: state [memory_estimation] world_size and device_memory_gib"
+    )
     stated = re.search(r"(\d+) GPUs of (\d+) GB", _header(path))
     assert stated is not None, f"{path.name}: the header must say 'N GPUs of M GB'"
     assert (int(stated[1]), float(stated[2])) == (me.world_size, me.device_memory_gib)
@@ -61,8 +69,13 @@ def test_ready_config_fits_the_gpus_it_states(path: Path):
 
 def test_405b_on_one_node_does_not_fit():
     """The planted error: the same check says so when a layout cannot fit."""
-    config = _parse(CONFIG_DIR / "llama3_405b.toml", "--memory_estimation.world_size", "8",
-                    "--parallelism.pipeline_parallel_degree", "1")
+    config = _parse(
+        CONFIG_DIR / "llama3_405b.toml",
+        "--memory_estimation.world_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+    )
     assert analytic_fit(config).verdict.startswith("verdict: does NOT fit in 80 GiB")
 
 

@@ -94,7 +94,10 @@ def test_hf_special_ids_from_tokenizer_config(bpe_dir):
 
 def test_hf_special_tokens_as_dicts(bpe_dir, tmp_path):
     (tmp_path / "tokenizer.json").write_text((bpe_dir / "tokenizer.json").read_text())
-    config = {"bos_token": {"content": "<|end_of_text|>", "lstrip": False}, "eos_token": {"content": "<|pad|>"}}
+    config = {
+        "bos_token": {"content": "<|end_of_text|>", "lstrip": False},
+        "eos_token": {"content": "<|pad|>"},
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = HuggingFaceTokenizer(tmp_path / "tokenizer.json")  # a direct file path works too
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, None)
@@ -124,15 +127,24 @@ def test_hf_config_token_missing_from_tokenizer_json_is_appended(bpe_dir, tmp_pa
 def test_hf_malformed_config_token(bpe_dir, tmp_path):
     (tmp_path / "tokenizer.json").write_text((bpe_dir / "tokenizer.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": 7}))
-    with pytest.raises(ValueError, match=r"^model.tokenizer_path: eos_token in tokenizer_config.json must be"):
+    with pytest.raises(
+        ValueError, match=r"^model.tokenizer_path: eos_token in tokenizer_config.json must be"
+    ):
         HuggingFaceTokenizer(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"5": {"special": True}}}))
-    with pytest.raises(ValueError, match=r"^model.tokenizer_path: added_tokens_decoder in tokenizer_config.json must"):
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"added_tokens_decoder": {"5": {"special": True}}})
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^model.tokenizer_path: added_tokens_decoder in tokenizer_config.json must",
+    ):
         HuggingFaceTokenizer(tmp_path)
 
 
 def test_hf_missing_paths(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"model.tokenizer_path: .*does not exist.*tokenizer.json"):
+    with pytest.raises(
+        FileNotFoundError, match=r"model.tokenizer_path: .*does not exist.*tokenizer.json"
+    ):
         HuggingFaceTokenizer(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match=r"model.hf_assets_path: .*has no tokenizer.json"):
         build_tokenizer(_job(hf_assets_path=str(tmp_path)))
@@ -140,7 +152,9 @@ def test_hf_missing_paths(tmp_path):
 
 def test_build_tokenizer_choice(bpe_dir):
     assert isinstance(build_tokenizer(_job()), ByteTokenizer)
-    assert isinstance(build_tokenizer(_job(tokenizer_path="byte", hf_assets_path="/nope")), ByteTokenizer)
+    assert isinstance(
+        build_tokenizer(_job(tokenizer_path="byte", hf_assets_path="/nope")), ByteTokenizer
+    )
     assert isinstance(build_tokenizer(_job(tokenizer_path=str(bpe_dir))), HuggingFaceTokenizer)
     assert isinstance(build_tokenizer(_job(hf_assets_path=str(bpe_dir))), HuggingFaceTokenizer)
     with pytest.raises(FileNotFoundError, match=r"model\.tokenizer_path"):
@@ -157,18 +171,31 @@ def test_train_tokenizer_rejects_tiny_vocab(tmp_path):
 
 def test_download_hf_assets_offline_is_one_line(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, str(REPO / "scripts" / "download_hf_assets.py"), "--repo_id", "org/model"]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "download_hf_assets.py"),
+        "--repo_id",
+        "org/model",
+    ]
     cmd += ["--assets", "tokenizer", "config", "--local_dir", str(tmp_path / "out")]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: cannot download") and "org/model" in lines[0]
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("error: cannot download")
+        and "org/model" in lines[0]
+    )
 
 
 def test_download_hf_assets_patterns():
     download = _load_script("download_hf_assets")
     patterns = download.allow_patterns(["tokenizer", "safetensors"])
-    assert "tokenizer.json" in patterns and "*.safetensors" in patterns and "config.json" not in patterns
+    assert (
+        "tokenizer.json" in patterns
+        and "*.safetensors" in patterns
+        and "config.json" not in patterns
+    )
     assert download.default_local_dir("meta-llama/Llama-3.1-8B") == "assets/hf/Llama-3.1-8B"
 
 
@@ -179,7 +206,9 @@ def test_byte_chat_template_and_rendered_specials():
     tok = ByteTokenizer()
     assert tok.special_tokens() == {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
     assert tok.encode_rendered("<|bos|>hi<|eos|><|pad|>") == [256, 104, 105, 257, *b"<|pad|>"]
-    assert tok.encode("<|bos|>", add_bos=False, add_eos=False) == list(b"<|bos|>")  # plain text stays bytes
+    assert tok.encode("<|bos|>", add_bos=False, add_eos=False) == list(
+        b"<|bos|>"
+    )  # plain text stays bytes
     assert "messages" in tok.chat_template()
 
 
@@ -200,16 +229,27 @@ def test_hf_chat_template_sources(bpe_dir, tmp_path):
     named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "chat"}]
     named_dir = _copy_tokenizer(bpe_dir, tmp_path / "named", {"chat_template": named})
     assert HuggingFaceTokenizer(named_dir).chat_template() == "chat"
-    with pytest.raises(ValueError, match=r"model.tokenizer_path: chat_template in tokenizer_config.json must be"):
+    with pytest.raises(
+        ValueError, match=r"model.tokenizer_path: chat_template in tokenizer_config.json must be"
+    ):
         HuggingFaceTokenizer(_copy_tokenizer(bpe_dir, tmp_path / "bad", {"chat_template": 3}))
 
 
 def test_hf_without_chat_template(bpe_dir):
     tok = HuggingFaceTokenizer(bpe_dir)
-    specials = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}
+    specials = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "pad_token": "<|pad|>",
+    }
     assert tok.special_tokens() == specials
-    assert tok.encode_rendered("<|begin_of_text|>a") == [0, *tok.encode("a", add_bos=False, add_eos=False)]
-    with pytest.raises(ValueError, match=r"^model.tokenizer_path: the tokenizer in .* has no chat template"):
+    assert tok.encode_rendered("<|begin_of_text|>a") == [
+        0,
+        *tok.encode("a", add_bos=False, add_eos=False),
+    ]
+    with pytest.raises(
+        ValueError, match=r"^model.tokenizer_path: the tokenizer in .* has no chat template"
+    ):
         tok.chat_template()
 
 
@@ -217,8 +257,14 @@ def test_hf_without_chat_template(bpe_dir):
 
 
 def _special(content: str) -> dict:
-    return {"content": content, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False,
-            "special": True}
+    return {
+        "content": content,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "single_word": False,
+        "special": True,
+    }
 
 
 def _byte_level_bpe(added: list[str]) -> Tokenizer:
@@ -227,8 +273,9 @@ def _byte_level_bpe(added: list[str]) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tokenizer.train_from_iterator([TEXT * 20, "hello world, the quick brown fox " * 20], trainer)
     tokenizer.add_special_tokens(added)
     return tokenizer
@@ -237,9 +284,15 @@ def _byte_level_bpe(added: list[str]) -> Tokenizer:
 def _upstream_test_shaped(out: Path) -> None:
     """Like upstream torchtitan's test tokenizer: BOS/EOS exist only in tokenizer_config.json."""
     _byte_level_bpe([]).save(str(out / "tokenizer.json"))
-    config = {"added_tokens_decoder": {"128000": _special("<|begin_of_text|>"), "128001": _special("<|end_of_text|>")},
-              "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-              "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {
+        "added_tokens_decoder": {
+            "128000": _special("<|begin_of_text|>"),
+            "128001": _special("<|end_of_text|>"),
+        },
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -248,27 +301,45 @@ def _llama3_shaped(out: Path) -> None:
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
     tokenizer = _byte_level_bpe(specials)
     bos_id = tokenizer.token_to_id(specials[0])
-    tokenizer.post_processor = TemplateProcessing(single=f"{specials[0]} $A", pair=f"{specials[0]} $A $B",
-                                                  special_tokens=[(specials[0], bos_id)])
+    tokenizer.post_processor = TemplateProcessing(
+        single=f"{specials[0]} $A",
+        pair=f"{specials[0]} $A $B",
+        special_tokens=[(specials[0], bos_id)],
+    )
     tokenizer.save(str(out / "tokenizer.json"))
     decoder = {str(tokenizer.token_to_id(s)): _special(s) for s in specials}
-    config = {"added_tokens_decoder": decoder, "bos_token": specials[0], "eos_token": specials[2],
-              "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {
+        "added_tokens_decoder": decoder,
+        "bos_token": specials[0],
+        "eos_token": specials[2],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def _chat_shaped(out: Path) -> None:
     """Qwen-like: chat specials and the pad token only in the config, a chat_template, no BOS."""
     _byte_level_bpe(["<|endoftext|>"]).save(str(out / "tokenizer.json"))
-    decoder = {"151644": _special("<|im_start|>"), "151645": _special("<|im_end|>"),
-               "151646": {**_special("<tool>"), "special": False}}
-    config = {"added_tokens_decoder": decoder, "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
-              "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                               "{% endfor %}", "tokenizer_class": "PreTrainedTokenizerFast"}
+    decoder = {
+        "151644": _special("<|im_start|>"),
+        "151645": _special("<|im_end|>"),
+        "151646": {**_special("<tool>"), "special": False},
+    }
+    config = {
+        "added_tokens_decoder": decoder,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|pad|>",
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-SHIPPED_TEXT = "<|begin_of_text|>hello world<|eot_id|> <|im_start|>user\nthe fox<tool><|im_end|><|pad|> é✓"
+SHIPPED_TEXT = (
+    "<|begin_of_text|>hello world<|eot_id|> <|im_start|>user\nthe fox<tool><|im_end|><|pad|> é✓"
+)
 
 
 @pytest.mark.parametrize("shape", [_upstream_test_shaped, _llama3_shaped, _chat_shaped])
@@ -277,7 +348,11 @@ def test_hf_folder_matches_transformers(tmp_path, shape):
 
     shape(tmp_path)
     ours, theirs = HuggingFaceTokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
-    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (
+        theirs.bos_token_id,
+        theirs.eos_token_id,
+        theirs.pad_token_id,
+    )
     assert ours.vocab_size == len(theirs)
     ids = ours.encode(SHIPPED_TEXT, add_bos=False, add_eos=False)
     assert ids == theirs(SHIPPED_TEXT, add_special_tokens=False).input_ids
@@ -294,10 +369,21 @@ def test_hf_shipped_folders_specifics(tmp_path):
     upstream = tmp_path / "_upstream_test_shaped"
     base_vocab = Tokenizer.from_file(str(upstream / "tokenizer.json")).get_vocab_size()
     tok = HuggingFaceTokenizer(upstream)
-    assert (tok.bos_id, tok.eos_id) == (base_vocab, base_vocab + 1)  # appended, not the config's 128000/128001
+    assert (tok.bos_id, tok.eos_id) == (
+        base_vocab,
+        base_vocab + 1,
+    )  # appended, not the config's 128000/128001
     llama = tmp_path / "_llama3_shaped"
-    assert HuggingFaceTokenizer(llama).encode("the fox", add_eos=False) == AutoTokenizer.from_pretrained(
-        str(llama))("the fox").input_ids  # BOS once, as the post-processor adds it
+    assert (
+        HuggingFaceTokenizer(llama).encode("the fox", add_eos=False)
+        == AutoTokenizer.from_pretrained(str(llama))("the fox").input_ids
+    )  # BOS once, as the post-processor adds it
     chat = tmp_path / "_chat_shaped"
-    assert HuggingFaceTokenizer(chat).chat_template() == AutoTokenizer.from_pretrained(str(chat)).chat_template
-    assert HuggingFaceTokenizer(chat).special_tokens() == {"eos_token": "<|im_end|>", "pad_token": "<|pad|>"}
+    assert (
+        HuggingFaceTokenizer(chat).chat_template()
+        == AutoTokenizer.from_pretrained(str(chat)).chat_template
+    )
+    assert HuggingFaceTokenizer(chat).special_tokens() == {
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|pad|>",
+    }

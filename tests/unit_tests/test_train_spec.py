@@ -8,7 +8,9 @@ from torchtitan.protocols.model_converter import ModelConvertersContainer, regis
 
 
 def test_unknown_model_lists_registered():
-    with pytest.raises(ValueError, match=r"model.name: unknown model 'llama4'.*registered: .*llama3"):
+    with pytest.raises(
+        ValueError, match=r"model.name: unknown model 'llama4'.*registered: .*llama3"
+    ):
         get_train_spec("llama4")
 
 
@@ -38,13 +40,15 @@ def test_apply_to_train_specs_rewrites_builders():
         def build(*a, **k):
             calls.append(1)
             return original(*a, **k)
+
         s.build_optimizers_fn = build
         return s
 
     try:
         apply_to_train_specs(wrap)
-        get_train_spec("llama3").build_optimizers_fn([__import__("torch").nn.Linear(1, 1)],
-                                                     ConfigManager().parse_args([]).optimizer, None)
+        get_train_spec("llama3").build_optimizers_fn(
+            [__import__("torch").nn.Linear(1, 1)], ConfigManager().parse_args([]).optimizer, None
+        )
         assert calls == [1]
     finally:
         spec.build_optimizers_fn = original
@@ -76,11 +80,28 @@ def test_model_converters_apply_in_order_and_reject_unknown():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_custom_import_registers_and_trains_a_user_model(tmp_path):
-    run_torchrun(1, [
-        "--job.config_file", DEBUG_TOML,
-        "--experimental.custom_import", "tests.unit_tests.custom_model_example",
-        "--model.name", "my_llama", "--model.flavor", "micro",
-        "--training.steps", "2", "--metrics.log_freq", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--job.dump_folder", str(tmp_path),
-    ], timeout=110)
+    run_torchrun(
+        1,
+        [
+            "--job.config_file",
+            DEBUG_TOML,
+            "--experimental.custom_import",
+            "tests.unit_tests.custom_model_example",
+            "--model.name",
+            "my_llama",
+            "--model.flavor",
+            "micro",
+            "--training.steps",
+            "2",
+            "--metrics.log_freq",
+            "1",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        timeout=110,
+    )
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]

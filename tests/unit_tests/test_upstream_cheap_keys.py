@@ -29,8 +29,15 @@ def _config(*args: str):
 
 
 def _lrs(*args: str, steps: int) -> list[float]:
-    config = _config("--optimizer.lr", "1.0", "--optimizer.implementation", "for-loop",
-                     "--lr_scheduler.warmup_steps", "0", *args)
+    config = _config(
+        "--optimizer.lr",
+        "1.0",
+        "--optimizer.implementation",
+        "for-loop",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        *args,
+    )
     optimizers = build_optimizers([nn.Linear(2, 2)], config.optimizer, None)
     schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
     seen = []
@@ -51,9 +58,17 @@ def test_total_steps_sets_the_schedule_length_apart_from_training_steps() -> Non
 
 def _profiled_steps(tmp_path, warmup: int, active: int) -> list[int]:
     """The ProfilerStep numbers in the one trace a 4-step cycle writes."""
-    config = _config("--profiling.enable_profiling", "--profiling.profile_freq", "4",
-                     "--profiling.profiler_warmup", str(warmup), "--profiling.profiler_active",
-                     str(active), "--job.dump_folder", str(tmp_path))
+    config = _config(
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "4",
+        "--profiling.profiler_warmup",
+        str(warmup),
+        "--profiling.profiler_active",
+        str(active),
+        "--job.dump_folder",
+        str(tmp_path),
+    )
     with maybe_enable_profiling(config.profiling, config.job.dump_folder) as profiler:
         for _ in range(4):
             torch.ones(8).sum()
@@ -69,19 +84,29 @@ def test_profiler_records_profiler_active_steps_after_the_warmup(tmp_path) -> No
 
 
 def test_a_profiler_cycle_longer_than_profile_freq_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"^profiling.profile_freq \(4\) must be >= profiler_warmup"):
-        _config("--profiling.enable_profiling", "--profiling.profile_freq", "4",
-                "--profiling.profiler_active", "3")
+    with pytest.raises(
+        ConfigError, match=r"^profiling.profile_freq \(4\) must be >= profiler_warmup"
+    ):
+        _config(
+            "--profiling.enable_profiling",
+            "--profiling.profile_freq",
+            "4",
+            "--profiling.profiler_active",
+            "3",
+        )
 
 
 @pytest.mark.parametrize("warn_only", [True, False])
 def test_deterministic_warn_only_reaches_torch(warn_only: bool) -> None:
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     saved_env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     try:
-        set_determinism(SimpleNamespace(pp_enabled=False), torch.device("cpu"), 0, True,
-                        warn_only=warn_only)
+        set_determinism(
+            SimpleNamespace(pp_enabled=False), torch.device("cpu"), 0, True, warn_only=warn_only
+        )
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled() is warn_only
     finally:
@@ -119,7 +144,10 @@ def test_cast_parameters_keeps_buffers_and_ties() -> None:
 
 def test_bf16_training_with_another_compute_dtype_is_refused() -> None:
     _config("--training.dtype", "bfloat16")
-    with pytest.raises(ConfigError, match=r"^training.mixed_precision_param='float32' with training.dtype='bfloat16'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^training.mixed_precision_param='float32' with training.dtype='bfloat16'",
+    ):
         _config("--training.dtype", "bfloat16", "--training.mixed_precision_param", "float32")
 
 
@@ -134,8 +162,13 @@ def test_validation_loader_uses_validation_dataloader_options(monkeypatch) -> No
         built(self, *args, pin_memory=pin_memory, **kwargs)
 
     monkeypatch.setattr(dataloader.TextDataLoader, "__init__", recording_init)
-    config = _config("--validation.seq_len", "16", "--training.seq_len", "16",
-                     "--validation.dataloader.pin_memory")
+    config = _config(
+        "--validation.seq_len",
+        "16",
+        "--training.seq_len",
+        "16",
+        "--validation.dataloader.pin_memory",
+    )
     build_dataloader(config.validation, None, ByteTokenizer(), split="validation")
     build_dataloader(config.training, None, ByteTokenizer())
     assert requested == [True, False]

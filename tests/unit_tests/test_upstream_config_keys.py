@@ -11,13 +11,13 @@ import pytest
 
 from tests.unit_tests.upstream_keys import GENERATIONS, REFUSED_UNLESS_DEFAULT
 from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config.checks import check_job_config, get_field
 from torchtitan.config.manager import (
     DEPRECATED_ALIASES,
     DEPRECATED_SECTION_ALIASES,
     apply_toml_aliases,
     build_from_dict,
 )
-from torchtitan.config.checks import get_field, check_job_config
 
 # Non-default values where the generic one (the next choice, default + 1, ...) is out of range
 # or needs other settings: (value, the other keys it needs).
@@ -63,7 +63,9 @@ def _toml_data(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load(key: str, value: Any, companions: dict[str, Any] | None = None) -> Any:
-    config = build_from_dict(JobConfig, apply_toml_aliases(_toml_data({**(companions or {}), key: value})))
+    config = build_from_dict(
+        JobConfig, apply_toml_aliases(_toml_data({**(companions or {}), key: value}))
+    )
     check_job_config(config)
     return config
 
@@ -102,8 +104,11 @@ def _other_value(key: str, default: Any) -> Any:
 
 
 def _cases() -> list[Any]:
-    return [pytest.param(key, default, id=f"{generation}:{key}")
-            for generation, keys in GENERATIONS.items() for key, default in keys.items()]
+    return [
+        pytest.param(key, default, id=f"{generation}:{key}")
+        for generation, keys in GENERATIONS.items()
+        for key, default in keys.items()
+    ]
 
 
 @pytest.mark.parametrize(("key", "default"), _cases())
@@ -131,10 +136,16 @@ def test_refused_list_names_only_fields_of_our_config() -> None:
         get_field(defaults, key)
 
 
-@pytest.mark.parametrize("converter, section", [("mx", "linear"), ("quantize.grouped_mm.mx", "grouped_mm")])
-def test_upstream_mx_recipe_names_load_but_are_refused_when_mx_is_on(converter: str, section: str) -> None:
+@pytest.mark.parametrize(
+    "converter, section", [("mx", "linear"), ("quantize.grouped_mm.mx", "grouped_mm")]
+)
+def test_upstream_mx_recipe_names_load_but_are_refused_when_mx_is_on(
+    converter: str, section: str
+) -> None:
     data = {"quantize": {section: {"mx": {"recipe_name": "mxfp8_cublas"}}}}
     check_job_config(build_from_dict(JobConfig, apply_toml_aliases(data)))
     data["model"] = {"converters": [converter]}
-    with pytest.raises(ConfigError, match=rf"quantize.{section}.mx.recipe_name='mxfp8_cublas': .*mxfp8_rceil"):
+    with pytest.raises(
+        ConfigError, match=rf"quantize.{section}.mx.recipe_name='mxfp8_cublas': .*mxfp8_rceil"
+    ):
         check_job_config(build_from_dict(JobConfig, apply_toml_aliases(data)))

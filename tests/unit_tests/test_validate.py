@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.layouts import single_process_dims
-from torchtitan.layers.loss import cross_entropy_sum
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.tokenizer import ByteTokenizer
 from torchtitan.components.validate import build_validator
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigManager
 from torchtitan.datasets import DatasetConfig, register_dataset
+from torchtitan.layers.loss import cross_entropy_sum
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 
@@ -29,23 +29,36 @@ SEQ_LEN = 16
 
 def _documents() -> list[str]:
     rng = random.Random(0)
-    return ["".join(rng.choice("abcd efg\n") for _ in range(rng.randint(30, 90))) for _ in range(12)]
+    return [
+        "".join(rng.choice("abcd efg\n") for _ in range(rng.randint(30, 90))) for _ in range(12)
+    ]
 
 
-register_dataset("test_validation_docs", DatasetConfig("test_validation_docs", lambda path: _documents()))
+register_dataset(
+    "test_validation_docs", DatasetConfig("test_validation_docs", lambda path: _documents())
+)
 
 
 def _job_config(tmp_path, steps: int = -1):
-    return ConfigManager().parse_args([
-        "--validation.enable",
-        "--validation.dataset", "test_validation_docs",
-        "--validation.seq_len", str(SEQ_LEN),
-        "--validation.local_batch_size", "3",  # the split's last batch is smaller
-        "--validation.data_shards", "2",
-        "--validation.steps", str(steps),
-        "--validation.freq", "2",
-        "--job.dump_folder", str(tmp_path),
-    ])
+    return ConfigManager().parse_args(
+        [
+            "--validation.enable",
+            "--validation.dataset",
+            "test_validation_docs",
+            "--validation.seq_len",
+            str(SEQ_LEN),
+            "--validation.local_batch_size",
+            "3",  # the split's last batch is smaller
+            "--validation.data_shards",
+            "2",
+            "--validation.steps",
+            str(steps),
+            "--validation.freq",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
 
 
 def _validator(tmp_path, steps: int = -1, metrics_processor=None):
@@ -115,16 +128,29 @@ def test_model_is_back_in_train_mode(model, tmp_path) -> None:
 def test_writes_validation_jsonl_and_tensorboard(model, tmp_path) -> None:
     scalars = []
     config = _job_config(tmp_path, 1)
-    processor = MetricsProcessor(config.metrics, dump_folder=config.job.dump_folder, total_steps=config.training.steps,
-                                 parallel_dims=single_process_dims(), device=torch.device("cpu"), flops_per_token=0,
-                                 owns_loss=True, compute_dtype=torch.float32)
+    processor = MetricsProcessor(
+        config.metrics,
+        dump_folder=config.job.dump_folder,
+        total_steps=config.training.steps,
+        parallel_dims=single_process_dims(),
+        device=torch.device("cpu"),
+        flops_per_token=0,
+        owns_loss=True,
+        compute_dtype=torch.float32,
+    )
     processor.tb = SimpleNamespace(add_scalar=lambda tag, value, step: scalars.append((tag, step)))
-    (tmp_path / "validation.jsonl").write_text('{"step": 2, "validation_loss": 9.0}\n')  # a stale run
+    (tmp_path / "validation.jsonl").write_text(
+        '{"step": 2, "validation_loss": 9.0}\n'
+    )  # a stale run
     validator = _validator(tmp_path, steps=1, metrics_processor=processor)
     assert [validator.should_validate(s) for s in (1, 2, 3, 4)] == [False, True, False, True]
     records = [validator.validate([model], 2), validator.validate([model], 4)]
     lines = (tmp_path / "validation.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == records
     assert set(records[0]) == {"step", "validation_loss", "validation_perplexity"}
-    assert scalars == [("validation/loss", 2), ("validation/perplexity", 2),
-                       ("validation/loss", 4), ("validation/perplexity", 4)]
+    assert scalars == [
+        ("validation/loss", 2),
+        ("validation/perplexity", 2),
+        ("validation/loss", 4),
+        ("validation/perplexity", 4),
+    ]

@@ -32,17 +32,21 @@ run_worker_entry_point(main)
 
 def run_worker(body: str) -> subprocess.CompletedProcess:
     source = textwrap.dedent(WORKER).format(body=body)
-    return subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", source], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("body, status, stderr", [
-    ("return None", 0, ""),
-    ("return 3", 3, ""),
-    ("sys.exit(2)", 2, ""),
-    ("sys.exit(None)", 0, ""),
-    ("sys.exit('stopped: reason')", 1, "stopped: reason\n"),
-])
+@pytest.mark.parametrize(
+    "body, status, stderr",
+    [
+        ("return None", 0, ""),
+        ("return 3", 3, ""),
+        ("sys.exit(2)", 2, ""),
+        ("sys.exit(None)", 0, ""),
+        ("sys.exit('stopped: reason')", 1, "stopped: reason\n"),
+    ],
+)
 def test_exit_status_as_sys_exit_would_give_it_without_finalization(body, status, stderr):
     result = run_worker(body)
     assert result.returncode == status, result.stderr

@@ -33,13 +33,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from torchtitan.components.hf_checkpoint import HFCheckpointError, load_hf_weights, save_hf_weights
 from torchtitan.components.safe_loading import (
@@ -143,7 +143,12 @@ def check_checkpoint_inputs(config: CheckpointConfig, dump_folder: str) -> None:
         raise ConfigError(_missing_step_error(root, config.load_step))
     initial = config.initial_load_path
     resumes_from_folders = config.load_step != -1 or folders
-    if initial and not config.initial_load_in_hf and not resumes_from_folders and not Path(initial).is_dir():
+    if (
+        initial
+        and not config.initial_load_in_hf
+        and not resumes_from_folders
+        and not Path(initial).is_dir()
+    ):
         raise ConfigError(_not_a_folder_error(Path(initial)))
 
 
@@ -249,10 +254,19 @@ class CheckpointManager:
     collectives; the data-loader state is gathered over ``parallel_dims.world_mesh["dp"]``.
     """
 
-    def __init__(self, checkpoint: CheckpointConfig, *, dump_folder: str, dataloader: Any,
-                 model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any,
-                 states: dict[str, Any], parallel_dims: ParallelDims,
-                 state_dict_adapter: StateDictAdapter | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: CheckpointConfig,
+        *,
+        dump_folder: str,
+        dataloader: Any,
+        model_parts: list[nn.Module],
+        optimizers: Any,
+        lr_schedulers: Any,
+        states: dict[str, Any],
+        parallel_dims: ParallelDims,
+        state_dict_adapter: StateDictAdapter | None = None,
+    ) -> None:
         self.config = checkpoint
         self.state_dict_adapter = state_dict_adapter
         self.enable = self.config.enable
@@ -294,13 +308,19 @@ class CheckpointManager:
         """Stages GPU tensors to pinned CPU memory in the background (maybe_wait_for_staging
         waits for it); None (plain async staging) without CUDA."""
         if not torch.cuda.is_available():
-            logger.info("checkpoint.async_mode=async_with_pinned_mem: pinned memory needs CUDA; "
-                        "staging to ordinary CPU memory (as async)")
+            logger.info(
+                "checkpoint.async_mode=async_with_pinned_mem: pinned memory needs CUDA; "
+                "staging to ordinary CPU memory (as async)"
+            )
             return None
-        return DefaultStager(StagingOptions(
-            use_pinned_memory=True, use_shared_memory=False,
-            use_async_staging=True, use_non_blocking_copy=True,
-        ))
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=True,
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=True,
+            )
+        )
 
     @property
     def _dp_group(self):
@@ -328,7 +348,9 @@ class CheckpointManager:
             return
         model_only = last_step and not force and self.config.last_save_model_only
         dtype = self.config.export_dtype if model_only else None
-        self._write(curr_step, model_only=model_only, dtype=dtype, blocking=force or not self._async)
+        self._write(
+            curr_step, model_only=model_only, dtype=dtype, blocking=force or not self._async
+        )
 
     def _write(self, step: int, *, model_only: bool, dtype: str | None, blocking: bool) -> None:
         """Save a checkpoint; ``dtype`` (model-only exports) casts the weights."""
@@ -346,11 +368,13 @@ class CheckpointManager:
                 self._worker.submit(self._purge)
             return
         logger.info(f"saving {kind}checkpoint step-{step} in the background")
-        response = dcp.async_save(tensors, storage_writer=writer, process_group=self._group,
-                                  async_stager=self._stager)
+        response = dcp.async_save(
+            tensors, storage_writer=writer, process_group=self._group, async_stager=self._stager
+        )
         staging, upload = (
             (response.staging_completion, response.upload_completion)
-            if isinstance(response, AsyncSaveResponse) else (None, response)
+            if isinstance(response, AsyncSaveResponse)
+            else (None, response)
         )
         finish = None
         if self.rank == 0:
@@ -381,8 +405,9 @@ class CheckpointManager:
             state["cuda"] = torch.cuda.get_rng_state()
         return state
 
-    def _manifest(self, step: int, model_only: bool, dtype: str | None,
-                  tensors: dict[str, Any]) -> dict[str, Any]:
+    def _manifest(
+        self, step: int, model_only: bool, dtype: str | None, tensors: dict[str, Any]
+    ) -> dict[str, Any]:
         """The manifest with the JSON states, taken now (the data-loader gather is a
         collective over the dp group, so every rank calls this)."""
         manifest = {
@@ -413,8 +438,9 @@ class CheckpointManager:
         dist.all_gather_object(gathered, local, group=group)
         return merge_data_states(gathered)
 
-    def _finish(self, upload: Future | None, tmp: Path, final: Path, manifest: dict[str, Any],
-                start: float) -> None:
+    def _finish(
+        self, upload: Future | None, tmp: Path, final: Path, manifest: dict[str, Any], start: float
+    ) -> None:
         """Rank 0, once every rank's files are written: marker, then the atomic rename."""
         if upload is not None:
             upload.result()
@@ -431,8 +457,10 @@ class CheckpointManager:
             logger.warning(f"checkpoint.keep_latest_k: could not delete old checkpoints: {e}")
             return
         if deleted:
-            logger.info(f"deleted old checkpoints (keep_latest_k={self.config.keep_latest_k}): "
-                        + ", ".join(f"step-{s}" for s in deleted))
+            logger.info(
+                f"deleted old checkpoints (keep_latest_k={self.config.keep_latest_k}): "
+                + ", ".join(f"step-{s}" for s in deleted)
+            )
 
     def maybe_wait_for_staging(self) -> None:
         """Before the optimizer step: the tensors being staged must not change under it."""
@@ -489,8 +517,13 @@ class CheckpointManager:
         folder = self.root / f"step-{step}-hf"
         dtype = TORCH_DTYPES[self.config.export_dtype]
         try:
-            save_hf_weights(self.model_parts, folder,
-                            self._adapter("checkpoint.last_save_in_hf"), dtype, self.parallel_dims)
+            save_hf_weights(
+                self.model_parts,
+                folder,
+                self._adapter("checkpoint.last_save_in_hf"),
+                dtype,
+                self.parallel_dims,
+            )
         except HFCheckpointError as e:
             raise ConfigError(str(e)) from None
 
@@ -540,20 +573,26 @@ class CheckpointManager:
             return _LoadChoice(error=_missing_step_error(self.root, step))
         manifest, problem = inspect_checkpoint(folders[step])
         if manifest is None:
-            return _LoadChoice(error=(
-                f"checkpoint.load_step={step}: {problem}; pick another step (complete: "
-                f"{_complete_steps(self.root)}) or -1 for the newest complete checkpoint"
-            ))
+            return _LoadChoice(
+                error=(
+                    f"checkpoint.load_step={step}: {problem}; pick another step (complete: "
+                    f"{_complete_steps(self.root)}) or -1 for the newest complete checkpoint"
+                )
+            )
         return _LoadChoice(str(folders[step]), manifest, manifest["model_only"])
 
     def _choose_hf(self) -> _LoadChoice:
         adapter = self.state_dict_adapter
-        path = self.config.initial_load_path or (adapter.hf_assets_path if adapter is not None else None)
+        path = self.config.initial_load_path or (
+            adapter.hf_assets_path if adapter is not None else None
+        )
         if not path:
-            return _LoadChoice(error=(
-                "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path (or "
-                "model.hf_assets_path) to a folder of Hugging Face safetensors"
-            ))
+            return _LoadChoice(
+                error=(
+                    "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path (or "
+                    "model.hf_assets_path) to a folder of Hugging Face safetensors"
+                )
+            )
         return _LoadChoice(str(path), None, True, hf=True)
 
     def _choose_initial(self, path: Path) -> _LoadChoice:
@@ -565,23 +604,29 @@ class CheckpointManager:
             if not (path / ".metadata").is_file():
                 return _LoadChoice(error=f"{field}: {path} holds no DCP checkpoint (no .metadata)")
             if not model_only:
-                return _LoadChoice(error=(
-                    f"{field}: {path} is a plain DCP checkpoint (no {MANIFEST}); only its model "
-                    "weights can load: set checkpoint.initial_load_model_only"
-                ))
+                return _LoadChoice(
+                    error=(
+                        f"{field}: {path} is a plain DCP checkpoint (no {MANIFEST}); only its model "
+                        "weights can load: set checkpoint.initial_load_model_only"
+                    )
+                )
             return _LoadChoice(str(path), None, True)
         manifest, problem = inspect_checkpoint(path)
         if manifest is None:
             return _LoadChoice(error=f"{field}: {problem}")
         if manifest["model_only"] and not model_only:
-            return _LoadChoice(error=(
-                f"{field}: {path} holds model weights only; set checkpoint.initial_load_model_only"
-            ))
+            return _LoadChoice(
+                error=(
+                    f"{field}: {path} holds model weights only; set checkpoint.initial_load_model_only"
+                )
+            )
         return _LoadChoice(str(path), manifest, model_only)
 
     def _load(self, path: Path, manifest: dict[str, Any] | None, model_only: bool) -> None:
         start = time.perf_counter()
-        wanted = ({"model"} if model_only else set(_BUILTIN_STATES) | set(self.states)) - self.excluded
+        wanted = (
+            {"model"} if model_only else set(_BUILTIN_STATES) | set(self.states)
+        ) - self.excluded
         rng_kinds = self._rng_kinds(manifest) if "rng" in wanted else []
         tensors: dict[str, Any] = {}
         if "model" in wanted:
@@ -598,15 +643,20 @@ class CheckpointManager:
         loaded += ["rng"] if rng_kinds else []
         loaded += self._apply_json_states(manifest["states"] if manifest else {}, wanted, manifest)
         step = manifest["step"] if manifest else "?"
-        logger.info(f"loaded checkpoint {path} (step {step}; {', '.join(loaded) or 'nothing'}) "
-                    f"in {time.perf_counter() - start:.2f}s")
+        logger.info(
+            f"loaded checkpoint {path} (step {step}; {', '.join(loaded) or 'nothing'}) "
+            f"in {time.perf_counter() - start:.2f}s"
+        )
         if model_only and manifest and manifest["step"] > 0:
-            logger.warning(f"{path} holds model weights only: optimizer, data position and step "
-                           "start fresh")
+            logger.warning(
+                f"{path} holds model weights only: optimizer, data position and step start fresh"
+            )
 
     def _dcp_load(self, tensors: dict[str, Any], path: Path) -> None:
-        hint = ("; load it with the model flavor that saved it, or skip states with "
-                "checkpoint.exclude_from_loading")
+        hint = (
+            "; load it with the model flavor that saved it, or skip states with "
+            "checkpoint.exclude_from_loading"
+        )
         try:
             load_dcp(tensors, path, process_group=self._group, hint=hint)
         except LoadError as e:
@@ -616,8 +666,10 @@ class CheckpointManager:
         if not manifest or not manifest["rng"]:
             return []
         if manifest["world_size"] != self.world_size:
-            logger.info(f"RNG states not restored: saved by {manifest['world_size']} ranks, now "
-                        f"{self.world_size}; every rank keeps its seeded state")
+            logger.info(
+                f"RNG states not restored: saved by {manifest['world_size']} ranks, now "
+                f"{self.world_size}; every rank keeps its seeded state"
+            )
             return []
         return [kind for kind in manifest["rng"] if kind in self._rng_state()]
 
@@ -632,8 +684,9 @@ class CheckpointManager:
         for kind, state in tensors.get("rng", {}).get(f"rank{self.rank}", {}).items():
             (torch.set_rng_state if kind == "cpu" else torch.cuda.set_rng_state)(state)
 
-    def _apply_json_states(self, states: dict[str, Any], wanted: set[str],
-                           manifest: dict[str, Any] | None) -> list[str]:
+    def _apply_json_states(
+        self, states: dict[str, Any], wanted: set[str], manifest: dict[str, Any] | None
+    ) -> list[str]:
         loaded = []
         if "lr_scheduler" in wanted and "lr_scheduler" in states:
             self.lr_schedulers.load_state_dict(states["lr_scheduler"])

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.datasets import DatasetConfig, ShardedTextDataset, load_documents
 from torchtitan.datasets.chat_template import ChatEncoder
 from torchtitan.datasets.packing import EncodedDocument, Encoder, PartitionItem, Sample
+from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
@@ -37,7 +37,9 @@ DEFAULT_DATA_SHARDS = 64
 
 def _collate(samples: list[Sample]) -> Batch:
     inputs, labels, document_ids = zip(*samples, strict=True)
-    return {"input": torch.stack(inputs), "document_ids": torch.stack(document_ids)}, torch.stack(labels)
+    return {"input": torch.stack(inputs), "document_ids": torch.stack(document_ids)}, torch.stack(
+        labels
+    )
 
 
 class TextDataLoader:
@@ -106,7 +108,9 @@ class TextDataLoader:
         if not state_dict:
             return
         self.dataset.load_state_dict(state_dict)
-        self._worker_samples = None  # stops persistent workers; the next iter() starts from the state
+        self._worker_samples = (
+            None  # stops persistent workers; the next iter() starts from the state
+        )
 
 
 class _WorkerPartitions(IterableDataset):
@@ -131,7 +135,9 @@ def _pinned(batch: Batch) -> Batch:
     return {key: tensor.pin_memory() for key, tensor in inputs.items()}, labels.pin_memory()
 
 
-def _encoding(config: DatasetConfig, tokenizer: BaseTokenizer, section: str) -> tuple[Encoder, int | None]:
+def _encoding(
+    config: DatasetConfig, tokenizer: BaseTokenizer, section: str
+) -> tuple[Encoder, int | None]:
     """(document encoder, pad id): chat samples are packed whole, padded with the tokenizer's pad
     token, else its EOS (any id would do: padding is neither trained nor attended to)."""
     if config.chat:
@@ -173,7 +179,9 @@ def build_text_dataloader(
     ``num_workers`` > 0 (infinite loaders only) must divide the data shards of a dp rank.
     ``loader_options``: ``TextDataLoader``'s ``persistent_workers``, ``prefetch_factor``, ``pin_memory``.
     """
-    _check_positive(section, seq_len=seq_len, local_batch_size=local_batch_size, data_shards=data_shards)
+    _check_positive(
+        section, seq_len=seq_len, local_batch_size=local_batch_size, data_shards=data_shards
+    )
     if not 0 <= dp_rank < dp_degree:
         raise ValueError(f"dp_rank {dp_rank} is outside the data-parallel degree {dp_degree}")
     if data_shards % dp_degree != 0:
@@ -182,7 +190,9 @@ def build_text_dataloader(
         )
     _check_workers(num_workers, data_shards // dp_degree, infinite, section)
     if loader_options.get("pin_memory") and not torch.accelerator.is_available():
-        logger.warning(f"{section}.dataloader.pin_memory: no accelerator on this machine; batches are not pinned")
+        logger.warning(
+            f"{section}.dataloader.pin_memory: no accelerator on this machine; batches are not pinned"
+        )
     config, documents = load_documents(dataset, dataset_path, section)
     encode, pad_id = _encoding(config, tokenizer, section)
     text_dataset = ShardedTextDataset(
@@ -198,15 +208,19 @@ def build_text_dataloader(
         global_min=global_min,
         section=section,
     )
-    return TextDataLoader(text_dataset, batch_size=local_batch_size, num_workers=num_workers, **loader_options)
+    return TextDataLoader(
+        text_dataset, batch_size=local_batch_size, num_workers=num_workers, **loader_options
+    )
 
 
 def _check_workers(num_workers: int, shards_per_rank: int, infinite: bool, section: str) -> None:
     if num_workers == 0:
         return
     if not infinite:
-        raise ValueError(f"{section}.dataloader.num_workers: the finite {section} loader reads in the training "
-                         f"process; leave it at 0")
+        raise ValueError(
+            f"{section}.dataloader.num_workers: the finite {section} loader reads in the training "
+            f"process; leave it at 0"
+        )
     if shards_per_rank % num_workers != 0:
         raise ValueError(
             f"{section}.dataloader.num_workers ({num_workers}) must divide the data shards of each dp rank "
@@ -225,14 +239,18 @@ def _dp_layout(parallel_dims: Any) -> tuple[int, int, Any]:
 def _mesh_global_min(mesh: Any) -> Callable[[int], int]:
     def global_min(value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.int64, device=mesh.device_type)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=mesh.get_group())
+        torch.distributed.all_reduce(
+            tensor, op=torch.distributed.ReduceOp.MIN, group=mesh.get_group()
+        )
         return int(tensor.item())
 
     return global_min
 
 
 def build_dataloader(
-    data: TrainingConfig | ValidationConfig, parallel_dims: ParallelDims | None, tokenizer: BaseTokenizer,
+    data: TrainingConfig | ValidationConfig,
+    parallel_dims: ParallelDims | None,
+    tokenizer: BaseTokenizer,
     split: str = "train",
 ) -> TextDataLoader:
     """The train loader (infinite, from ``[training]``) or the validation loader (finite, from

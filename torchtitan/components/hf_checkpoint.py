@@ -83,8 +83,9 @@ def _check_config(folder: Path, adapter: StateDictAdapter, field: str) -> None:
         raise HFCheckpointError(f"{field}: {e}") from None
 
 
-def _check_keys(shapes: dict[str, list[int]], adapter: StateDictAdapter, folder: Path,
-                field: str) -> None:
+def _check_keys(
+    shapes: dict[str, list[int]], adapter: StateDictAdapter, folder: Path, field: str
+) -> None:
     """The adapter must understand the whole checkpoint at once (unknown keys, incomplete
     expert sets). Only conversion is checked, not that this rank holds the result: under
     pipeline parallel the other stages' keys belong to other ranks."""
@@ -97,8 +98,9 @@ def _check_keys(shapes: dict[str, list[int]], adapter: StateDictAdapter, folder:
 
 def _hf_keys_of(adapter: StateDictAdapter, fqn: str, tensor: torch.Tensor, field: str) -> list[str]:
     try:
-        return list(adapter.to_hf({fqn: torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                    device="meta")}))
+        return list(
+            adapter.to_hf({fqn: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")})
+        )
     except ValueError as e:
         raise HFCheckpointError(f"{field}: {e}") from None
 
@@ -121,7 +123,9 @@ def _describe(keys: list[str]) -> str:
 
 @torch.no_grad()
 def load_hf_weights(
-    model_parts: list[nn.Module], folder: str | os.PathLike, adapter: StateDictAdapter,
+    model_parts: list[nn.Module],
+    folder: str | os.PathLike,
+    adapter: StateDictAdapter,
     field: str = "checkpoint.initial_load_path",
 ) -> None:
     """Fill every parameter and persistent buffer of ``model_parts`` (any parallel layout)
@@ -136,8 +140,9 @@ def load_hf_weights(
     logger.info(f"loaded Hugging Face weights from {folder}")
 
 
-def _load_hf_folder(model_parts: list[nn.Module], folder: Path, adapter: StateDictAdapter,
-                    field: str) -> None:
+def _load_hf_folder(
+    model_parts: list[nn.Module], folder: Path, adapter: StateDictAdapter, field: str
+) -> None:
     _check_config(folder, adapter, field)
     index, shapes = _scan(folder)
     _check_keys(shapes, adapter, folder, field)
@@ -147,8 +152,9 @@ def _load_hf_folder(model_parts: list[nn.Module], folder: Path, adapter: StateDi
         hf_keys = _hf_keys_of(adapter, fqn, tensor, field)
         missing = [k for k in hf_keys if k not in index]
         if missing:
-            raise HFCheckpointError(f"{field}: missing key {_describe(missing)} (for {fqn}) "
-                                    f"in {folder}")
+            raise HFCheckpointError(
+                f"{field}: missing key {_describe(missing)} (for {fqn}) in {folder}"
+            )
         try:
             value = adapter.from_hf(_read(index, hf_keys)).get(fqn)
         except (ValueError, RuntimeError) as e:
@@ -161,8 +167,10 @@ def _load_hf_folder(model_parts: list[nn.Module], folder: Path, adapter: StateDi
                 f"model expects {tuple(full_shape)} (vocabulary or flavor mismatch?)"
             )
         if value.is_floating_point() != tensor.is_floating_point():
-            raise HFCheckpointError(f"{field}: {_describe(hf_keys)} is {value.dtype} for {fqn}, "
-                                    f"the model has {tensor.dtype}")
+            raise HFCheckpointError(
+                f"{field}: {_describe(hf_keys)} is {value.dtype} for {fqn}, "
+                f"the model has {tensor.dtype}"
+            )
         _copy_full_into(tensor, value)
 
 
@@ -187,8 +195,12 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def save_hf_weights(
-    model_parts: list[nn.Module], folder: str | os.PathLike, adapter: StateDictAdapter,
-    export_dtype: torch.dtype, parallel_dims: Any, field: str = "checkpoint.last_save_in_hf",
+    model_parts: list[nn.Module],
+    folder: str | os.PathLike,
+    adapter: StateDictAdapter,
+    export_dtype: torch.dtype,
+    parallel_dims: Any,
+    field: str = "checkpoint.last_save_in_hf",
 ) -> None:
     """Write consolidated Hugging Face safetensors + config.json into ``folder``; a model
     with no Hugging Face equivalent raises HFCheckpointError on every rank before any
@@ -206,16 +218,25 @@ def save_hf_weights(
     for fqn, tensor in model_tensors.items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if writer:
-            dtype = tensor.dtype if fqn in buffers or not tensor.is_floating_point() else export_dtype
+            dtype = (
+                tensor.dtype if fqn in buffers or not tensor.is_floating_point() else export_dtype
+            )
             tensors.update(adapter.to_hf({fqn: full.detach().to("cpu", dtype)}))
-    filename = "model.safetensors" if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+    filename = (
+        "model.safetensors"
+        if pp_size == 1
+        else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+    )
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
     if writer:
-        save_file({k: _own_storage(v) for k, v in tensors.items()}, str(folder / filename),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: _own_storage(v) for k, v in tensors.items()},
+            str(folder / filename),
+            metadata={"format": "pt"},
+        )
     keys = {k: filename for k in tensors}
     if pp_size > 1:
         gathered: list[dict[str, str]] = [{} for _ in range(world)]
@@ -239,8 +260,13 @@ def _stage_writer(parallel_dims: Any) -> tuple[int, int, bool]:
     return coordinate.get("pp", 0), parallel_dims.pp, writer
 
 
-def _write_index_and_config(folder: Path, keys: dict[str, str], config: dict[str, Any],
-                            export_dtype: torch.dtype, sharded: bool) -> None:
+def _write_index_and_config(
+    folder: Path,
+    keys: dict[str, str],
+    config: dict[str, Any],
+    export_dtype: torch.dtype,
+    sharded: bool,
+) -> None:
     config = dict(config, torch_dtype=str(export_dtype).removeprefix("torch."))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if sharded:

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -29,8 +28,13 @@ if TYPE_CHECKING:
 
 
 def lr_factor(
-    step_index: int, *, warmup_steps: int, decay_steps: int, total_steps: int,
-    decay_type: str, min_lr_factor: float,
+    step_index: int,
+    *,
+    warmup_steps: int,
+    decay_steps: int,
+    total_steps: int,
+    decay_type: str,
+    min_lr_factor: float,
 ) -> float:
     decay_start = total_steps - decay_steps
     if step_index < warmup_steps:
@@ -49,9 +53,13 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def schedule_lengths(total_steps: int, warmup_steps: int, decay_ratio: float | None) -> tuple[int, int]:
+def schedule_lengths(
+    total_steps: int, warmup_steps: int, decay_ratio: float | None
+) -> tuple[int, int]:
     """(warmup, decay) step counts, shrinking warmup if it would overlap the decay."""
-    decay_steps = round(total_steps * decay_ratio) if decay_ratio is not None else total_steps - warmup_steps
+    decay_steps = (
+        round(total_steps * decay_ratio) if decay_ratio is not None else total_steps - warmup_steps
+    )
     decay_steps = max(decay_steps, 0)
     if warmup_steps + decay_steps > total_steps:
         new_warmup = max(total_steps - decay_steps, 0)
@@ -85,19 +93,27 @@ class LRSchedulersContainer(Stateful):
             s.load_state_dict(dict(state_dict))
 
 
-def configured_lr_factor(lr_scheduler: LRSchedulerConfig, training_steps: int) -> Callable[[int], float]:
+def configured_lr_factor(
+    lr_scheduler: LRSchedulerConfig, training_steps: int
+) -> Callable[[int], float]:
     """step index -> learning-rate factor, for the ``[lr_scheduler]`` schedule (its length
     ``lr_scheduler.total_steps``, default ``training_steps``)."""
     cfg = lr_scheduler
     total = cfg.total_steps or training_steps
     warmup, decay = schedule_lengths(total, cfg.warmup_steps, cfg.decay_ratio)
     return functools.partial(
-        lr_factor, warmup_steps=warmup, decay_steps=decay, total_steps=total,
-        decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor,
+        lr_factor,
+        warmup_steps=warmup,
+        decay_steps=decay,
+        total_steps=total,
+        decay_type=cfg.decay_type,
+        min_lr_factor=cfg.min_lr_factor,
     )
 
 
 def build_lr_schedulers(
-    optimizers: Iterable[torch.optim.Optimizer], lr_scheduler: LRSchedulerConfig, training_steps: int
+    optimizers: Iterable[torch.optim.Optimizer],
+    lr_scheduler: LRSchedulerConfig,
+    training_steps: int,
 ) -> LRSchedulersContainer:
     return LRSchedulersContainer(optimizers, configured_lr_factor(lr_scheduler, training_steps))

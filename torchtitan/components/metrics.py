@@ -127,8 +127,15 @@ class MetricsProcessor:
         self.timer.data_seconds += data_seconds
         self.timer.steps += 1
 
-    def log(self, step: int, loss: float, loss_max: float, grad_norm: float, lr: float,
-            extra: dict[str, float] | None = None) -> dict[str, Any]:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        loss_max: float,
+        grad_norm: float,
+        lr: float,
+        extra: dict[str, float] | None = None,
+    ) -> dict[str, Any]:
         # The next interval starts now, so it includes this call's own cost: the step times
         # of consecutive records add up to the wall-clock time of the loop.
         timer, self.timer = self.timer, StepTimer()
@@ -186,12 +193,19 @@ class MetricsProcessor:
         records of earlier steps (a resumed run continues the file, a fresh one starts it
         over), as metrics.jsonl does."""
         step = record["step"]
-        self._log_scalars({"validation/loss": record["validation_loss"],
-                           "validation/perplexity": record["validation_perplexity"]}, step)
+        self._log_scalars(
+            {
+                "validation/loss": record["validation_loss"],
+                "validation/perplexity": record["validation_perplexity"],
+            },
+            step,
+        )
         if self.jsonl_path is None:
             return
         path = self.jsonl_path.parent / "validation.jsonl"
-        with (open(path, "a") if self.validation_jsonl_started else _open_jsonl(path, first_step=step)) as f:
+        with (
+            open(path, "a") if self.validation_jsonl_started else _open_jsonl(path, first_step=step)
+        ) as f:
             f.write(json.dumps(record) + "\n")
         self.validation_jsonl_started = True
 

@@ -28,7 +28,10 @@ class OptimizersContainer(Stateful):
     """One optimizer per model part (pipeline stages give several parts), behaving as one."""
 
     def __init__(
-        self, model_parts: list[nn.Module], optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+        self,
+        model_parts: list[nn.Module],
+        optimizer_cls: type[torch.optim.Optimizer],
+        kwargs: dict[str, Any],
     ) -> None:
         self.model_parts = model_parts
         self.optimizers = [

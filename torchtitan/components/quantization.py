@@ -76,7 +76,9 @@ class LinearFilter:
 
     def report(self, field: str, what: str, total: int) -> None:
         for unused in [f for f in self.filter_fqns if f not in self.matched]:
-            logger.warning(f"{field}.filter_fqns: {unused!r} matches no nn.Linear; check the spelling")
+            logger.warning(
+                f"{field}.filter_fqns: {unused!r} matches no nn.Linear; check the spelling"
+            )
         if not self.swapped:
             raise ConfigError(
                 f"{field}: no nn.Linear qualifies (both dims divisible by 16, not in "
@@ -98,7 +100,9 @@ class Float8LinearConverter:
         self.settings = settings
         fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled
         self.fsdp_float8_all_gather = settings.enable_fsdp_float8_all_gather and fsdp
-        self.precompute_scales = self.fsdp_float8_all_gather and self.settings.precompute_float8_dynamic_scale_for_fsdp
+        self.precompute_scales = (
+            self.fsdp_float8_all_gather and self.settings.precompute_float8_dynamic_scale_for_fsdp
+        )
 
     def convert(self, model: nn.Module) -> None:
         from torchao.float8 import Float8LinearConfig as TorchaoFloat8LinearConfig
@@ -112,8 +116,11 @@ class Float8LinearConverter:
         total = count_linears(model)
         selected = LinearFilter(self.settings.filter_fqns)
         convert_to_float8_training(model, config=config, module_filter_fn=selected)
-        selected.report("quantize.linear.float8", f"float8 {self.settings.recipe}"
-                        f"{' (emulated)' if self.settings.emulate else ''}", total)
+        selected.report(
+            "quantize.linear.float8",
+            f"float8 {self.settings.recipe}{' (emulated)' if self.settings.emulate else ''}",
+            total,
+        )
 
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
         """Float8 all-gather casts each weight shard with a scale from the whole weight's
@@ -147,7 +154,9 @@ class MXLinearConverter:
 
         total = count_linears(model)
         selected = LinearFilter(self.settings.filter_fqns)
-        quantize_(model, _mx_config(self.settings.recipe_name, self.settings.emulate), filter_fn=selected)
+        quantize_(
+            model, _mx_config(self.settings.recipe_name, self.settings.emulate), filter_fn=selected
+        )
         selected.report("quantize.linear.mx", f"MXFP8 {self.settings.recipe_name}", total)
 
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
@@ -161,7 +170,11 @@ class GroupedMMConverter:
 
     name = FLOAT8_GROUPED_MM
 
-    def __init__(self, settings: Float8GroupedMMConfig | MXGroupedMMConfig, parallel_dims: ParallelDims | None) -> None:
+    def __init__(
+        self,
+        settings: Float8GroupedMMConfig | MXGroupedMMConfig,
+        parallel_dims: ParallelDims | None,
+    ) -> None:
         _import_torchao()
         self.settings = settings
 
@@ -184,7 +197,9 @@ class GroupedMMConverter:
 
         quantize_(model, self.op_config(), filter_fn=selected)
         if not converted:
-            raise ConfigError(f"{self.name}.fqns: {fqns} match no MoE experts module; use e.g. experts")
+            raise ConfigError(
+                f"{self.name}.fqns: {fqns} match no MoE experts module; use e.g. experts"
+            )
         logger.info(f"{self.name}: converted {len(converted)} experts modules")
 
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
@@ -209,54 +224,90 @@ register_model_converter(MXGroupedMMConverter, MX_GROUPED_MM, config_section=MX_
 
 
 # ---------------------------------------------------------------------------- preflight
-def check_quantization(model: ModelConfig, quantize: QuantizeConfig, parallel_dims: ParallelDims,
-                       model_args: Any, device_type: str) -> None:
+def check_quantization(
+    model: ModelConfig,
+    quantize: QuantizeConfig,
+    parallel_dims: ParallelDims,
+    model_args: Any,
+    device_type: str,
+) -> None:
     """Hardware, model and layout checks of the quantize converters named in
     ``model.converters`` (one line each)."""
     converters = model.converters
     linear = quantize.linear
     capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
     if any(name in converters for name in FLOAT8_LINEAR):
-        _check_hardware("quantize.linear.float8", "float8", linear.float8.emulate, device_type,
-                        capability, FLOAT8_SM)
+        _check_hardware(
+            "quantize.linear.float8",
+            "float8",
+            linear.float8.emulate,
+            device_type,
+            capability,
+            FLOAT8_SM,
+        )
         if linear.float8.enable_fsdp_float8_all_gather and not parallel_dims.fsdp_enabled:
             raise ConfigError(
                 "quantize.linear.float8.enable_fsdp_float8_all_gather: needs FSDP "
                 "(parallelism.data_parallel_shard_degree > 1); turn one of them off"
             )
     if any(name in converters for name in MX_LINEAR):
-        _check_hardware("quantize.linear.mx", "MXFP8", linear.mx.emulate, device_type, capability, MX_SM)
+        _check_hardware(
+            "quantize.linear.mx", "MXFP8", linear.mx.emulate, device_type, capability, MX_SM
+        )
     for name, sm in ((FLOAT8_GROUPED_MM, FLOAT8_GROUPED_SM), (MX_GROUPED_MM, MX_SM)):
         if name in converters:
-            section = quantize.grouped_mm.float8 if name == FLOAT8_GROUPED_MM else quantize.grouped_mm.mx
+            section = (
+                quantize.grouped_mm.float8 if name == FLOAT8_GROUPED_MM else quantize.grouped_mm.mx
+            )
             _check_grouped_mm(name, model, section.fqns, model_args, device_type, capability, sm)
 
 
-def _check_hardware(field: str, what: str, emulate: bool, device_type: str,
-                    capability: tuple[int, int] | None, min_sm: tuple[int, int]) -> None:
+def _check_hardware(
+    field: str,
+    what: str,
+    emulate: bool,
+    device_type: str,
+    capability: tuple[int, int] | None,
+    min_sm: tuple[int, int],
+) -> None:
     if emulate:
         return
     sm = f"SM{min_sm[0]}{min_sm[1]}"
     if device_type != "cuda":
-        raise ConfigError(f"{field}.emulate: {what} matmuls need a CUDA GPU of {sm}+; on "
-                          f"{device_type} set --{field}.emulate (testing only, no speed-up)")
+        raise ConfigError(
+            f"{field}.emulate: {what} matmuls need a CUDA GPU of {sm}+; on "
+            f"{device_type} set --{field}.emulate (testing only, no speed-up)"
+        )
     if capability is not None and capability < min_sm:
-        raise ConfigError(f"{field}.emulate: this GPU (SM{capability[0]}{capability[1]}) has no "
-                          f"{what} matmuls (needs {sm}+); set --{field}.emulate or drop the converter")
+        raise ConfigError(
+            f"{field}.emulate: this GPU (SM{capability[0]}{capability[1]}) has no "
+            f"{what} matmuls (needs {sm}+); set --{field}.emulate or drop the converter"
+        )
 
 
-def _check_grouped_mm(name: str, model: ModelConfig, fqns: list[str], model_args: Any, device_type: str,
-                      capability: tuple[int, int] | None, min_sm: tuple[int, int]) -> None:
+def _check_grouped_mm(
+    name: str,
+    model: ModelConfig,
+    fqns: list[str],
+    model_args: Any,
+    device_type: str,
+    capability: tuple[int, int] | None,
+    min_sm: tuple[int, int],
+) -> None:
     if getattr(model_args, "moe", None) is None:
-        raise ConfigError(f"model.converters: {name} needs a MoE model; {model.name} "
-                          f"{model.flavor} has no routed experts")
+        raise ConfigError(
+            f"model.converters: {name} needs a MoE model; {model.name} "
+            f"{model.flavor} has no routed experts"
+        )
     if not fqns:
         raise ConfigError(f"{name}.fqns: empty; name the expert modules to convert, e.g. experts")
     sm = f"SM{min_sm[0]}{min_sm[1]}"
     if device_type != "cuda" or (capability is not None and capability < min_sm):
-        raise ConfigError(f"model.converters: {name} needs CUDA {sm}+ grouped GEMMs (torchao has "
-                          f"no emulation for them); this run has {device_type} "
-                          f"{'' if capability is None else f'SM{capability[0]}{capability[1]}'}".rstrip())
+        raise ConfigError(
+            f"model.converters: {name} needs CUDA {sm}+ grouped GEMMs (torchao has "
+            f"no emulation for them); this run has {device_type} "
+            f"{'' if capability is None else f'SM{capability[0]}{capability[1]}'}".rstrip()
+        )
 
 
 # ---------------------------------------------------------------------------- tensor parallel
@@ -271,9 +322,11 @@ def float8_tensorwise_tp(model: nn.Module, device_type: str) -> bool:
         return False
     from torchao.float8.config import ScalingGranularity
 
-    return any(isinstance(m, float8_linear.Float8Linear)
-               and m.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
-               for m in model.modules())
+    return any(
+        isinstance(m, float8_linear.Float8Linear)
+        and m.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
+        for m in model.modules()
+    )
 
 
 def with_float8_styles(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
@@ -281,7 +334,11 @@ def with_float8_styles(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any
     float8 styles, and the input preparation of a module whose every direct linear is such
     a target by the float8 one (the input is cast once, before the all-gather; a module with
     a linear outside the plan, which would receive a float8 input, keeps the plain one)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
@@ -289,23 +346,35 @@ def with_float8_styles(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any
         PrepareFloat8ModuleInput,
     )
 
-    float8_targets = {path for path, style in plan.items()
-                      if type(style) in (ColwiseParallel, RowwiseParallel)
-                      and isinstance(module.get_submodule(path), Float8Linear)}
+    float8_targets = {
+        path
+        for path, style in plan.items()
+        if type(style) in (ColwiseParallel, RowwiseParallel)
+        and isinstance(module.get_submodule(path), Float8Linear)
+    }
     out = dict(plan)
     for path in float8_targets:
         style = plan[path]
-        float8_style = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
-        out[path] = float8_style(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
-                                 use_local_output=style.use_local_output)
+        float8_style = (
+            Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+        )
+        out[path] = float8_style(
+            input_layouts=style.input_layouts[0],
+            output_layouts=style.output_layouts[0],
+            use_local_output=style.use_local_output,
+        )
     for path, style in plan.items():
         if type(style) is not PrepareModuleInput:
             continue
-        linears = [f"{path}.{name}" for name, child in module.get_submodule(path).named_children()
-                   if isinstance(child, nn.Linear)]
+        linears = [
+            f"{path}.{name}"
+            for name, child in module.get_submodule(path).named_children()
+            if isinstance(child, nn.Linear)
+        ]
         if linears and all(n in float8_targets for n in linears):
             out[path] = PrepareFloat8ModuleInput(
-                input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
                 use_local_output=style.use_local_output,
             )
     return out

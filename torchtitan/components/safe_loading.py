@@ -71,16 +71,28 @@ class LoadError(UserInputError):
 
 # ---------------------------------------------------------------------- DCP metadata
 _METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
-    )),
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
-    *((module, name) for module in ("pathlib", "pathlib._local")
-      for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+    *(
+        (module, name)
+        for module in ("pathlib", "pathlib._local")
+        for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+    ),
 }
 
 
@@ -158,7 +170,9 @@ def _metadata_problem(metadata: Any) -> str | None:
 
 def _entry_problem(entry: Any) -> str | None:
     if type(entry) is BytesStorageMetadata:
-        return f"a bytes record with crafted attributes {sorted(vars(entry))}" if vars(entry) else None
+        return (
+            f"a bytes record with crafted attributes {sorted(vars(entry))}" if vars(entry) else None
+        )
     if type(entry) is not TensorStorageMetadata:
         return f"a {type(entry).__name__}, not a tensor or bytes record"
     props = entry.properties
@@ -167,7 +181,9 @@ def _entry_problem(entry: Any) -> str | None:
     if not _is_size(entry.size) or not isinstance(entry.chunks, list):
         return "tensor record without a valid size"
     for chunk in entry.chunks:
-        if type(chunk) is not ChunkStorageMetadata or not (_is_size(chunk.offsets) and _is_size(chunk.sizes)):
+        if type(chunk) is not ChunkStorageMetadata or not (
+            _is_size(chunk.offsets) and _is_size(chunk.sizes)
+        ):
             return "tensor record with an invalid chunk"
     return None
 
@@ -189,8 +205,10 @@ def check_dcp_folder(folder: str | Path, metadata: Metadata) -> None:
     for index, info in metadata.storage_data.items():
         name = info.relative_path
         if not name.endswith(".distcp") or not _DCP_FILE_RE.match(name):
-            raise LoadError(f"{folder / METADATA_FILE}: {index.fqn!r} is stored in {name!r}, "
-                            "which is not a .distcp file of this folder")
+            raise LoadError(
+                f"{folder / METADATA_FILE}: {index.fqn!r} is stored in {name!r}, "
+                "which is not a .distcp file of this folder"
+            )
         if name not in sizes:
             path = folder / name
             if not path.is_file():
@@ -203,8 +221,9 @@ def check_dcp_folder(folder: str | Path, metadata: Metadata) -> None:
             )
 
 
-def check_entries(state_dict: dict[str, Any], metadata: Metadata, folder: str | Path,
-                  *, hint: str = "") -> None:
+def check_entries(
+    state_dict: dict[str, Any], metadata: Metadata, folder: str | Path, *, hint: str = ""
+) -> None:
     """Every entry of ``state_dict`` (nested as DCP flattens it) is stored as what it is: a
     tensor of the same shape and dtype kind, or bytes for a non-tensor value."""
     flat, _ = flatten_state_dict(state_dict)
@@ -220,17 +239,25 @@ def check_entries(state_dict: dict[str, Any], metadata: Metadata, folder: str | 
         entry = stored[key]
         if not isinstance(value, torch.Tensor):
             if type(entry) is not BytesStorageMetadata:
-                raise LoadError(f"{path}: {key!r} should be a plain value but is stored as a tensor")
+                raise LoadError(
+                    f"{path}: {key!r} should be a plain value but is stored as a tensor"
+                )
             continue
         if type(entry) is not TensorStorageMetadata:
-            raise LoadError(f"{path}: {key!r} is a tensor of the model but is stored as bytes "
-                            "(refused: bytes are pickled data)")
+            raise LoadError(
+                f"{path}: {key!r} is a tensor of the model but is stored as bytes "
+                "(refused: bytes are pickled data)"
+            )
         if tuple(entry.size) != tuple(value.shape):
-            raise LoadError(f"{path}: {key!r} has shape {tuple(entry.size)}, the model has "
-                            f"{tuple(value.shape)}{hint}")
+            raise LoadError(
+                f"{path}: {key!r} has shape {tuple(entry.size)}, the model has "
+                f"{tuple(value.shape)}{hint}"
+            )
         if not _dtype_fits(entry.properties.dtype, value.dtype):
-            raise LoadError(f"{path}: {key!r} is stored as {entry.properties.dtype}, the model "
-                            f"has {value.dtype}{hint}")
+            raise LoadError(
+                f"{path}: {key!r} is stored as {entry.properties.dtype}, the model "
+                f"has {value.dtype}{hint}"
+            )
 
 
 def _dtype_fits(stored: torch.dtype, wanted: torch.dtype) -> bool:
@@ -261,8 +288,9 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, safe)
 
 
-def load_dcp(state_dict: dict[str, Any], folder: str | Path, *, process_group=None,
-             hint: str = "") -> None:
+def load_dcp(
+    state_dict: dict[str, Any], folder: str | Path, *, process_group=None, hint: str = ""
+) -> None:
     """Load ``state_dict`` in place from the DCP folder ``folder`` (tensors and DTensors are
     resharded, floating dtypes converted), after the checks above. Collective over
     ``process_group`` (default: the world, or none without a process group); every rank
@@ -278,8 +306,13 @@ def load_dcp(state_dict: dict[str, Any], folder: str | Path, *, process_group=No
     try:
         with warnings.catch_warnings():  # one process without a process group is fine here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state_dict, storage_reader=reader, planner=planner,
-                     process_group=process_group, no_dist=not distributed)
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=planner,
+                process_group=process_group,
+                no_dist=not distributed,
+            )
     except CheckpointException as e:
         error, _ = next(iter(e.failures.values()))
         raise LoadError(f"{folder}: cannot be loaded ({_reason(error)})") from None
@@ -337,8 +370,9 @@ def safetensors_files(folder: str | Path) -> list[Path]:
         return files
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     found = f" ({', '.join(pickled)}: pickle-based, never loaded)" if pickled else ""
-    raise LoadError(f"{folder}: no *.safetensors files{found}; convert the weights to "
-                    "safetensors first")
+    raise LoadError(
+        f"{folder}: no *.safetensors files{found}; convert the weights to safetensors first"
+    )
 
 
 @contextmanager

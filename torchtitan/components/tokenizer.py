@@ -118,7 +118,9 @@ class HuggingFaceTokenizer(BaseTokenizer):
         self._folder = tokenizer_file.parent
         self._chat_template = _find_chat_template(self._folder, config, field)
 
-    def _special_id(self, config: dict[str, Any], key: str, field: str, default: int | None) -> int | None:
+    def _special_id(
+        self, config: dict[str, Any], key: str, field: str, default: int | None
+    ) -> int | None:
         token = _token_content(config.get(key), key, field)
         return default if token is None else self._tokenizer.token_to_id(token)
 
@@ -182,7 +184,9 @@ def _locate_tokenizer_files(path: Path, field: str) -> tuple[Path, Path | None]:
         )
     tokenizer_file = path / "tokenizer.json" if path.is_dir() else path
     if not tokenizer_file.is_file():
-        raise FileNotFoundError(f"{field}: {str(path)!r} has no tokenizer.json (expected {tokenizer_file})")
+        raise FileNotFoundError(
+            f"{field}: {str(path)!r} has no tokenizer.json (expected {tokenizer_file})"
+        )
     config_file = tokenizer_file.parent / "tokenizer_config.json"
     return tokenizer_file, config_file if config_file.is_file() else None
 
@@ -199,7 +203,15 @@ def _read_tokenizer_config(config_file: Path | None, field: str) -> dict[str, An
     return config
 
 
-_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_NAMED_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 """The special tokens tokenizer_config.json names, in the order transformers adds them."""
 
 
@@ -208,7 +220,9 @@ def _token_content(token: Any, key: str, field: str) -> str | None:
     if isinstance(token, dict):
         token = token.get("content")
     if token is not None and not isinstance(token, str):
-        raise ValueError(f"{field}: {key} in tokenizer_config.json must be a string or a dict with \"content\"")
+        raise ValueError(
+            f'{field}: {key} in tokenizer_config.json must be a string or a dict with "content"'
+        )
     return token
 
 
@@ -222,15 +236,27 @@ def _config_tokens(config: dict[str, Any], field: str) -> list[AddedToken]:
     if not isinstance(decoder, dict) or not all(
         str(k).isdigit() and isinstance(v, dict) and "content" in v for k, v in decoder.items()
     ):
-        raise ValueError(f"{field}: added_tokens_decoder in tokenizer_config.json must map ids to dicts with \"content\"")
+        raise ValueError(
+            f'{field}: added_tokens_decoder in tokenizer_config.json must map ids to dicts with "content"'
+        )
     tokens = []
     for _, entry in sorted(decoder.items(), key=lambda item: int(item[0])):
         content = _token_content(entry, "added_tokens_decoder", field)
         special = bool(entry.get("special", False))
         flags = {name: bool(entry.get(name, False)) for name in ("single_word", "lstrip", "rstrip")}
-        tokens.append(AddedToken(content, **flags, normalized=bool(entry.get("normalized", not special)), special=special))
+        tokens.append(
+            AddedToken(
+                content,
+                **flags,
+                normalized=bool(entry.get("normalized", not special)),
+                special=special,
+            )
+        )
     named = [(key, config.get(key)) for key in _NAMED_SPECIAL_TOKENS]
-    named += [("additional_special_tokens", token) for token in config.get("additional_special_tokens") or []]
+    named += [
+        ("additional_special_tokens", token)
+        for token in config.get("additional_special_tokens") or []
+    ]
     for key, token in named:
         content = _token_content(token, key, field)
         if content is not None:
@@ -267,7 +293,7 @@ def _find_chat_template(folder: Path, config: dict[str, Any], field: str) -> str
             return named["default"]
     raise ValueError(
         f"{field}: chat_template in tokenizer_config.json must be a string or a list of "
-        f"{{\"name\", \"template\"}} with one named \"default\""
+        f'{{"name", "template"}} with one named "default"'
     )
 
 

@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.batch import MicroBatch, model_inputs
 from torchtitan.components.dataloader import build_dataloader
-from torchtitan.layers.loss import GlobalTokenMeanLoss, LossFn, valid_tokens
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.distributed import ParallelDims
+from torchtitan.layers.loss import GlobalTokenMeanLoss, LossFn, valid_tokens
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
@@ -94,7 +94,9 @@ class Validator:
         return record
 
     @torch.no_grad()
-    def _loss_sum_and_tokens(self, model_parts: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss_sum_and_tokens(
+        self, model_parts: list[nn.Module]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, valid tokens), summed over the ranks that hold different data
         (``dp_cp``) and, under PP, brought from the last stage to every stage."""
         device = _buffer_device(model_parts[0])
@@ -104,7 +106,9 @@ class Validator:
                 break
             inputs, labels = input_dict["input"].to(device), labels.to(device)
             document_ids = input_dict.get("document_ids")
-            batch = MicroBatch(inputs, labels, None if document_ids is None else document_ids.to(device))
+            batch = MicroBatch(
+                inputs, labels, None if document_ids is None else document_ids.to(device)
+            )
             inputs, labels, kwargs = model_inputs(batch, self.parallel_dims, self.reset_positions)
             with self.train_context():
                 if self.pipeline is not None:
@@ -120,31 +124,44 @@ class Validator:
         for mesh in self._reduce_meshes():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=mesh.get_group())
         if totals[1] == 0:
-            raise ValueError("validation.dataset: the validation split produced no batches with valid labels")
+            raise ValueError(
+                "validation.dataset: the validation split produced no batches with valid labels"
+            )
         return totals[0], totals[1]
 
     def _reduce_meshes(self) -> list[DeviceMesh]:
         parallel_dims = self.parallel_dims
-        names = (["dp_cp"] if parallel_dims.dp_cp_enabled else []) + (["pp"] if parallel_dims.pp_enabled else [])
+        names = (["dp_cp"] if parallel_dims.dp_cp_enabled else []) + (
+            ["pp"] if parallel_dims.pp_enabled else []
+        )
         return [parallel_dims.world_mesh[name] for name in names]
 
-    def _pipeline_loss(self, inputs: torch.Tensor, labels: torch.Tensor,
-                       kwargs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def _pipeline_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]
+    ) -> torch.Tensor | None:
         """The batch's summed loss on the last stage, else None."""
         pipeline = self.pipeline
         losses: list[torch.Tensor] = []
         targets = {"target": labels, "losses": losses} if pipeline.has_last_stage else {}
         args = (inputs,) if pipeline.has_first_stage else ()
         pipeline.loss.set_global_tokens(None)  # sum; the next training step sets its divisor
-        pipeline.schedule.eval(*args, return_outputs=False, **targets, **kwargs)  # logits are not needed
+        pipeline.schedule.eval(
+            *args, return_outputs=False, **targets, **kwargs
+        )  # logits are not needed
         if not pipeline.has_last_stage:
             return None
         losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
         return torch.stack(losses).sum()
 
     def _log(self, record: dict[str, float], tokens: int) -> None:
-        step, loss, perplexity = record["step"], record["validation_loss"], record["validation_perplexity"]
-        logger.info(f"validation step {step}: loss {loss:.4f}  perplexity {perplexity:.4f}  ({tokens:,} tokens)")
+        step, loss, perplexity = (
+            record["step"],
+            record["validation_loss"],
+            record["validation_perplexity"],
+        )
+        logger.info(
+            f"validation step {step}: loss {loss:.4f}  perplexity {perplexity:.4f}  ({tokens:,} tokens)"
+        )
         if self.metrics_processor is not None:
             self.metrics_processor.log_validation(record)
 
@@ -186,7 +203,9 @@ def build_validator(
     ``validation.freq`` steps (``reset_positions``: ``training.reset_position_ids_per_document``).
     Under PP it needs the trainer's schedule (``pipeline``)."""
     if parallel_dims.pp_enabled and pipeline is None:
-        raise ValueError("build_validator: pipeline parallel needs the trainer's schedule (pipeline=...)")
+        raise ValueError(
+            "build_validator: pipeline parallel needs the trainer's schedule (pipeline=...)"
+        )
     return Validator(
         dataloader=build_dataloader(validation, parallel_dims, tokenizer, split="validation"),
         loss_fn=loss_fn,
@@ -198,4 +217,3 @@ def build_validator(
         metrics_processor=metrics_processor,
         reset_positions=reset_positions,
     )
-

@@ -34,9 +34,17 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("profiling.profile_freq", lambda v: v >= 1, "must be >= 1"),
     ("profiling.profiler_active", lambda v: v >= 1, "must be >= 1"),
     ("profiling.profiler_warmup", lambda v: v >= 0, "must be >= 0"),
-    ("lr_scheduler.total_steps", lambda v: v is None or v >= 1, "must be >= 1 (unset = training.steps)"),
+    (
+        "lr_scheduler.total_steps",
+        lambda v: v is None or v >= 1,
+        "must be >= 1 (unset = training.steps)",
+    ),
     ("parallelism.data_parallel_replicate_degree", lambda v: v >= 1, "must be >= 1"),
-    ("parallelism.data_parallel_shard_degree", lambda v: v == -1 or v >= 1, "must be -1 (infer) or >= 1"),
+    (
+        "parallelism.data_parallel_shard_degree",
+        lambda v: v == -1 or v >= 1,
+        "must be -1 (infer) or >= 1",
+    ),
     ("parallelism.tensor_parallel_degree", lambda v: v >= 1, "must be >= 1"),
     ("parallelism.pipeline_parallel_degree", lambda v: v >= 1, "must be >= 1"),
     ("parallelism.context_parallel_degree", lambda v: v >= 1, "must be >= 1"),
@@ -68,15 +76,18 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
 _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallelism.enable_compiled_autograd", bool, "compiled autograd"),
     ("optimizer.early_step_in_backward", bool, "optimizer step in backward"),
-    ("memory_estimation.enable", bool, "memory estimation inside the trainer (use scripts/estimate/estimation.py)"),
+    (
+        "memory_estimation.enable",
+        bool,
+        "memory estimation inside the trainer (use scripts/estimate/estimation.py)",
+    ),
 ]
 
 
 # Upstream settings of features this code base does not have: accepted at upstream's default
 # (so upstream TOMLs load), refused otherwise.
 _UPSTREAM_ONLY: dict[str, str] = {
-    "parallelism.module_fqns_per_model_part":
-        "pipeline stages by module lists (use pipeline_parallel_split_points)",
+    "parallelism.module_fqns_per_model_part": "pipeline stages by module lists (use pipeline_parallel_split_points)",
     "parallelism.pipeline_parallel_expert_parallel_overlap": "the DualPipeV EP/PP overlap",
     "parallelism.expert_parallel_comm_backend": "DeepEP dispatch",
     "checkpoint.initial_load_in_hf_quantized": "loading quantized Hugging Face checkpoints",
@@ -140,8 +151,9 @@ def check_job_config(config: Any) -> None:
         )
     _check_profiler_schedule(config.profiling)
     _check_training_dtype(config.training)
-    ac_error = check_ac_config(config.activation_checkpoint.mode,
-                               config.activation_checkpoint.selective_ac_option)
+    ac_error = check_ac_config(
+        config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
+    )
     if ac_error:
         raise ConfigError(ac_error)
     if config.parallelism.enable_async_tensor_parallel and not config.compile.enable:
@@ -153,7 +165,10 @@ def check_job_config(config: Any) -> None:
     _check_fault_tolerance(config.fault_tolerance, config.parallelism)
     _check_quantize(config.model.converters, config.quantize)
     _check_attention(config.model, config.training)
-    etp, tp = config.parallelism.expert_tensor_parallel_degree, config.parallelism.tensor_parallel_degree
+    etp, tp = (
+        config.parallelism.expert_tensor_parallel_degree,
+        config.parallelism.tensor_parallel_degree,
+    )
     if etp not in (1, tp):
         raise ConfigError(
             f"parallelism.expert_tensor_parallel_degree: must be 1 or tensor_parallel_degree "
@@ -166,9 +181,13 @@ def _check_dataloaders(config: Any) -> None:
         dl = get_field(config, section).dataloader
         for name in ("prefetch_factor", "persistent_workers"):
             if getattr(dl, name) not in (None, False) and dl.num_workers == 0:
-                raise ConfigError(f"{section}.dataloader.{name}: needs {section}.dataloader.num_workers > 0")
+                raise ConfigError(
+                    f"{section}.dataloader.{name}: needs {section}.dataloader.num_workers > 0"
+                )
         if dl.prefetch_factor is not None and dl.prefetch_factor < 1:
-            raise ConfigError(f"{section}.dataloader.prefetch_factor: must be >= 1, got {dl.prefetch_factor!r}")
+            raise ConfigError(
+                f"{section}.dataloader.prefetch_factor: must be >= 1, got {dl.prefetch_factor!r}"
+            )
     if config.validation.dataloader.num_workers:
         raise ConfigError(
             "validation.dataloader.num_workers: the finite validation loader reads in the training process; "
@@ -183,7 +202,9 @@ def _check_fault_tolerance(ft: Any, parallelism: Any) -> None:
     if not ft.enable:
         return
     if ft.group_size < 1:
-        raise ConfigError(f"fault_tolerance.group_size: must be >= 1 with fault_tolerance.enable, got {ft.group_size}")
+        raise ConfigError(
+            f"fault_tolerance.group_size: must be >= 1 with fault_tolerance.enable, got {ft.group_size}"
+        )
     if not 0 <= ft.replica_id < ft.group_size:
         raise ConfigError(
             f"fault_tolerance.replica_id: must be in 0 .. group_size - 1 = {ft.group_size - 1}, got {ft.replica_id}"
@@ -197,7 +218,9 @@ def _check_fault_tolerance(ft: Any, parallelism: Any) -> None:
             f"fault_tolerance.semi_sync_method: must be unset, 'diloco' or 'local_sgd', got {ft.semi_sync_method!r}"
         )
     if ft.process_group_timeout_ms < 1:
-        raise ConfigError(f"fault_tolerance.process_group_timeout_ms: must be >= 1, got {ft.process_group_timeout_ms}")
+        raise ConfigError(
+            f"fault_tolerance.process_group_timeout_ms: must be >= 1, got {ft.process_group_timeout_ms}"
+        )
     if ft.semi_sync_method is not None:
         if parallelism.pipeline_parallel_degree > 1:
             raise ConfigError(
@@ -272,7 +295,11 @@ def _check_checkpoint(ckpt: Any) -> None:
     for name in ("initial_load_in_hf", "last_save_in_hf", "initial_load_path"):
         if getattr(ckpt, name) and not ckpt.enable:
             raise ConfigError(f"checkpoint.{name}: needs checkpoint.enable")
-    unknown = [n for n in ckpt.preemption_signals if not isinstance(getattr(signal, n, None), signal.Signals)]
+    unknown = [
+        n
+        for n in ckpt.preemption_signals
+        if not isinstance(getattr(signal, n, None), signal.Signals)
+    ]
     if unknown:
         raise ConfigError(
             f"checkpoint.preemption_signals: unknown signal(s) {', '.join(map(repr, unknown))}; use names "
@@ -290,7 +317,9 @@ def _check_attention(model: Any, training: Any) -> None:
     window = model.sliding_window
     if window is not None:
         if model.attn_type != "flex":
-            raise ConfigError("model.sliding_window needs model.attn_type 'flex'; set --model.attn_type flex")
+            raise ConfigError(
+                "model.sliding_window needs model.attn_type 'flex'; set --model.attn_type flex"
+            )
         if not 1 <= window <= training.seq_len:
             raise ConfigError(
                 f"model.sliding_window: must be between 1 and training.seq_len ({training.seq_len}), "
@@ -303,8 +332,12 @@ def _check_attention(model: Any, training: Any) -> None:
         )
 
 
-_LINEAR_CONVERTERS = {"float8": "float8", "quantize.linear.float8": "float8",
-                      "mx": "mx", "quantize.linear.mx": "mx"}
+_LINEAR_CONVERTERS = {
+    "float8": "float8",
+    "quantize.linear.float8": "float8",
+    "mx": "mx",
+    "quantize.linear.mx": "mx",
+}
 
 
 def _check_quantize(converters: list[str], quantize: Any) -> None:

@@ -70,8 +70,10 @@ def main(argv: list[str]) -> int:
     """Print the merged config as TOML; with --show-sources, each line also says which
     file (or the command line, or the default) its value came from."""
     if "--world-size" in argv:
-        raise ConfigError("--world-size: the layout check for N processes is "
-                          "python -m torchtitan.preflight --world-size N [config flags]")
+        raise ConfigError(
+            "--world-size: the layout check for N processes is "
+            "python -m torchtitan.preflight --world-size N [config flags]"
+        )
     show_sources = SHOW_SOURCES_FLAG in argv
     manager = ConfigManager()
     config = manager.parse_args([a for a in argv if a != SHOW_SOURCES_FLAG])

@@ -478,7 +478,9 @@ class Float8LinearConfig:
 
 @dataclass
 class MXLinearConfig:
-    recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8", "mxfp8_cublas"] = "mxfp8_rceil"
+    recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8", "mxfp8_cublas"] = (
+        "mxfp8_rceil"
+    )
     """MXFP8 recipe (blocks of 32 share an e8m0 scale; needs SM100 unless emulate). Upstream's
     names for older torchao (mxfp8, mxfp8_cublas) load but are refused when MX is enabled."""
 
@@ -513,7 +515,9 @@ class Float8GroupedMMConfig:
 
 @dataclass
 class MXGroupedMMConfig:
-    recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8", "mxfp8_cublas"] = "mxfp8_rceil"
+    recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8", "mxfp8_cublas"] = (
+        "mxfp8_rceil"
+    )
     """MXFP8 recipe of the expert grouped GEMMs. Needs CUDA SM100. Upstream's names for
     older torchao (mxfp8, mxfp8_cublas) load but are refused when MX is enabled."""
 
@@ -729,7 +733,9 @@ class JobConfig:
     """Parallel degrees and their options."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
-    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
     """Activation checkpointing."""
     compile: CompileConfig = field(default_factory=CompileConfig)
     """torch.compile."""

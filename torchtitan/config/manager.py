@@ -24,10 +24,10 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tyro
 
+from torchtitan.config.checks import check_job_config, get_field
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.toml_chain import load_toml_chain
-from torchtitan.config.checks import check_job_config, get_field
 
 logger = logging.getLogger("torchtitan")
 
@@ -41,7 +41,10 @@ DEPRECATED_ALIASES: dict[tuple[str, str], tuple[str, str]] = {
     ("training", "seed"): ("debug", "seed"),
     ("training", "deterministic"): ("debug", "deterministic"),
     ("training", "batch_size"): ("training", "local_batch_size"),
-    ("training", "data_parallel_replicate_degree"): ("parallelism", "data_parallel_replicate_degree"),
+    ("training", "data_parallel_replicate_degree"): (
+        "parallelism",
+        "data_parallel_replicate_degree",
+    ),
     ("training", "data_parallel_shard_degree"): ("parallelism", "data_parallel_shard_degree"),
     ("training", "tensor_parallel_degree"): ("parallelism", "tensor_parallel_degree"),
     ("validation", "enabled"): ("validation", "enable"),
@@ -186,9 +189,7 @@ def _unknown_key_error(key: str, known: list[str], where: str) -> ConfigError:
     hint = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     suggestion = f"; did you mean '{where}{hint[0]}'?" if hint else ""
     kind = "section" if not where else "key"
-    return ConfigError(
-        f"{where}{key}: unknown {kind}{suggestion} (valid: {', '.join(known)})"
-    )
+    return ConfigError(f"{where}{key}: unknown {kind}{suggestion} (valid: {', '.join(known)})")
 
 
 def build_from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
@@ -274,7 +275,7 @@ def _rewrite_cli_aliases(args: list[str]) -> list[str]:
         for old_sec, new_sec in DEPRECATED_SECTION_ALIASES.items():
             if name.startswith(f"--{old_sec}."):
                 _warn_deprecated((old_sec, "*"), (new_sec, "*"))
-                name = f"--{new_sec}." + name[len(old_sec) + 3:]
+                name = f"--{new_sec}." + name[len(old_sec) + 3 :]
         for (old_sec, old_key), (new_sec, new_key) in DEPRECATED_ALIASES.items():
             for neg in ("", "no_"):
                 if name == f"--{old_sec}.{neg}{old_key}":
@@ -393,8 +394,10 @@ def _condense_tyro_error(text: str) -> str:
     message = paragraphs[0]
     choice = _INVALID_CHOICE.search(message)
     if choice:
-        message = (f"--{choice['field']}: invalid choice {choice['value']}; valid: "
-                   f"{choice['choices'].rstrip(',')}")
+        message = (
+            f"--{choice['field']}: invalid choice {choice['value']}; valid: "
+            f"{choice['choices'].rstrip(',')}"
+        )
     suggestion = next((p for p in paragraphs if p.startswith("Perhaps you meant:")), None)
     if suggestion:
         message += f"; did you mean {suggestion.split()[3]}?"
@@ -533,4 +536,3 @@ def _toml_value(value: Any) -> str | None:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) or '""' for v in value) + "]"
     return repr(value)
-

@@ -25,7 +25,9 @@ def check_torch_version(version: str | None = None) -> None:
         try:
             version = importlib.metadata.version("torch")
         except importlib.metadata.PackageNotFoundError:
-            raise ConfigError(f"torch is not installed; this code needs torch >= {needed}") from None
+            raise ConfigError(
+                f"torch is not installed; this code needs torch >= {needed}"
+            ) from None
     found = _major_minor(version)
     if found is not None and found < MIN_TORCH_VERSION:
         raise ConfigError(

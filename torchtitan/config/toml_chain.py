@@ -59,7 +59,7 @@ def _read_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
     while current is not None:
         real = os.path.realpath(current)
         if real in seen:
-            cycle = " -> ".join(seen[seen.index(real):] + [real])
+            cycle = " -> ".join(seen[seen.index(real) :] + [real])
             raise ConfigError(f"job.base_config: the base configs form a cycle: {cycle}")
         seen.append(real)
         data = load_toml(current, field_name)

@@ -36,11 +36,17 @@ __all__ = [
 
 def _register_builtins() -> None:
     for name, split in (("python_stdlib", "train"), ("python_stdlib_validation", "validation")):
-        register_dataset(name, DatasetConfig(name, lambda path, split=split: stdlib.load_stdlib(split)))
+        register_dataset(
+            name, DatasetConfig(name, lambda path, split=split: stdlib.load_stdlib(split))
+        )
     for name, split in (("c4", "train"), ("c4_validation", "validation")):
-        register_dataset(name, DatasetConfig(name, lambda path, split=split: hf.load_c4(split), hf.row_text))
+        register_dataset(
+            name, DatasetConfig(name, lambda path, split=split: hf.load_c4(split), hf.row_text)
+        )
     for name in ("json", "jsonl"):
-        register_dataset(name, DatasetConfig(name, partial(hf.load_table_files, kind="json"), hf.row_text, True))
+        register_dataset(
+            name, DatasetConfig(name, partial(hf.load_table_files, kind="json"), hf.row_text, True)
+        )
     parquet = partial(hf.load_table_files, kind="parquet")
     register_dataset("parquet", DatasetConfig("parquet", parquet, hf.row_text, True))
     register_dataset("txt", DatasetConfig("txt", hf.load_text_files, hf.row_text, True))

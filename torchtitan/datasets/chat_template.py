@@ -20,10 +20,10 @@ from typing import Any, NoReturn
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.datasets.packing import EncodedDocument
 from torchtitan.datasets.sft import ChatSample
+from torchtitan.protocols.tokenizer import BaseTokenizer
 
 Piece = tuple[str, bool]  # (text, trained)
 
@@ -88,7 +88,9 @@ class ChatEncoder:
             rendered = text
         return pieces
 
-    def _extended(self, sample: ChatSample, rendered: str, count: int, add_generation_prompt: bool) -> str:
+    def _extended(
+        self, sample: ChatSample, rendered: str, count: int, add_generation_prompt: bool
+    ) -> str:
         """The text of the first ``count`` messages, which must extend ``rendered``."""
         text = self._render(sample, count, add_generation_prompt)
         if not text.startswith(rendered):
@@ -103,9 +105,13 @@ class ChatEncoder:
         try:
             messages = list(sample.messages[:count])
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
             )
-        except Exception as e:  # a template is foreign code: any failure is a problem of the data or template
+        except (
+            Exception
+        ) as e:  # a template is foreign code: any failure is a problem of the data or template
             raise ConfigError(
                 f"{self._field}: {sample.source}: the chat template of {self._tokenizer.field} fails on this "
                 f"sample: {e}"

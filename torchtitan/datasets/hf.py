@@ -79,7 +79,9 @@ def load_table_files(path: str | None, kind: str) -> Any:
     _check_not_empty(path, files)
     table = _load_local(kind, files)
     if TEXT_COLUMN not in table.column_names:
-        raise ValueError(f"{path!r} has no {TEXT_COLUMN!r} column (columns: {', '.join(table.column_names)})")
+        raise ValueError(
+            f"{path!r} has no {TEXT_COLUMN!r} column (columns: {', '.join(table.column_names)})"
+        )
     return table.select_columns([TEXT_COLUMN])
 
 

@@ -51,10 +51,10 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from torchtitan.layers.loss import IGNORE_INDEX
 from torchtitan.config.errors import ConfigError
 from torchtitan.datasets.registry import Documents, is_indexable
 from torchtitan.datasets.sources import IndexedDocuments, ShardedDocuments, StreamedDocuments
+from torchtitan.layers.loss import IGNORE_INDEX
 
 logger = logging.getLogger("torchtitan")
 
@@ -82,7 +82,9 @@ class Window:
 
     tokens: list[int] = field(default_factory=list)
     targets: list[bool] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)  # positions where a document (or its rest) begins
+    starts: list[int] = field(
+        default_factory=list
+    )  # positions where a document (or its rest) begins
     truncated: bool = False  # a whole document lost its tail to fit
 
     def add(self, tokens: list[int], targets: list[bool] | None) -> None:
@@ -202,17 +204,23 @@ def merge_data_states(states: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("merge_data_states: no states given")
     shard_counts = {state["data_shards"] for state in states}
     if len(shard_counts) != 1:
-        raise ValueError(f"merge_data_states: the states disagree on data_shards: {sorted(shard_counts)}")
+        raise ValueError(
+            f"merge_data_states: the states disagree on data_shards: {sorted(shard_counts)}"
+        )
     num_shards = shard_counts.pop()
     shards: dict[str, list[int]] = {}
     for state in states:
         for shard, cursor in state["shards"].items():
             if shard in shards and list(shards[shard]) != list(cursor):
-                raise ValueError(f"merge_data_states: two states hold different cursors for data shard {shard}")
+                raise ValueError(
+                    f"merge_data_states: two states hold different cursors for data shard {shard}"
+                )
             shards[shard] = list(cursor)
     missing = [s for s in range(num_shards) if str(s) not in shards]
     if missing:
-        raise ValueError(f"merge_data_states: no state holds data shards {missing}; pass the states of all dp ranks")
+        raise ValueError(
+            f"merge_data_states: no state holds data shards {missing}; pass the states of all dp ranks"
+        )
     return {
         "data_shards": num_shards,
         "next_position": min(state["next_position"] for state in states),
@@ -298,11 +306,16 @@ class ShardedTextDataset(IterableDataset):
         return IndexedDocuments(documents, self._num_shards)
 
     def _reader(
-        self, shard: int, cursor: ShardCursor | None = None, documents: ShardedDocuments | None = None
+        self,
+        shard: int,
+        cursor: ShardCursor | None = None,
+        documents: ShardedDocuments | None = None,
     ) -> ShardReader:
         describe = f"{self._section}.data_shards ({self._num_shards}) with dataset {self._name!r}"
         documents = self._documents if documents is None else documents
-        return ShardReader(shard, documents, self._encode, self._window, describe, cursor, self._pad_id)
+        return ShardReader(
+            shard, documents, self._encode, self._window, describe, cursor, self._pad_id
+        )
 
     def _restart(self) -> None:
         self._position = self._dp_rank
@@ -327,11 +340,18 @@ class ShardedTextDataset(IterableDataset):
         a worker process produces it (see the module docstring): ``(position, shard, the shard's
         cursor after the sample, sample)``. Leaves this dataset's state untouched."""
         if not self._infinite or len(self._shards) % parts != 0:
-            raise ValueError(f"iter_partition: needs an infinite dataset and a divisor of {len(self._shards)} parts")
+            raise ValueError(
+                f"iter_partition: needs an infinite dataset and a divisor of {len(self._shards)} parts"
+            )
         first, stride = self._position + part * self._dp_degree, parts * self._dp_degree
-        shards = sorted({(first + k * stride) % self._num_shards for k in range(len(self._shards) // parts)})
+        shards = sorted(
+            {(first + k * stride) % self._num_shards for k in range(len(self._shards) // parts)}
+        )
         documents = self._shard_documents(self._source, shards)
-        readers = {shard: self._reader(shard, replace(self._readers[shard].cursor), documents) for shard in shards}
+        readers = {
+            shard: self._reader(shard, replace(self._readers[shard].cursor), documents)
+            for shard in shards
+        }
         for position in itertools.count(first, stride):
             reader = readers[position % self._num_shards]
             window = reader.next_window()
@@ -342,7 +362,9 @@ class ShardedTextDataset(IterableDataset):
     def consume(self, position: int, shard: int, cursor: tuple[int, ...]) -> None:
         """Move the state past the sample at ``position`` that a partition produced."""
         if position != self._position:
-            raise RuntimeError(f"data loader workers delivered position {position} where {self._position} was due")
+            raise RuntimeError(
+                f"data loader workers delivered position {position} where {self._position} was due"
+            )
         self._readers[shard] = self._reader(shard, ShardCursor(*cursor))
         self._position = position + self._dp_degree
 
@@ -369,7 +391,9 @@ class ShardedTextDataset(IterableDataset):
     def _count_windows(self) -> dict[int, int]:
         lengths = self._epoch_lengths()
         if self._pad_id is not None:
-            return {shard: _whole_windows(counts, self._window) for shard, counts in lengths.items()}
+            return {
+                shard: _whole_windows(counts, self._window) for shard, counts in lengths.items()
+            }
         return {shard: sum(counts) // self._window for shard, counts in lengths.items()}
 
     def _log_truncation(self) -> None:
@@ -380,14 +404,22 @@ class ShardedTextDataset(IterableDataset):
         logger.warning(
             "%s.seq_len: %d of the %d samples of dataset %r on this rank are longer than %s.seq_len + 1 = %d "
             "tokens and lose their tail; raise %s.seq_len to train on them whole",
-            self._section, too_long, len(lengths), self._name, self._section, self._window, self._section,
+            self._section,
+            too_long,
+            len(lengths),
+            self._name,
+            self._section,
+            self._window,
+            self._section,
         )
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "data_shards": self._num_shards,
             "next_position": self._position,
-            "shards": {str(shard): list(astuple(reader.cursor)) for shard, reader in self._readers.items()},
+            "shards": {
+                str(shard): list(astuple(reader.cursor)) for shard, reader in self._readers.items()
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -72,7 +72,9 @@ def check_dataset_fields(name: str, path: str | None, section: str = "training")
     exactly when the dataset reads local files, and exists then."""
     config = get_dataset_config(name, section)
     if config.uses_path and not path:
-        raise ValueError(f"{section}.dataset_path: dataset {name!r} reads local files; set {section}.dataset_path")
+        raise ValueError(
+            f"{section}.dataset_path: dataset {name!r} reads local files; set {section}.dataset_path"
+        )
     if path and not config.uses_path:
         raise ValueError(
             f"{section}.dataset_path: dataset {name!r} does not read a path (got {path!r}); "
@@ -83,7 +85,9 @@ def check_dataset_fields(name: str, path: str | None, section: str = "training")
     return config
 
 
-def load_documents(name: str, path: str | None, section: str = "training") -> tuple[DatasetConfig, Documents]:
+def load_documents(
+    name: str, path: str | None, section: str = "training"
+) -> tuple[DatasetConfig, Documents]:
     """Look up ``name`` and run its loader, turning loader failures into one error naming the field.
 
     Loaders raise FileNotFoundError / ValueError / ConnectionError with plain messages; this

@@ -20,7 +20,9 @@ from typing import Any
 from torchtitan.datasets.hf import data_files
 
 ROLES = ("system", "user", "assistant")
-_FORMATS = '{"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": ..., "completion": ...}'
+_FORMATS = (
+    '{"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": ..., "completion": ...}'
+)
 
 
 @dataclass(frozen=True)
@@ -60,22 +62,28 @@ def _parse(line: str, source: str) -> Any:
 
 def _messages(row: Any, source: str) -> tuple[dict[str, str], ...]:
     if not isinstance(row, dict):
-        raise ValueError(f"{source}: expected a JSON object, got {type(row).__name__}; write {_FORMATS}")
+        raise ValueError(
+            f"{source}: expected a JSON object, got {type(row).__name__}; write {_FORMATS}"
+        )
     if "messages" in row:
         return _checked_messages(row["messages"], source)
     if "prompt" in row or "completion" in row:
         return _prompt_completion(row, source)
     keys = ", ".join(map(repr, row)) or "none"
-    raise ValueError(f"{source}: no 'messages' or 'prompt'/'completion' field (keys: {keys}); write {_FORMATS}")
+    raise ValueError(
+        f"{source}: no 'messages' or 'prompt'/'completion' field (keys: {keys}); write {_FORMATS}"
+    )
 
 
 def _checked_messages(messages: Any, source: str) -> tuple[dict[str, str], ...]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{source}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}}")
+        raise ValueError(
+            f'{source}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}}'
+        )
     for k, message in enumerate(messages):
         if not _is_message(message):
             raise ValueError(
-                f"{source}: messages[{k}] must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}, "
+                f'{source}: messages[{k}] must be {{"role": one of {", ".join(ROLES)}, "content": a string}}, '
                 f"got {json.dumps(message)[:80]}"
             )
         if message["role"] == "assistant" and not message["content"].strip():
@@ -83,18 +91,29 @@ def _checked_messages(messages: Any, source: str) -> tuple[dict[str, str], ...]:
                 f"{source}: messages[{k}] is an assistant message with empty 'content'; fill it or drop it"
             )
     if not any(message["role"] == "assistant" for message in messages):
-        raise ValueError(f"{source}: 'messages' has no assistant message, so nothing would be trained; add one")
+        raise ValueError(
+            f"{source}: 'messages' has no assistant message, so nothing would be trained; add one"
+        )
     return tuple({"role": message["role"], "content": message["content"]} for message in messages)
 
 
 def _is_message(message: Any) -> bool:
-    return isinstance(message, dict) and message.get("role") in ROLES and isinstance(message.get("content"), str)
+    return (
+        isinstance(message, dict)
+        and message.get("role") in ROLES
+        and isinstance(message.get("content"), str)
+    )
 
 
 def _prompt_completion(row: dict[str, Any], source: str) -> tuple[dict[str, str], ...]:
     for key in ("prompt", "completion"):
         if not isinstance(row.get(key), str):
-            raise ValueError(f"{source}: '{key}' must be a string (a line with 'prompt' needs 'completion' too)")
+            raise ValueError(
+                f"{source}: '{key}' must be a string (a line with 'prompt' needs 'completion' too)"
+            )
     if not row["completion"].strip():
         raise ValueError(f"{source}: empty 'completion'; fill it or drop the line")
-    return {"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}
+    return {"role": "user", "content": row["prompt"]}, {
+        "role": "assistant",
+        "content": row["completion"],
+    }

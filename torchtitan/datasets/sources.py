@@ -101,7 +101,11 @@ class StreamedDocuments:
 
     def _wanted_later(self, index: int, epoch: int) -> bool:
         next_read = self._next_read.get(index % self._num_shards)
-        return next_read is not None and next_read[0] == epoch and next_read[1] <= index // self._num_shards
+        return (
+            next_read is not None
+            and next_read[0] == epoch
+            and next_read[1] <= index // self._num_shards
+        )
 
     def iter_epoch(self, shards: Sequence[int]) -> Iterator[tuple[int, Any]]:
         wanted = set(shards)

@@ -55,7 +55,9 @@ def split_files(split: str) -> tuple[str, ...]:
     """Relative paths (posix) of the split's files, in corpus order."""
     _check_split(split)
     want_validation = split == "validation"
-    return tuple(f for i, f in enumerate(_all_files()) if (i % VALIDATION_EVERY == 0) == want_validation)
+    return tuple(
+        f for i, f in enumerate(_all_files()) if (i % VALIDATION_EVERY == 0) == want_validation
+    )
 
 
 @functools.cache

@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 from torchtitan.tools.logging import logger
 
@@ -33,10 +37,12 @@ _MATMUL = torch.ops.aten.mm.default
 # Profiler annotations produce nothing to save, and a nested FSDP unit inside a block (MoE
 # experts over efsdp) runs a different number of them in forward and in recompute, which
 # per-op checkpointing would otherwise reject as a mismatch.
-SAC_IGNORED_OPS.update({
-    torch.ops.profiler._record_function_enter_new.default,
-    torch.ops.profiler._record_function_exit._RecordFunction,
-})
+SAC_IGNORED_OPS.update(
+    {
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    }
+)
 
 
 def _op_level_policy():
@@ -83,7 +89,10 @@ def keeps_attention_output(ac: ActivationCheckpointConfig, ring_cp: bool) -> boo
 
 
 def apply_ac(
-    blocks: nn.ModuleDict, mode: str, selective_option: str, preserve_rng_state: bool = False,
+    blocks: nn.ModuleDict,
+    mode: str,
+    selective_option: str,
+    preserve_rng_state: bool = False,
     save_attention_output: bool = False,
 ) -> None:
     """Wrap the blocks of one model part in place (FQNs gain no prefix in state dicts:

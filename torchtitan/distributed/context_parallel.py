@@ -89,7 +89,9 @@ def _rank_major_chunks(cp: int, load_balancer: str) -> list[int]:
 def _fine_ids(cp: int, rank: int, load_balancer: str, per_chunk: int) -> list[int]:
     """The rank's chunks in units of ``1 / per_chunk`` of a chunk (the blocks of a
     :class:`BlockPlan`), in local order."""
-    return [c * per_chunk + i for c in _chunk_ids(cp, rank, load_balancer) for i in range(per_chunk)]
+    return [
+        c * per_chunk + i for c in _chunk_ids(cp, rank, load_balancer) for i in range(per_chunk)
+    ]
 
 
 def _chunk_size(seq_len: int, cp: int, load_balancer: str) -> int:
@@ -155,10 +157,12 @@ def cp_positions(
     """Global positions ``[S_local]`` (int64) of this rank's tokens, for RoPE."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     size = _chunk_size(seq_len, cp, load_balancer)
-    return torch.cat([
-        torch.arange(i * size, (i + 1) * size, device=device)
-        for i in _chunk_ids(cp, rank, load_balancer)
-    ])
+    return torch.cat(
+        [
+            torch.arange(i * size, (i + 1) * size, device=device)
+            for i in _chunk_ids(cp, rank, load_balancer)
+        ]
+    )
 
 
 def shard_batch_for_cp(
@@ -192,10 +196,12 @@ def _to_global_order(shards: list[torch.Tensor], seq_dim: int, load_balancer: st
 def _to_rank_major(x: torch.Tensor, seq_dim: int, cp: int, load_balancer: str) -> torch.Tensor:
     """The full sequence -> ``[cp, *x.shape with seq / cp]``, rank r's shard at index r."""
     chunks = x.chunk(_num_chunks(cp, load_balancer), dim=seq_dim)
-    return torch.stack([
-        torch.cat([chunks[i] for i in _chunk_ids(cp, r, load_balancer)], dim=seq_dim)
-        for r in range(cp)
-    ])
+    return torch.stack(
+        [
+            torch.cat([chunks[i] for i in _chunk_ids(cp, r, load_balancer)], dim=seq_dim)
+            for r in range(cp)
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------- communication
@@ -305,14 +311,18 @@ def _held_block_grads(q, kv, out, lse, grad_out, plan: BlockPlan, q_ids, k_ids, 
     None on the fused kernels."""
     dkv = torch.zeros_like(kv, dtype=torch.float32)
     if math is None:
-        dq += fused_partial_backward(q, kv[0], kv[1], out, lse, grad_out, plan, q_ids, k_ids, scale, *dkv)
+        dq += fused_partial_backward(
+            q, kv[0], kv[1], out, lse, grad_out, plan, q_ids, k_ids, scale, *dkv
+        )
         return dkv
     qs, douts, lses, deltas = math
     size = plan.size
     ks, vs = (t.float().split(size, dim=2) for t in kv)
     dqs, dks, dvs = dq.split(size, dim=2), dkv[0].split(size, dim=2), dkv[1].split(size, dim=2)
     for a, b, mask in plan.pairs(q_ids, k_ids):
-        dq_ab, dk_ab, dv_ab = block_backward(qs[a], ks[b], vs[b], douts[a], lses[a], deltas[a], mask, scale)
+        dq_ab, dk_ab, dv_ab = block_backward(
+            qs[a], ks[b], vs[b], douts[a], lses[a], deltas[a], mask, scale
+        )
         dqs[a].add_(dq_ab)
         dks[b].add_(dk_ab)
         dvs[b].add_(dv_ab)
@@ -339,8 +349,12 @@ def _ring_backward(
     if not fused(q):
         dout = grad_out.float()
         delta = (dout * out.float()).sum(-1)
-        math = ((q.float() * scale).split(size, dim=2), dout.split(size, dim=2),
-                lse.split(size, dim=2), delta.split(size, dim=2))
+        math = (
+            (q.float() * scale).split(size, dim=2),
+            dout.split(size, dim=2),
+            lse.split(size, dim=2),
+            delta.split(size, dim=2),
+        )
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = torch.stack([k, v])
     dkv_in_flight = None
@@ -416,9 +430,11 @@ def _allgather_attention(
         # A plain bool mask, not torch.nn.attention.bias.CausalBias, which fails under
         # TorchDispatchModes such as selective activation checkpointing.
         mask = torch.ones(size, end, dtype=torch.bool, device=q.device).tril(end - size)
-        outs.append(F.scaled_dot_product_attention(
-            q_chunk, kv[0, :, :, :end], kv[1, :, :, :end], attn_mask=mask, scale=scale
-        ))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q_chunk, kv[0, :, :, :end], kv[1, :, :, :end], attn_mask=mask, scale=scale
+            )
+        )
     return torch.cat(outs, dim=2)
 
 
@@ -485,19 +501,29 @@ class ContextParallelAttention(AttentionKernel):
         docs = document_ids if self.spec.block_causal else None
         return self._plan(document_ids.shape[1] // self.cp_mesh.size(), docs, device)
 
-    def _plan(self, local_len: int, document_ids: torch.Tensor | None, device: torch.device) -> BlockPlan:
+    def _plan(
+        self, local_len: int, document_ids: torch.Tensor | None, device: torch.device
+    ) -> BlockPlan:
         """The blocks this rank computes: its queries (all of them under ulysses) against
         every key, in chunks that divide the load balancer's chunks."""
         cp, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
         chunk = _chunk_size(local_len * cp, cp, self.load_balancer)
         size = chunk_size(chunk)
-        q_ids = (list(range(local_len * cp // size)) if self.rotate_method == "ulysses"
-                 else _fine_ids(cp, rank, self.load_balancer, chunk // size))
+        q_ids = (
+            list(range(local_len * cp // size))
+            if self.rotate_method == "ulysses"
+            else _fine_ids(cp, rank, self.load_balancer, chunk // size)
+        )
         k_ids = list(range(local_len * cp // size))
         return build_block_plan(q_ids, k_ids, size, document_ids, self.spec.sliding_window, device)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BlockPlan | None = None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: BlockPlan | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
         if not q.shape == k.shape == v.shape:
@@ -523,9 +549,11 @@ class ContextParallelAttention(AttentionKernel):
         return _ulysses_attention(q, k, v, group, self.load_balancer, scale, mask)
 
     def extra_repr(self) -> str:
-        return (f"cp={self.cp_mesh.size()}, rotate_method={self.rotate_method!r}, "
-                f"load_balancer={self.load_balancer!r}, block_causal={self.spec.block_causal}, "
-                f"sliding_window={self.spec.sliding_window}")
+        return (
+            f"cp={self.cp_mesh.size()}, rotate_method={self.rotate_method!r}, "
+            f"load_balancer={self.load_balancer!r}, block_causal={self.spec.block_causal}, "
+            f"sliding_window={self.spec.sliding_window}"
+        )
 
 
 def apply_cp(
@@ -538,8 +566,7 @@ def apply_cp(
     a :class:`ContextParallelAttention` of the same mask; returns how many were replaced (at
     least one)."""
     owners = [
-        m for m in model.modules()
-        if isinstance(getattr(m, "inner_attention", None), LOCAL_KERNELS)
+        m for m in model.modules() if isinstance(getattr(m, "inner_attention", None), LOCAL_KERNELS)
     ]
     if not owners:
         raise ValueError(
@@ -548,5 +575,7 @@ def apply_cp(
         )
     for owner in owners:
         spec = owner.inner_attention.spec
-        owner.inner_attention = ContextParallelAttention(cp_mesh, rotate_method, load_balancer, spec)
+        owner.inner_attention = ContextParallelAttention(
+            cp_mesh, rotate_method, load_balancer, spec
+        )
     return len(owners)

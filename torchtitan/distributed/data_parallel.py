@@ -43,7 +43,9 @@ def apply_fsdp(
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, **kwargs)
     kind = "HSDP" if mesh.ndim == 2 else "FSDP"
-    logger.info(f"applied {kind} over mesh {tuple(mesh.shape)} (param {param_dtype}, reduce {reduce_dtype})")
+    logger.info(
+        f"applied {kind} over mesh {tuple(mesh.shape)} (param {param_dtype}, reduce {reduce_dtype})"
+    )
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:

@@ -69,12 +69,15 @@ def dispatch(
     received = torch.empty_like(num_tokens_per_expert)
     dist.all_to_all_single(received, num_tokens_per_expert, group=group)
     sent, received = num_tokens_per_expert.view(ep, local_experts), received.view(ep, local_experts)
-    input_splits, output_splits = moe_module.host_counts(torch.stack([sent.sum(1), received.sum(1)]), tokens.shape[0])
+    input_splits, output_splits = moe_module.host_counts(
+        torch.stack([sent.sum(1), received.sum(1)]), tokens.shape[0]
+    )
     tokens = all_to_all_single_autograd(tokens, output_splits, input_splits, group)
     # Received rows come in (source rank, local expert) blocks; the experts want them
     # grouped by local expert.
     block = torch.repeat_interleave(
-        torch.arange(ep * local_experts, device=tokens.device), received.flatten(),
+        torch.arange(ep * local_experts, device=tokens.device),
+        received.flatten(),
         output_size=sum(output_splits),
     )
     source, expert = block // local_experts, block % local_experts
@@ -125,7 +128,9 @@ class ShardWeights(ParallelStyle):
             return  # only the root module's own parameters
         for pname, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param, mesh, list(self.placements[pname]))
-            module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            module.register_parameter(
+                pname, nn.Parameter(sharded, requires_grad=param.requires_grad)
+            )
 
     def _sum_input_grad(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         if self.sum_input_grad_dim is None:
@@ -160,7 +165,9 @@ class ExpertParallel(ShardWeights):
         return combine(output, route, mesh.get_group(0))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._combine)
+        return distribute_module(
+            module, device_mesh, self._partition, self._prepare_input, self._combine
+        )
 
 
 class ReplicatedRouter(ParallelStyle):
@@ -186,7 +193,9 @@ _ROWS, _COLS = {"w1": 0, "w2": 1, "w3": 0}, {"w1": 1, "w2": 2, "w3": 1}
 """The hidden dim of the shared experts' 2-D and the routed experts' 3-D weights."""
 
 
-def _on_hidden(dims: dict[str, int], prefix: Sequence[Placement] = ()) -> dict[str, list[Placement]]:
+def _on_hidden(
+    dims: dict[str, int], prefix: Sequence[Placement] = ()
+) -> dict[str, list[Placement]]:
     return {name: [*prefix, Shard(dim)] for name, dim in dims.items()}
 
 
@@ -210,11 +219,18 @@ def parallelize_moe(moe: MoE, parallel_dims: ParallelDims) -> None:
     if not parallel_dims.tp_enabled:
         return
     tp_mesh = mesh["tp"]
-    parallelize_module(moe, tp_mesh, PrepareModuleInputOutput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Partial() if etp else Replicate(),), desired_output_layouts=(Shard(1),),
-        use_local_output=True,
-    ))
+    parallelize_module(
+        moe,
+        tp_mesh,
+        PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Partial() if etp else Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        ),
+    )
     parallelize_module(moe.router, tp_mesh, ReplicatedRouter(partial_expert_outputs=etp))
     if moe.shared_experts is not None:
         shared = ShardWeights(_on_hidden(_ROWS), 0) if etp else ShardWeights(_replicated(_ROWS))

@@ -58,7 +58,9 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
     """One line naming the address when nothing listens there within ``timeout_s``."""
     parsed = urlparse(address if "://" in address else f"http://{address}")
     try:
-        with socket.create_connection((parsed.hostname or "localhost", parsed.port or 80), timeout=timeout_s):
+        with socket.create_connection(
+            (parsed.hostname or "localhost", parsed.port or 80), timeout=timeout_s
+        ):
             return
     except OSError as e:
         raise ConfigError(
@@ -72,9 +74,13 @@ def check_fault_tolerance_inputs(ft: FaultToleranceConfig) -> None:
     if not ft.enable:
         return
     if importlib.util.find_spec("torchft") is None:
-        raise ConfigError("fault_tolerance.enable: the torchft package is not installed; pip install 'torchtitan[ft]'")
+        raise ConfigError(
+            "fault_tolerance.enable: the torchft package is not installed; pip install 'torchtitan[ft]'"
+        )
     if ft.process_group == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("fault_tolerance.process_group: 'nccl' needs CUDA; use 'gloo' on this machine")
+        raise ConfigError(
+            "fault_tolerance.process_group: 'nccl' needs CUDA; use 'gloo' on this machine"
+        )
     check_lighthouse(lighthouse_address(), ft.process_group_timeout_ms / 1000)
 
 
@@ -102,8 +108,13 @@ def _to_local_tree(value: Any) -> Any:
 def _like(template: Any, local: Any) -> Any:
     """``local`` (a peer's local shard) shaped like ``template`` (a DTensor or a tensor here)."""
     if isinstance(template, DTensor):
-        return DTensor.from_local(local.to(template.device), template.device_mesh, template.placements,
-                                  shape=template.shape, stride=template.stride())
+        return DTensor.from_local(
+            local.to(template.device),
+            template.device_mesh,
+            template.placements,
+            shape=template.shape,
+            stride=template.stride(),
+        )
     if isinstance(template, torch.Tensor):
         return local.to(template.device)
     return local
@@ -114,7 +125,11 @@ def _attempt_store() -> tuple[dist.TCPStore | None, str, int]:
     restarts (MAX_RESTARTS), and the manager's keys there would still name the dead
     attempt's manager server. Rank 0 hosts it; (the store on rank 0, its host, its port)."""
     host = socket.gethostname()
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
+    store = (
+        dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        if dist.get_rank() == 0
+        else None
+    )
     address = [host, store.port if store is not None else 0]
     dist.broadcast_object_list(address, src=0)
     return store, address[0], address[1]
@@ -144,7 +159,11 @@ class ReplicaGroups:
 
         self.config = ft
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
-        pg = ProcessGroupNCCL(timeout=timeout) if ft.process_group == "nccl" else ProcessGroupGloo(timeout=timeout)
+        pg = (
+            ProcessGroupNCCL(timeout=timeout)
+            if ft.process_group == "nccl"
+            else ProcessGroupGloo(timeout=timeout)
+        )
         self.semi_sync = ft.semi_sync_method
         self._store, store_host, store_port = _attempt_store()
         self.manager = Manager(
@@ -182,8 +201,12 @@ class ReplicaGroups:
         def load(incoming: dict[str, Any]) -> None:
             for name, obj in states.items():
                 current = obj.state_dict()
-                obj.load_state_dict({k: _like(current.get(k), v) for k, v in incoming[name].items()})
-            logger.info("fault tolerance: model, optimizer and step recovered from a live replica group")
+                obj.load_state_dict(
+                    {k: _like(current.get(k), v) for k, v in incoming[name].items()}
+                )
+            logger.info(
+                "fault tolerance: model, optimizer and step recovered from a live replica group"
+            )
 
         self.manager.register_state_dict_fn("torchtitan", load, save)
 
@@ -208,7 +231,9 @@ class ReplicaGroups:
         live = self.manager.num_participants()
         if live != self.live_groups:
             if self.live_groups:
-                logger.warning(f"fault tolerance: step {step}: live replica groups {self.live_groups} -> {live}")
+                logger.warning(
+                    f"fault tolerance: step {step}: live replica groups {self.live_groups} -> {live}"
+                )
             self.live_groups, self.changed_at_step = live, step
 
     def sum_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -216,12 +241,14 @@ class ReplicaGroups:
         self.manager.allreduce(tokens, reduce_op=dist.ReduceOp.SUM).wait()
         return tokens
 
-    def average_gradients_and_loss(self, params: list[nn.Parameter], losses: list[torch.Tensor]) -> torch.Tensor:
+    def average_gradients_and_loss(
+        self, params: list[nn.Parameter], losses: list[torch.Tensor]
+    ) -> torch.Tensor:
         """Average the gradients over the live groups, and this rank's loss share with them
         (what one job of all the groups' ranks would log): one all-reduce per dtype over the
         flattened local shards (rank r of each group holds the same shards) with the loss
         riding along. Returns the averaged loss."""
-        loss = torch.stack([_local(l) for l in losses]).sum().reshape(1)
+        loss = torch.stack([_local(loss) for loss in losses]).sum().reshape(1)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is not None:
@@ -232,7 +259,7 @@ class ReplicaGroups:
             self.manager.allreduce(flat).wait()
             offset = 0
             for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         return loss.reshape(())
 
@@ -246,7 +273,10 @@ class ReplicaGroups:
         under semi-sync the outer synchronisations so far."""
         if not self.per_step and self.manager.num_participants():
             self._note_membership(step)
-        extra = {"replica_groups": self.live_groups, "replica_groups_changed_at": self.changed_at_step or 0}
+        extra = {
+            "replica_groups": self.live_groups,
+            "replica_groups_changed_at": self.changed_at_step or 0,
+        }
         if not self.per_step:
             extra["outer_syncs"] = self.manager.current_step()
         return extra
@@ -265,11 +295,21 @@ class ReplicaGroups:
         if self.semi_sync == "local_sgd":
             wrapper = LocalSGD(self.manager, model, inner, ft.sync_steps)
         else:
-            outer = torch.optim.SGD(model.parameters(), lr=_OUTER_LR, momentum=_OUTER_MOMENTUM, nesterov=True)
-            wrapper = DiLoCo(self.manager, [model], inner, outer, sync_every=ft.sync_steps,
-                             backup_device=torch.device("cpu"), pin_memory=self.device.type == "cuda",
-                             should_quantize=ft.should_quantize, fragment_sync_delay=ft.fragment_sync_delay,
-                             fragment_update_alpha=ft.fragment_update_alpha)
+            outer = torch.optim.SGD(
+                model.parameters(), lr=_OUTER_LR, momentum=_OUTER_MOMENTUM, nesterov=True
+            )
+            wrapper = DiLoCo(
+                self.manager,
+                [model],
+                inner,
+                outer,
+                sync_every=ft.sync_steps,
+                backup_device=torch.device("cpu"),
+                pin_memory=self.device.type == "cuda",
+                should_quantize=ft.should_quantize,
+                fragment_sync_delay=ft.fragment_sync_delay,
+                fragment_update_alpha=ft.fragment_update_alpha,
+            )
         with wrapper:
             yield
 
@@ -298,4 +338,6 @@ class DataPositionFile:
         saved = json.loads(self.path.read_text())
         if saved["step"] > step:
             dataloader.load_state_dict(saved["dataloader"])
-            logger.info(f"fault tolerance: data loader resumes after step {saved['step']} of this replica group")
+            logger.info(
+                f"fault tolerance: data loader resumes after step {saved['step']} of this replica group"
+            )

@@ -51,7 +51,9 @@ def ended_on_user_error(failure: ChildFailedError, report_file: Path) -> bool:
     (torchrun stops the other workers once one fails), and some rank recorded its error."""
     codes = [f.exitcode for f in failure.failures.values()]
     stopped_by_user_error = all(c == USER_ERROR_EXIT_CODE or c < 0 for c in codes)
-    return USER_ERROR_EXIT_CODE in codes and stopped_by_user_error and report_file.stat().st_size > 0
+    return (
+        USER_ERROR_EXIT_CODE in codes and stopped_by_user_error and report_file.stat().st_size > 0
+    )
 
 
 class _QuietAfterUserError(logging.Filter):
@@ -77,7 +79,9 @@ class _TorchtitanAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
-        if result.is_failed() and any(f.exitcode == USER_ERROR_EXIT_CODE for f in result.failures.values()):
+        if result.is_failed() and any(
+            f.exitcode == USER_ERROR_EXIT_CODE for f in result.failures.values()
+        ):
             self._remaining_restarts = 0
         return result
 

@@ -257,7 +257,7 @@ class ParallelDims:
         names = [n for n, _ in self._mesh_dims()]
         if dim not in names:
             return 0
-        stride = math.prod(d for _, d in self._mesh_dims()[names.index(dim) + 1:])
+        stride = math.prod(d for _, d in self._mesh_dims()[names.index(dim) + 1 :])
         return index * stride
 
     def _flattened_views(self, present: set[str]) -> dict[str, tuple[str, ...]]:
@@ -315,7 +315,11 @@ class ParallelDims:
         return self.replica_id * degree + rank, self.replica_groups * degree
 
     def describe(self) -> str:
-        replicas = f", replica group {self.replica_id} of {self.replica_groups}" if self.replica_groups > 1 else ""
+        replicas = (
+            f", replica group {self.replica_id} of {self.replica_groups}"
+            if self.replica_groups > 1
+            else ""
+        )
         return self._degrees() + replicas
 
 

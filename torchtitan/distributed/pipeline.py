@@ -33,7 +33,12 @@ if TYPE_CHECKING:
     from torchtitan.distributed.parallel_dims import ParallelDims
 
 SCHEDULES = [
-    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
     "DualPipeV",
 ]
 _V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
@@ -76,13 +81,21 @@ def plan_stages(parallelism: ParallelismConfig, n_layers: int, pp_degree: int) -
     if p.pipeline_parallel_split_points:
         layers = _layers_from_split_points(p.pipeline_parallel_split_points, n_layers)
     else:
-        slots = p.pipeline_parallel_first_stage_less_layers + n_layers + p.pipeline_parallel_last_stage_less_layers
+        slots = (
+            p.pipeline_parallel_first_stage_less_layers
+            + n_layers
+            + p.pipeline_parallel_last_stage_less_layers
+        )
         if p.pipeline_parallel_layers_per_stage is not None:
             num_stages = math.ceil(slots / p.pipeline_parallel_layers_per_stage)
         else:
             num_stages = pp_degree * (2 if multi else 1)
-        layers = _even_split(n_layers, num_stages, p.pipeline_parallel_first_stage_less_layers,
-                             p.pipeline_parallel_last_stage_less_layers)
+        layers = _even_split(
+            n_layers,
+            num_stages,
+            p.pipeline_parallel_first_stage_less_layers,
+            p.pipeline_parallel_last_stage_less_layers,
+        )
     plan = StagePlan(len(layers), layers, v_shaped)
     _check_plan(plan, pp_degree, multi, v_shaped, p.pipeline_parallel_schedule)
     return plan
@@ -118,7 +131,7 @@ def _even_split(n_layers: int, num_stages: int, first_less: int, last_less: int)
     stages, start = [], 0
     for s in range(num_stages):
         size = base + (1 if s < extra else 0)
-        stages.append([x for x in slots[start:start + size] if isinstance(x, int)])
+        stages.append([x for x in slots[start : start + size] if isinstance(x, int)])
         start += size
     return stages
 
@@ -141,7 +154,9 @@ def _check_plan(plan: StagePlan, pp: int, multi: bool, v_shaped: bool, name: str
             f"the split gives {per_rank}"
         )
     if v_shaped and per_rank != 2:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule: {name} needs exactly 2 stages per rank")
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule: {name} needs exactly 2 stages per rank"
+        )
     for s, layers in enumerate(plan.layers):
         if not layers and 0 < s < plan.num_stages - 1:
             raise ConfigError(
@@ -168,7 +183,9 @@ def microbatches(parallelism: ParallelismConfig, local_batch_size: int, num_stag
     return n
 
 
-def build_stage_module(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+def build_stage_module(
+    model: nn.Module, layer_ids: list[int], first: bool, last: bool
+) -> nn.Module:
     """A copy of the (meta) model keeping only one stage's layers, FQNs unchanged."""
     stage = copy.deepcopy(model)
     for layer_id in list(stage.layers.keys()):
@@ -214,9 +231,13 @@ def pipeline_llm(
         module = build_stage_module(model, plan.layers[stage_id], first, last)
         module = parallelize(module)
         parts.append(module)
-        stages.append(PipelineStage(module, stage_id, plan.num_stages, device, group=pp_mesh.get_group()))
-        logger.info(f"pipeline stage {stage_id}: layers {plan.layers[stage_id]}"
-                    f"{' + embedding' if first else ''}{' + output' if last else ''}")
+        stages.append(
+            PipelineStage(module, stage_id, plan.num_stages, device, group=pp_mesh.get_group())
+        )
+        logger.info(
+            f"pipeline stage {stage_id}: layers {plan.layers[stage_id]}"
+            f"{' + embedding' if first else ''}{' + output' if last else ''}"
+        )
     p = parallelism
     cls = schedule_class(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
     n_micro = microbatches(parallelism, local_batch_size, plan.num_stages)
@@ -228,7 +249,9 @@ def pipeline_llm(
         schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
     if p.pipeline_parallel_schedule_csv:
         schedule._load_csv(p.pipeline_parallel_schedule_csv)
-    logger.info(f"pipeline schedule {cls.__name__}: {plan.num_stages} stages, {n_micro} micro-batches")
+    logger.info(
+        f"pipeline schedule {cls.__name__}: {plan.num_stages} stages, {n_micro} micro-batches"
+    )
     has_first = any(s == 0 for s in stage_ids)
     has_last = any(s == plan.num_stages - 1 for s in stage_ids)
     return BuiltPipeline(schedule, stages, parts, has_first, has_last)

@@ -17,9 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan.distributed.restarts import WORKER_START_ENV
-
 from torchtitan.distributed.parallel_dims import ParallelDims, default_device_type
+from torchtitan.distributed.restarts import WORKER_START_ENV
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
@@ -37,7 +36,11 @@ def init_distributed(comm: CommConfig, dump_folder: str, cpu_offload: bool = Fal
         _set_nccl_env(comm, dump_folder)
     else:
         device = torch.device(device_type)
-        backend = "gloo" if device_type == "cpu" else dist.Backend.default_device_backend_map.get(device_type, "gloo")
+        backend = (
+            "gloo"
+            if device_type == "cpu"
+            else dist.Backend.default_device_backend_map.get(device_type, "gloo")
+        )
     if not dist.is_initialized():
         timeout = timedelta(seconds=comm.init_timeout_seconds)
         attempt = os.environ.get(WORKER_START_ENV)
@@ -48,8 +51,9 @@ def init_distributed(comm: CommConfig, dump_folder: str, cpu_offload: bool = Fal
             # torchrun keeps one store across restarts; without a prefix per attempt the
             # process groups of a restarted attempt can read the dead attempt's addresses
             store = dist.PrefixStore(f"torchtitan_attempt_{attempt}", store)
-            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
     return device
 
 
@@ -127,7 +131,10 @@ def set_pg_timeouts(timeout_seconds: int, parallel_dims: ParallelDims) -> None:
 
 
 def set_determinism(
-    parallel_dims: ParallelDims, device: torch.device, seed: int | None, deterministic: bool,
+    parallel_dims: ParallelDims,
+    device: torch.device,
+    seed: int | None,
+    deterministic: bool,
     warn_only: bool = False,
 ) -> int:
     """Seed every rank identically (rank 0's random seed when none is given) and return the
@@ -186,9 +193,13 @@ def clip_grad_norm_(
     norms = []
     for params in by_mesh.values() or [[]]:
         grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
+        norm = torch.nn.utils.get_total_norm(
+            grads, norm_type, error_if_nonfinite=False, foreach=foreach
+        )
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    total_norm = (
+        norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    )
     if pp_mesh is not None:
         if math.isinf(norm_type):
             dist.all_reduce(total_norm, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())

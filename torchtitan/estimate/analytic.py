@@ -71,7 +71,9 @@ class Geometry:
                 vocab_size=args.vocab_size,
                 qk_norm=getattr(args, "qk_norm", False),
                 tied_embeddings=getattr(args, "tie_word_embeddings", False),
-                experts=_experts(getattr(args, "moe", None), getattr(args, "moe_hidden_dim", 0), dense_layers=0),
+                experts=_experts(
+                    getattr(args, "moe", None), getattr(args, "moe_hidden_dim", 0), dense_layers=0
+                ),
             )
         except AttributeError:
             return None
@@ -87,7 +89,9 @@ class Geometry:
             ffn_dim=args.inter_dim,
             vocab_size=args.vocab_size,
             experts=_experts(args.moe, args.moe_inter_dim, args.n_dense_layers),
-            mla=LatentAttention(args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim, args.v_head_dim),
+            mla=LatentAttention(
+                args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim, args.v_head_dim
+            ),
         )
 
     @property
@@ -103,7 +107,9 @@ class Geometry:
 def _experts(moe, hidden_dim: int, dense_layers: int) -> Experts | None:
     if moe is None:
         return None
-    return Experts(moe.num_experts, moe.top_k, hidden_dim, moe.num_shared_experts * hidden_dim, dense_layers)
+    return Experts(
+        moe.num_experts, moe.top_k, hidden_dim, moe.num_shared_experts * hidden_dim, dense_layers
+    )
 
 
 @dataclass(frozen=True)
@@ -126,10 +132,18 @@ class Layout:
         return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     def describe(self) -> str:
-        parts = [f"{n}={v}" for n, v in (
-            ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp),
-            ("tp", self.tp), ("pp", self.pp), ("ep", self.ep),
-        ) if v > 1]
+        parts = [
+            f"{n}={v}"
+            for n, v in (
+                ("dp_replicate", self.dp_replicate),
+                ("dp_shard", self.dp_shard),
+                ("cp", self.cp),
+                ("tp", self.tp),
+                ("pp", self.pp),
+                ("ep", self.ep),
+            )
+            if v > 1
+        ]
         return " ".join(parts or ["single device"]) + f", AC {self.ac}"
 
 
@@ -143,7 +157,9 @@ class Run:
     loss_parallel: bool = True
     target: str = "cuda"
     pp_microbatch: int = 1
-    pp_all_in_flight: bool = False  # GPipe, LoopedBFS: every micro-batch's forward before any backward
+    pp_all_in_flight: bool = (
+        False  # GPipe, LoopedBFS: every micro-batch's forward before any backward
+    )
     cp_rotate: str = "allgather"  # ParallelDims.cp_rotate_method
     cp_headtail: bool = True  # ParallelDims.cp_load_balancer == "headtail"
     ac_keeps_attention: bool = False  # distributed.activation_checkpoint.keeps_attention_output
@@ -175,13 +191,19 @@ def _attention_shapes(g: Geometry) -> list[Shape]:
 def _latent_attention_shapes(g: Geometry, mla: LatentAttention) -> list[Shape]:
     q = g.n_heads * g.head_dim
     if mla.q_lora_rank:
-        queries = [(mla.q_lora_rank, g.dim, "rep"), (mla.q_lora_rank, 1, "rep"), (q, mla.q_lora_rank, "col")]
+        queries = [
+            (mla.q_lora_rank, g.dim, "rep"),
+            (mla.q_lora_rank, 1, "rep"),
+            (q, mla.q_lora_rank, "col"),
+        ]
     else:
         queries = [(q, g.dim, "col")]
     nope = g.head_dim - mla.rope_head_dim
     return queries + [
-        (mla.kv_lora_rank + mla.rope_head_dim, g.dim, "rep"), (mla.kv_lora_rank, 1, "rep"),
-        (g.n_heads * (nope + mla.v_head_dim), mla.kv_lora_rank, "col"), (g.dim, g.v_dim, "row"),
+        (mla.kv_lora_rank + mla.rope_head_dim, g.dim, "rep"),
+        (mla.kv_lora_rank, 1, "rep"),
+        (g.n_heads * (nope + mla.v_head_dim), mla.kv_lora_rank, "col"),
+        (g.dim, g.v_dim, "row"),
     ]
 
 
@@ -207,7 +229,9 @@ def _root_shapes(g: Geometry, first: bool, last: bool) -> list[Shape]:
     """The embedding on the first stage; the final norm and (untied) output on the last."""
     shapes = [(g.vocab_size, g.dim, "col")] if first else []
     if last:
-        shapes += [(g.dim, 1, "rep")] + ([] if g.tied_embeddings else [(g.vocab_size, g.dim, "col")])
+        shapes += [(g.dim, 1, "rep")] + (
+            [] if g.tied_embeddings else [(g.vocab_size, g.dim, "col")]
+        )
     return shapes
 
 
@@ -290,7 +314,11 @@ def _projection_kept_per_token(g: Geometry, lay: Layout, target: str, a: int) ->
     the up-projections; replicated under TP), and its output, computed with values padded
     to the query head size, is sliced to the value heads into a copy that wo keeps."""
     if g.mla is not None:
-        kept = _norm_kept_bytes(a, g.mla.kv_lora_rank, target) + a * g.mla.kv_lora_rank + a * g.v_dim / lay.tp
+        kept = (
+            _norm_kept_bytes(a, g.mla.kv_lora_rank, target)
+            + a * g.mla.kv_lora_rank
+            + a * g.v_dim / lay.tp
+        )
         if g.mla.q_lora_rank:
             kept += _norm_kept_bytes(a, g.mla.q_lora_rank, target) + a * g.mla.q_lora_rank
         return kept
@@ -328,7 +356,8 @@ def _layer_activation_bytes(g: Geometry, lay: Layout, run: Run, a: int, tokens: 
     sp = t  # sequence parallel shards the residual stream when TP is on
     moe_share = g.moe_layers / g.n_layers
     ffn = (1 - moe_share) * _ffn_kept_per_token(g, lay, a, False) + moe_share * (
-        _ffn_kept_per_token(g, lay, a, True) if g.experts else 0)
+        _ffn_kept_per_token(g, lay, a, True) if g.experts else 0
+    )
     per_token = (
         2 * _norm_kept_bytes(a, g.dim, run.target) / sp  # attention_norm, ffn_norm
         + 2 * a * g.dim  # norm outputs (all-gathered under SP) saved by the projections
@@ -385,15 +414,35 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
     a_layer = _layer_activation_bytes(g, lay, run, a, tokens)
     kept, recompute = a_layer, 0.0
     # the attention output and its fp32 log-sum-exp, kept by a recomputed block (not rebuilt)
-    attention_kept = tokens * (a * g.n_heads * g.head_dim + 4 * g.n_heads) / lay.tp if run.ac_keeps_attention else 0
+    attention_kept = (
+        tokens * (a * g.n_heads * g.head_dim + 4 * g.n_heads) / lay.tp
+        if run.ac_keeps_attention
+        else 0
+    )
     if lay.ac == "full":
         kept, recompute = a_in + attention_kept, a_layer - attention_kept
     elif lay.ac.startswith("selective:"):
         every = int(lay.ac.split(":")[1])
-        kept, recompute = (a_layer * (every - 1) + a_in + attention_kept) / every, a_layer - attention_kept
-    return _Stage(4 * params_sharded, 8 * params_sharded, u_layer, u_root, root_local,
-                  layer_local, layer_sharded, layers, tokens, a_in, a_layer, kept, recompute,
-                  _ring_backward_bytes(g, lay, run, batch, tokens))
+        kept, recompute = (
+            (a_layer * (every - 1) + a_in + attention_kept) / every,
+            a_layer - attention_kept,
+        )
+    return _Stage(
+        4 * params_sharded,
+        8 * params_sharded,
+        u_layer,
+        u_root,
+        root_local,
+        layer_local,
+        layer_sharded,
+        layers,
+        tokens,
+        a_in,
+        a_layer,
+        kept,
+        recompute,
+        _ring_backward_bytes(g, lay, run, batch, tokens),
+    )
 
 
 def _mean_block_numel(g: Geometry, lay: Layout) -> tuple[float, float, int]:
@@ -433,10 +482,17 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
         if lay.pp > 1:  # later micro-batches: the stage's gradients and gathered parameters exist,
             # and every in-flight micro-batch keeps its logits (torch's stage) and log-probabilities
             accum_grads = sum(_pipeline_held(st, lay, run, first, last))
-            accum_grads += in_flight * a * st.tokens * vocab_local + (in_flight - 1) * 4 * st.tokens * vocab_local
-        phases["loss backward"] = base + accum_grads + activations + final_norm + (1 + loss_k) * log_probs
+            accum_grads += (
+                in_flight * a * st.tokens * vocab_local
+                + (in_flight - 1) * 4 * st.tokens * vocab_local
+            )
+        phases["loss backward"] = (
+            base + accum_grads + activations + final_norm + (1 + loss_k) * log_probs
+        )
     if lay.pp > 1:
-        phases["pipeline backward"] = _pipeline_backward(st, g, lay, run, base, activations, first, last)
+        phases["pipeline backward"] = _pipeline_backward(
+            st, g, lay, run, base, activations, first, last
+        )
     phase = max(phases, key=phases.get)
     items = {
         "parameters (sharded fp32)": st.weights,
@@ -445,11 +501,17 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
         "activations kept for backward": activations,
         "saved log-probabilities": log_probs,
     }
-    return AnalyticEstimate(int(phases[phase]), phase, {k: int(v) for k, v in phases.items()},
-                            {k: int(v) for k, v in items.items()})
+    return AnalyticEstimate(
+        int(phases[phase]),
+        phase,
+        {k: int(v) for k, v in phases.items()},
+        {k: int(v) for k, v in items.items()},
+    )
 
 
-def _pipeline_held(st: _Stage, lay: Layout, run: Run, first: bool, last: bool) -> tuple[float, float, float]:
+def _pipeline_held(
+    st: _Stage, lay: Layout, run: Run, first: bool, last: bool
+) -> tuple[float, float, float]:
     """What a pipeline stage holds through a step besides weights and optimizer states:
     torch's stage keeps gradients unreduced until the step's last backward (under FSDP
     unsharded, accumulated in fp32, with the parameters left gathered), and one receive
@@ -464,14 +526,24 @@ def _pipeline_held(st: _Stage, lay: Layout, run: Run, first: bool, last: bool) -
     return params, grads, buffers
 
 
-def _pipeline_backward(st: _Stage, g: Geometry, lay: Layout, run: Run, base: float, activations: float,
-                       first: bool, last: bool) -> float:
+def _pipeline_backward(
+    st: _Stage,
+    g: Geometry,
+    lay: Layout,
+    run: Run,
+    base: float,
+    activations: float,
+    first: bool,
+    last: bool,
+) -> float:
     """A block's backward in the pipeline's steady state: every in-flight micro-batch's
     activations, the stage's held gradients, gathered parameters and buffers, the block's
     recomputation under AC and its gradient temporaries."""
     a = run.param_bytes
     temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim) + (a + 4) * st.layer_local
-    return base + sum(_pipeline_held(st, lay, run, first, last)) + activations + st.recompute + temps
+    return (
+        base + sum(_pipeline_held(st, lay, run, first, last)) + activations + st.recompute + temps
+    )
 
 
 def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -> float:
@@ -488,7 +560,9 @@ def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -
     return max(top_block, bottom_block)
 
 
-def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, target: str) -> tuple[Geometry | None, Layout, Run]:
+def from_job_config(
+    job_config, model_args, parallel_dims, grad_accum: int, target: str
+) -> tuple[Geometry | None, Layout, Run]:
     """The analytic inputs of a configured run."""
     ac = job_config.activation_checkpoint
     ac_mode = ac.mode if ac.mode != "selective" else f"selective:{ac.selective_ac_option}"
@@ -513,7 +587,8 @@ def from_job_config(job_config, model_args, parallel_dims, grad_accum: int, targ
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
         target=target,
         pp_microbatch=job_config.parallelism.pipeline_parallel_microbatch_size,
-        pp_all_in_flight=job_config.parallelism.pipeline_parallel_schedule in ("GPipe", "LoopedBFS"),
+        pp_all_in_flight=job_config.parallelism.pipeline_parallel_schedule
+        in ("GPipe", "LoopedBFS"),
         cp_rotate=parallel_dims.cp_rotate_method,
         cp_headtail=parallel_dims.cp_load_balancer == "headtail",
         ac_keeps_attention=keeps_attention_output(ac, parallel_dims.ring_cp),

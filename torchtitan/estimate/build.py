@@ -10,7 +10,13 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.preflight import preflight
 from torchtitan.protocols import TrainSpec, get_train_spec
 from torchtitan.protocols.model import BaseModelArgs
-from torchtitan.recipe import MetaModel, Recipe, build_meta_model, materialize, model_args_from_config
+from torchtitan.recipe import (
+    MetaModel,
+    Recipe,
+    build_meta_model,
+    materialize,
+    model_args_from_config,
+)
 
 
 def build_parallel_dims(job_config: JobConfig, world_size: int, device_type: str) -> ParallelDims:
@@ -29,9 +35,13 @@ def estimation_model_args(job_config: JobConfig, spec: TrainSpec) -> BaseModelAr
     return model_args_from_config(spec, job_config, tokenizer)
 
 
-def build_estimation_meta_model(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> MetaModel:
+def build_estimation_meta_model(
+    job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device
+) -> MetaModel:
     spec = get_train_spec(job_config.model.name)
-    return build_meta_model(job_config, parallel_dims, spec, estimation_model_args(job_config, spec), device)
+    return build_meta_model(
+        job_config, parallel_dims, spec, estimation_model_args(job_config, spec), device
+    )
 
 
 def build_estimation_recipe(

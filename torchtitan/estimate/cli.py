@@ -13,10 +13,10 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimate import analytic, report
 from torchtitan.estimate.build import estimation_model_args
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
+from torchtitan.estimate.measure_mode import measure_single_process, run_measure
 from torchtitan.estimate.plan_mode import run_plan
 from torchtitan.estimate.steps import ITERATIONS, microbatches_per_step
 from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
-from torchtitan.estimate.measure_mode import measure_single_process, run_measure
 from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import Recipe, grad_accumulation_steps
 from torchtitan.tools.logging import init_logger
@@ -32,7 +32,9 @@ def analytic_lines(job_config: JobConfig, outcome: TraceOutcome, target: str) ->
         job_config, setup.model_args, setup.parallel_dims, setup.grad_accum_steps, target
     )
     if geometry is None:
-        return ["analytic estimate: not available (the model args are not a Llama, Qwen3 or DeepSeek-V3 decoder)"]
+        return [
+            "analytic estimate: not available (the model args are not a Llama, Qwen3 or DeepSeek-V3 decoder)"
+        ]
     closed_form = analytic.estimate(geometry, layout, run)
     if closed_form is None:
         return ["analytic estimate: not available for op-level selective activation checkpointing"]
@@ -47,7 +49,9 @@ def degrees(parallel_dims: ParallelDims) -> str:
 
 def header_lines(job_config: JobConfig, setup: Recipe, world_size: int, target: str) -> list[str]:
     t, o = job_config.training, job_config.optimizer
-    vocab_source = "tokenizer" if job_config.model.tokenizer_path else "flavor; no model.tokenizer_path"
+    vocab_source = (
+        "tokenizer" if job_config.model.tokenizer_path else "flavor; no model.tokenizer_path"
+    )
     ac = job_config.activation_checkpoint
     ac_text = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
     lines = [
@@ -56,11 +60,17 @@ def header_lines(job_config: JobConfig, setup: Recipe, world_size: int, target: 
         f"  seq_len {t.seq_len} x local batch {t.local_batch_size}, {_microbatch_text(setup)}; params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}; "
         f"{o.name} ({o.implementation}); activation checkpointing {ac_text}",
         f"  vocabulary {setup.model_args.vocab_size:,} (from the {vocab_source}); target device {target}"
-        + (": CUDA-kernel emulation (rms_norm) and 512-byte block rounding" if target == "cuda" else ""),
+        + (
+            ": CUDA-kernel emulation (rms_norm) and 512-byte block rounding"
+            if target == "cuda"
+            else ""
+        ),
     ]
     if getattr(setup.model_args, "moe", None) is not None:
-        lines.append("  MoE routing assumed perfectly balanced (every expert gets tokens x top_k / experts); "
-                     "real imbalance adds to the expert activations")
+        lines.append(
+            "  MoE routing assumed perfectly balanced (every expert gets tokens x top_k / experts); "
+            "real imbalance adds to the expert activations"
+        )
     return lines
 
 
@@ -86,23 +96,37 @@ def run_estimate(job_config: JobConfig) -> int:
 def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int) -> list[str]:
     me, result = job_config.memory_estimation, outcome.result
     lines = header_lines(job_config, outcome.setup, world_size, me.target_device)
-    traced = "rank 0" if outcome.stage_peaks is None else f"the first rank of each of {len(outcome.stage_peaks)} pipeline ranks"
+    traced = (
+        "rank 0"
+        if outcome.stage_peaks is None
+        else f"the first rank of each of {len(outcome.stage_peaks)} pipeline ranks"
+    )
     lines += [
         f"  traced {traced} of {world_size} over {ITERATIONS} steps in {outcome.seconds:.1f} s",
         "",
         f"traced allocated peak per rank: {report.size(result.peak_bytes)} ({result.peak_bytes:,} B)",
     ]
     if outcome.stage_peaks is not None:
-        per_stage = ", ".join(f"pp {i} {report.size(p, result.peak_bytes)}" for i, p in enumerate(outcome.stage_peaks))
-        lines.append(f"  peak per pipeline rank: {per_stage} (largest: pp {outcome.pp_rank}; details below are its)")
+        per_stage = ", ".join(
+            f"pp {i} {report.size(p, result.peak_bytes)}" for i, p in enumerate(outcome.stage_peaks)
+        )
+        lines.append(
+            f"  peak per pipeline rank: {per_stage} (largest: pp {outcome.pp_rank}; details below are its)"
+        )
     lines.append(report.where_line(result))
     if me.target_device == "cuda":
         lines.append(f"  includes 512-byte block rounding: {result.rounding_bytes / 2**20:.2f} MiB")
-    lines += report.breakdown_lines(result) + report.phase_lines(result) + report.module_lines(result)
+    lines += (
+        report.breakdown_lines(result) + report.phase_lines(result) + report.module_lines(result)
+    )
     lines += [""] + analytic_lines(job_config, outcome, me.target_device) + [""]
     if me.target_device == "cpu":
-        return lines + ["target cpu: no device additions (the figure is what the CPU allocator is asked for)"]
-    additions = report.device_additions(result.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib)
+        return lines + [
+            "target cpu: no device additions (the figure is what the CPU allocator is asked for)"
+        ]
+    additions = report.device_additions(
+        result.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib
+    )
     return lines + report.additions_lines(result.peak_bytes, additions, me.device_memory_gib)
 
 
@@ -119,38 +143,60 @@ def analytic_fit(job_config: JobConfig) -> AnalyticFit:
     whose traces would take far longer."""
     me = job_config.memory_estimation
     if me.device_memory_gib is None:
-        raise ConfigError("memory_estimation.device_memory_gib: mode analytic needs the memory per GPU "
-                          "in GiB, e.g. --memory_estimation.device_memory_gib 80")
+        raise ConfigError(
+            "memory_estimation.device_memory_gib: mode analytic needs the memory per GPU "
+            "in GiB, e.g. --memory_estimation.device_memory_gib 80"
+        )
     world_size = resolve_world_size(job_config)
     parallel_dims = check_covered(job_config, world_size)
     model_args = estimation_model_args(job_config, get_train_spec(job_config.model.name))
     accum = grad_accumulation_steps(job_config.training, parallel_dims)
-    geometry, layout, run = analytic.from_job_config(job_config, model_args, parallel_dims, accum, me.target_device)
+    geometry, layout, run = analytic.from_job_config(
+        job_config, model_args, parallel_dims, accum, me.target_device
+    )
     closed_form = None if geometry is None else analytic.estimate(geometry, layout, run)
     if closed_form is None:
-        raise ConfigError(f"model.name={job_config.model.name!r}: the closed form does not cover this model or "
-                          "op-level selective activation checkpointing; use mode estimate")
-    additions = report.device_additions(closed_form.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib)
-    return AnalyticFit(closed_form, parallel_dims, report.fit_verdict(closed_form.peak_bytes, additions, me.device_memory_gib))
+        raise ConfigError(
+            f"model.name={job_config.model.name!r}: the closed form does not cover this model or "
+            "op-level selective activation checkpointing; use mode estimate"
+        )
+    additions = report.device_additions(
+        closed_form.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib
+    )
+    return AnalyticFit(
+        closed_form,
+        parallel_dims,
+        report.fit_verdict(closed_form.peak_bytes, additions, me.device_memory_gib),
+    )
 
 
 def run_analytic(job_config: JobConfig) -> int:
     fit = analytic_fit(job_config)
-    print(f"analytic memory estimate: {job_config.model.name} {job_config.model.flavor}, "
-          f"{fit.parallel_dims.world_size} ranks ({degrees(fit.parallel_dims)}), activation checkpointing "
-          f"{job_config.activation_checkpoint.mode}")
-    print(f"analytic allocated peak per rank: {report.size(fit.peak.peak_bytes)} (in the {fit.peak.phase}; "
-          "a CUDA rank adds its context, cuBLAS workspaces, allocator reserve and NCCL buffers)")
+    print(
+        f"analytic memory estimate: {job_config.model.name} {job_config.model.flavor}, "
+        f"{fit.parallel_dims.world_size} ranks ({degrees(fit.parallel_dims)}), activation checkpointing "
+        f"{job_config.activation_checkpoint.mode}"
+    )
+    print(
+        f"analytic allocated peak per rank: {report.size(fit.peak.peak_bytes)} (in the {fit.peak.phase}; "
+        "a CUDA rank adds its context, cuBLAS workspaces, allocator reserve and NCCL buffers)"
+    )
     print(fit.verdict)
     return 0
 
 
 def _estimate_on_real_tensors(job_config: JobConfig, world_size: int) -> int:
     measured = measure_single_process(job_config, world_size)
-    print(f"measured on real tensors (rank 0 of {world_size} emulated in one process, "
-          f"{measured.method}): {report.size(measured.peak_bytes)} ({measured.peak_bytes:,} B)")
+    print(
+        f"measured on real tensors (rank 0 of {world_size} emulated in one process, "
+        f"{measured.method}): {report.size(measured.peak_bytes)} ({measured.peak_bytes:,} B)"
+    )
     if measured.tracker is not None:
-        print("\n".join(report.breakdown_lines(measured.tracker) + report.phase_lines(measured.tracker)))
+        print(
+            "\n".join(
+                report.breakdown_lines(measured.tracker) + report.phase_lines(measured.tracker)
+            )
+        )
     return 0
 
 
@@ -159,5 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in _ENABLE_FLAGS]
     job_config = ConfigManager().parse_args(args)
-    modes = {"estimate": run_estimate, "analytic": run_analytic, "plan": run_plan, "measure": run_measure}
+    modes = {
+        "estimate": run_estimate,
+        "analytic": run_analytic,
+        "plan": run_plan,
+        "measure": run_measure,
+    }
     return modes[job_config.memory_estimation.mode](job_config)

@@ -12,9 +12,11 @@ from torchtitan.estimate.pipeline_replay import SPLIT_BACKWARD_GAP
 
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
-COVERED = ("FSDP, HSDP, DDP, tensor parallel (with sequence and loss parallel), context parallel, "
-           "pipeline parallel (1F1B, GPipe, Interleaved1F1B, LoopedBFS), expert parallel "
-           "(balanced routing), activation checkpointing")
+COVERED = (
+    "FSDP, HSDP, DDP, tensor parallel (with sequence and loss parallel), context parallel, "
+    "pipeline parallel (1F1B, GPipe, Interleaved1F1B, LoopedBFS), expert parallel "
+    "(balanced routing), activation checkpointing"
+)
 
 
 def resolve_world_size(job_config: JobConfig) -> int:
@@ -31,8 +33,10 @@ def resolve_world_size(job_config: JobConfig) -> int:
 
 def converters_gap(job_config: JobConfig) -> str | None:
     if job_config.model.converters:
-        return (f"model.converters={job_config.model.converters}: low-precision training "
-                "(float8 / MX weights and all-gather buffers)")
+        return (
+            f"model.converters={job_config.model.converters}: low-precision training "
+            "(float8 / MX weights and all-gather buffers)"
+        )
     return None
 
 
@@ -41,7 +45,10 @@ def coverage_gap(job_config: JobConfig, parallel_dims: ParallelDims) -> str | No
     gap = converters_gap(job_config)
     if gap:
         return gap
-    if parallel_dims.pp_enabled and job_config.parallelism.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+    if (
+        parallel_dims.pp_enabled
+        and job_config.parallelism.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
+    ):
         schedule = job_config.parallelism.pipeline_parallel_schedule
         return f"parallelism.pipeline_parallel_schedule={schedule}: {SPLIT_BACKWARD_GAP}"
     if job_config.parallelism.enable_async_tensor_parallel:
@@ -66,10 +73,10 @@ def eager_config(job_config: JobConfig) -> JobConfig:
     need somewhat less memory)."""
     if not job_config.compile.enable:
         return job_config
-    print("note: compile.enable is ignored: the estimate traces eager mode (compiled runs "
-          "usually need somewhat less activation memory)")
+    print(
+        "note: compile.enable is ignored: the estimate traces eager mode (compiled runs "
+        "usually need somewhat less activation memory)"
+    )
     config = copy.deepcopy(job_config)
     config.compile.enable = False
     return config
-
-

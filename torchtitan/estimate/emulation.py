@@ -83,8 +83,12 @@ class _FusedRMSNormAllocations(torch.autograd.Function):
     this is only used on fake tensors."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, n_norm_dims: int) -> torch.Tensor:
-        rstd = x.new_empty(x.shape[: x.dim() - n_norm_dims] + (1,) * n_norm_dims, dtype=torch.float32)
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor | None, n_norm_dims: int
+    ) -> torch.Tensor:
+        rstd = x.new_empty(
+            x.shape[: x.dim() - n_norm_dims] + (1,) * n_norm_dims, dtype=torch.float32
+        )
         ctx.save_for_backward(x, rstd, weight)
         return torch.empty_like(x)
 
@@ -92,7 +96,9 @@ class _FusedRMSNormAllocations(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, _rstd, weight = ctx.saved_tensors
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_w = (
+            torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
+        )
         return grad_x, grad_w, None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchtitan.estimate.analytic import GiB, Geometry, Layout, Run, estimate
+from torchtitan.estimate.analytic import Geometry, GiB, Layout, Run, estimate
 
 EFFECTIVE_FLOPS = 400e12  # per GPU: about 40 % of H100/H200 dense bf16 peak
 INTRA_NODE_BYTES_PER_S = 400e9
@@ -87,14 +87,25 @@ def _best_batch(req: PlanRequest, lay: Layout) -> PlanEntry | None:
     for local in sorted(_divisors(per_dp), reverse=True):
         if lay.pp > 1 and local < lay.pp:
             continue
-        run = Run(seq_len=req.seq_len, local_batch=local, grad_accum=per_dp // local,
-                  param_bytes=req.param_bytes)
+        run = Run(
+            seq_len=req.seq_len,
+            local_batch=local,
+            grad_accum=per_dp // local,
+            param_bytes=req.param_bytes,
+        )
         peak = estimate(req.geometry, lay, run).peak_bytes
         if _need(req, peak) <= req.device_memory_gib * GiB:
             seconds = step_seconds(req, lay, local, per_dp // local)
             tokens = req.global_batch * req.seq_len
-            return PlanEntry(lay, local, per_dp // local, peak, _need(req, peak), seconds,
-                             tokens / seconds / req.world_size)
+            return PlanEntry(
+                lay,
+                local,
+                per_dp // local,
+                peak,
+                _need(req, peak),
+                seconds,
+                tokens / seconds / req.world_size,
+            )
     return None
 
 

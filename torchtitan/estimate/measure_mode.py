@@ -19,10 +19,10 @@ from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.utils import init_distributed, leave_together
 from torchtitan.estimate import report
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
+from torchtitan.estimate.emulation import fake_process_group
 from torchtitan.estimate.real_steps import MeasuredOutcome, measure_training_memory
 from torchtitan.estimate.steps import ITERATIONS
 from torchtitan.estimate.trace import in_fresh_process, trace_training_memory
-from torchtitan.estimate.emulation import fake_process_group
 
 
 def _measuring_device(target: str) -> torch.device:
@@ -41,8 +41,10 @@ def measure_single_process(job_config: JobConfig, world_size: int) -> MeasuredOu
     """One rank of ``world_size`` on real tensors: collectives are no-ops (fake process
     group) and every buffer has its per-rank size."""
     device = _measuring_device(job_config.memory_estimation.target_device)
-    for field, what in (("expert_parallel_degree", "route tokens between expert-parallel ranks"),
-                        ("pipeline_parallel_degree", "pass activations between pipeline stages")):
+    for field, what in (
+        ("expert_parallel_degree", "route tokens between expert-parallel ranks"),
+        ("pipeline_parallel_degree", "pass activations between pipeline stages"),
+    ):
         if getattr(job_config.parallelism, field) > 1:
             raise ConfigError(
                 f"parallelism.{field}: real tensors in one process cannot {what}; measure under "
@@ -57,7 +59,9 @@ def measure_single_process(job_config: JobConfig, world_size: int) -> MeasuredOu
 
 def _measure_distributed(job_config: JobConfig) -> list[MeasuredOutcome]:
     """Every rank of a torchrun launch measures itself; all outcomes are gathered."""
-    device = init_distributed(job_config.comm, job_config.job.dump_folder, job_config.training.enable_cpu_offload)
+    device = init_distributed(
+        job_config.comm, job_config.job.dump_folder, job_config.training.enable_cpu_offload
+    )
     mine = measure_training_memory(job_config, device)
     outcomes: list[MeasuredOutcome | None] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, mine)
@@ -99,30 +103,43 @@ def run_measure(job_config: JobConfig) -> int:
     return 0
 
 
-def measure_lines(estimates: list[int], measured: list[MeasuredOutcome], world_size: int, launched: bool) -> list[str]:
+def measure_lines(
+    estimates: list[int], measured: list[MeasuredOutcome], world_size: int, launched: bool
+) -> list[str]:
     """``estimates``: the traced peak per pipeline rank (one entry without pipeline
     parallel); every measured rank is compared with its pipeline rank's."""
-    how = f"{len(measured)} real processes" if launched else f"rank 0 of {world_size} emulated in one process"
+    how = (
+        f"{len(measured)} real processes"
+        if launched
+        else f"rank 0 of {world_size} emulated in one process"
+    )
     ranks_per_stage = world_size // len(estimates)
     lines = [f"measured: traced estimate vs measured peak over the same {ITERATIONS} steps ({how})"]
     for pp_rank, estimate in enumerate(estimates):
         whose = f"rank {pp_rank * ranks_per_stage} of {world_size}"
         if len(estimates) > 1:
             whose += f", pipeline rank {pp_rank}"
-        lines.append(f"  estimate (fake tensors, {whose}): {estimate:,} B ({report.size(estimate)})")
+        lines.append(
+            f"  estimate (fake tensors, {whose}): {estimate:,} B ({report.size(estimate)})"
+        )
     for rank, m in enumerate(measured):
         estimate = estimates[rank // ranks_per_stage]
         parts = [f"{m.method} {m.peak_bytes:,} B (estimate {_error(estimate, m.peak_bytes)})"]
         if m.tracker is not None:
-            parts.insert(0, f"tracker on real tensors {m.tracker.peak_bytes:,} B (estimate "
-                            f"{_error(estimate, m.tracker.peak_bytes)})")
+            parts.insert(
+                0,
+                f"tracker on real tensors {m.tracker.peak_bytes:,} B (estimate "
+                f"{_error(estimate, m.tracker.peak_bytes)})",
+            )
         if m.reserved_bytes is not None:
             parts.append(f"reserved {m.reserved_bytes:,} B")
         if m.replayed is not None:
             parts[0] = "schedule: " + parts[0]
             r = m.replayed
-            parts.append(f"replayed schedule: tracker on real tensors {r.tracker.peak_bytes:,} B (estimate "
-                         f"{_error(estimate, r.tracker.peak_bytes)}), {r.method} {r.peak_bytes:,} B")
+            parts.append(
+                f"replayed schedule: tracker on real tensors {r.tracker.peak_bytes:,} B (estimate "
+                f"{_error(estimate, r.tracker.peak_bytes)}), {r.method} {r.peak_bytes:,} B"
+            )
         lines.append(f"  rank {rank}: " + "; ".join(parts))
     if any(m.reserved_bytes is not None for m in measured):
         lines.append(

@@ -202,7 +202,9 @@ class EstimationFSDPMemTracker(_EstimationTrackerMixin, FSDPMemTracker):
         self._init_estimation_state()
 
 
-def build_tracker(model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> _EstimationTrackerMixin:
+def build_tracker(
+    model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> _EstimationTrackerMixin:
     """FSDPMemTracker (sharded/unsharded params, all-gather and reduce-scatter buffers) for
     one FSDP root, otherwise MemTracker."""
     if len(model_parts) == 1 and isinstance(model_parts[0], FSDPModule) and len(optimizers) == 1:

@@ -30,9 +30,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from torchtitan.components.batch import MicroBatch
 from torchtitan.config import ConfigError
 from torchtitan.distributed.pipeline import microbatches
-from torchtitan.components.batch import MicroBatch
 from torchtitan.recipe import ForwardBackward, Recipe, StepObserver
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
@@ -53,7 +53,9 @@ class _ReplayState:
 
     input_buffers: dict[int, list[torch.Tensor]]
     grad_buffers: dict[int, list[torch.Tensor]]
-    forward_cache: dict[tuple[int, int], tuple[Any, Any, list[torch.Tensor]]] = field(default_factory=dict)
+    forward_cache: dict[tuple[int, int], tuple[Any, Any, list[torch.Tensor]]] = field(
+        default_factory=dict
+    )
     backward_count: dict[int, int] = field(default_factory=dict)
     input_grads: dict[tuple[int, int], Any] = field(default_factory=dict)
     """Input gradients computed and not yet sent (torch's ``bwd_cache``)."""
@@ -72,11 +74,15 @@ def stage_boundary(setup: Recipe, microbatch_size: int) -> tuple[torch.Size, tor
 
 
 def _new_state(setup: Recipe, n_micro: int) -> _ReplayState:
-    shape, dtype = stage_boundary(setup, setup.job_config.parallelism.pipeline_parallel_microbatch_size)
+    shape, dtype = stage_boundary(
+        setup, setup.job_config.parallelism.pipeline_parallel_microbatch_size
+    )
 
     def buffers(requires_grad: bool) -> list[torch.Tensor]:
-        return [torch.empty(shape, dtype=dtype, device=setup.device, requires_grad=requires_grad)
-                for _ in range(n_micro)]
+        return [
+            torch.empty(shape, dtype=dtype, device=setup.device, requires_grad=requires_grad)
+            for _ in range(n_micro)
+        ]
 
     stages = setup.pipeline.stages
     return _ReplayState(
@@ -96,6 +102,7 @@ def single_stage_actions(schedule, stage_index: int, num_stages: int, n_micro: i
     """What GPipe and 1F1B execute (their ``pipeline_order`` is drawn for visualisation and
     differs): GPipe all forwards then all backwards; 1F1B ``num_stages - stage_index``
     warm-up forwards, then a backward and a forward in turn, then the remaining backwards."""
+
     def f(mb: int) -> Action:
         return Action(stage_index, FORWARD, mb)
 
@@ -129,14 +136,17 @@ def schedule_actions(setup: Recipe, n_micro: int) -> list[Action]:
     pp_rank = setup.parallel_dims.world_mesh["pp"].get_local_rank()
     return [
         Action(a.stage_index, a.computation_type.value, a.microbatch_index)  # value: a plain str
-        for a in schedule.pipeline_order_with_comms[pp_rank] if a is not None
+        for a in schedule.pipeline_order_with_comms[pp_rank]
+        if a is not None
     ]
 
 
 def _one_microbatch_actions(stage_indices: list[int]) -> list[Action]:
-    return ([Action(s, FORWARD, 0) for s in stage_indices]
-            + [Action(s, FULL_BACKWARD, 0) for s in reversed(stage_indices)]
-            + [Action(s, REDUCE_GRAD) for s in stage_indices])
+    return (
+        [Action(s, FORWARD, 0) for s in stage_indices]
+        + [Action(s, FULL_BACKWARD, 0) for s in reversed(stage_indices)]
+        + [Action(s, REDUCE_GRAD) for s in stage_indices]
+    )
 
 
 class PipelineReplay:
@@ -145,8 +155,11 @@ class PipelineReplay:
     def __init__(self, setup: Recipe) -> None:
         self.setup = setup
         self.stages = {s.stage_index: s for s in setup.pipeline.stages}
-        self.n_micro = microbatches(setup.job_config.parallelism, setup.job_config.training.local_batch_size,
-                                    next(iter(self.stages.values())).num_stages)
+        self.n_micro = microbatches(
+            setup.job_config.parallelism,
+            setup.job_config.training.local_batch_size,
+            next(iter(self.stages.values())).num_stages,
+        )
         self.actions = schedule_actions(setup, self.n_micro)
         self.first_step_actions = _one_microbatch_actions(sorted(self.stages))
         self.state = _new_state(setup, self.n_micro)
@@ -156,12 +169,15 @@ class PipelineReplay:
 
     def microbatch_runner(self, iteration: int) -> ForwardBackward:
         """The recipe's ``run_microbatch`` for one iteration: the replay instead of the schedule."""
+
         def run(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> None:
             self.step(batch.inputs, batch.labels, observer, iteration)
 
         return run
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, observer: StepObserver, iteration: int) -> None:
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, observer: StepObserver, iteration: int
+    ) -> None:
         """Step 1 only has to create the gradients and optimizer states (its peak stays
         below step 2's, which adds the optimizer states), so it runs one micro-batch per
         stage: with dozens of micro-batches that halves the trace."""
@@ -197,14 +213,18 @@ class PipelineReplay:
                 self._reduce_grad(stage)
                 reduced.add(stage.stage_index)
             else:  # I and W: split backward (zero-bubble schedules)
-                raise ConfigError(f"parallelism.pipeline_parallel_schedule: action {kind}: "
-                                  f"{SPLIT_BACKWARD_GAP} are not covered by the memory estimator yet")
+                raise ConfigError(
+                    f"parallelism.pipeline_parallel_schedule: action {kind}: "
+                    f"{SPLIT_BACKWARD_GAP} are not covered by the memory estimator yet"
+                )
         for index, stage in self.stages.items():
             if index not in reduced:
                 self._reduce_grad(stage)
 
     # ------------------------------------------------------------ actions
-    def _forward(self, stage: PipelineStage, mb: int, input_chunks, label_chunks, observer: StepObserver) -> None:
+    def _forward(
+        self, stage: PipelineStage, mb: int, input_chunks, label_chunks, observer: StepObserver
+    ) -> None:
         observer.start_microbatch(stage.submod)
         x = input_chunks[mb] if stage.is_first else self.state.input_buffers[stage.stage_index][mb]
         loss = None
@@ -216,14 +236,21 @@ class PipelineReplay:
         self.state.forward_cache[(stage.stage_index, mb)] = (output, loss, inputs)
         following = self.stages.get(stage.stage_index + 1)
         if following is not None and not stage.is_last:  # V-shaped: the next stage is here
-            self.state.input_buffers[following.stage_index][mb] = output.detach().requires_grad_(True)
+            self.state.input_buffers[following.stage_index][mb] = output.detach().requires_grad_(
+                True
+            )
 
     def _backward_inputs(self, stage: PipelineStage, mb: int) -> dict[str, Any]:
         """The backward's arguments; they keep the stage output (the last stage's logits)
         alive until the backward returns, as torch's stage does."""
         output, loss, inputs = self.state.forward_cache.pop((stage.stage_index, mb))
         if stage.is_last:
-            return {"stage_output": loss, "output_grads": None, "input_values": inputs, "logits": output}
+            return {
+                "stage_output": loss,
+                "output_grads": None,
+                "input_values": inputs,
+                "logits": output,
+            }
         grad = self.state.grad_buffers[stage.stage_index][mb]
         return {"stage_output": (output,), "output_grads": (grad,), "input_values": inputs}
 
@@ -231,7 +258,9 @@ class PipelineReplay:
         kwargs = self._backward_inputs(stage, mb)
         count = self.state.backward_count.get(stage.stage_index, 0) + 1
         self.state.backward_count[stage.stage_index] = count
-        grads, _ = stage.backward_maybe_with_nosync("full", kwargs, last_backward=count == self.n_micro)
+        grads, _ = stage.backward_maybe_with_nosync(
+            "full", kwargs, last_backward=count == self.n_micro
+        )
         self._pass_input_grad(stage, mb, grads)
 
     def _pass_input_grad(self, stage: PipelineStage, mb: int, grads) -> None:
@@ -260,8 +289,13 @@ class PipelineReplay:
         stage.perform_reduce_grad(self.n_micro if schedule.scale_grads else 1)
 
 
-_PHASES = {FORWARD: "forward", FULL_BACKWARD: "backward", REDUCE_GRAD: "reduce_grad",
-           UNSHARD: "unshard", RESHARD: "reshard"}
+_PHASES = {
+    FORWARD: "forward",
+    FULL_BACKWARD: "backward",
+    REDUCE_GRAD: "reduce_grad",
+    UNSHARD: "unshard",
+    RESHARD: "reshard",
+}
 
 
 def _each_fsdp_module(stage: PipelineStage, fn) -> None:

@@ -27,28 +27,48 @@ def run_plan(job_config: JobConfig) -> int:
     model_args = estimation_model_args(job_config, spec)
     geometry = analytic.Geometry.from_model_args(model_args)
     if geometry is None or geometry.experts is not None:
-        raise ConfigError(f"model.name: the planner covers dense decoders (no expert-parallel layouts); "
-                          f"{spec.name!r} {job_config.model.flavor!r} is not one; use mode analytic or estimate")
-    global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * world_size
-    overhead = report.CUBLAS_WORKSPACE_BYTES + report.CUDA_CONTEXT_BYTES + (me.nccl_allowance_gib * 2**30 if world_size > 1 else 0)
+        raise ConfigError(
+            f"model.name: the planner covers dense decoders (no expert-parallel layouts); "
+            f"{spec.name!r} {job_config.model.flavor!r} is not one; use mode analytic or estimate"
+        )
+    global_batch = (
+        training.global_batch_size
+        if training.global_batch_size > 0
+        else training.local_batch_size * world_size
+    )
+    overhead = (
+        report.CUBLAS_WORKSPACE_BYTES
+        + report.CUDA_CONTEXT_BYTES
+        + (me.nccl_allowance_gib * 2**30 if world_size > 1 else 0)
+    )
     request = layout_search.PlanRequest(
-        geometry=geometry, seq_len=training.seq_len, global_batch=global_batch, world_size=world_size,
-        device_memory_gib=me.device_memory_gib, gpus_per_node=me.gpus_per_node,
+        geometry=geometry,
+        seq_len=training.seq_len,
+        global_batch=global_batch,
+        world_size=world_size,
+        device_memory_gib=me.device_memory_gib,
+        gpus_per_node=me.gpus_per_node,
         param_bytes=4 if training.mixed_precision_param == "float32" else 2,
-        overhead_bytes=overhead, reserved_margin=me.reserved_margin,
+        overhead_bytes=overhead,
+        reserved_margin=me.reserved_margin,
     )
     try:
         entries, enumerated = layout_search.plan(request)
     except layout_search.PlanError as e:
         raise ConfigError(str(e)) from None
-    print(f"plan: {job_config.model.name} {job_config.model.flavor}, seq_len {training.seq_len}, global batch "
-          f"{global_batch} sequences, {world_size} GPUs of {me.device_memory_gib:g} GiB "
-          f"({me.gpus_per_node} per node)")
+    print(
+        f"plan: {job_config.model.name} {job_config.model.flavor}, seq_len {training.seq_len}, global batch "
+        f"{global_batch} sequences, {world_size} GPUs of {me.device_memory_gib:g} GiB "
+        f"({me.gpus_per_node} per node)"
+    )
     if not entries:
         need, layout = layout_search.smallest_need(request)
-        print(f"no layout fits in {me.device_memory_gib:g} GiB per GPU: the least any layout needs is "
-              f"{report.gib(need)} GiB ({layout.describe()}, local batch 1); use more GPUs, a shorter "
-              "training.seq_len or a smaller model", file=sys.stderr)
+        print(
+            f"no layout fits in {me.device_memory_gib:g} GiB per GPU: the least any layout needs is "
+            f"{report.gib(need)} GiB ({layout.describe()}, local batch 1); use more GPUs, a shorter "
+            "training.seq_len or a smaller model",
+            file=sys.stderr,
+        )
         return 1
     print("\n".join(plan_lines(job_config, request, entries, enumerated)))
     return 0
@@ -58,12 +78,16 @@ PLAN_ROWS = 10
 OTHER_ROWS = 5
 
 
-def plan_lines(job_config: JobConfig, request: layout_search.PlanRequest, entries, enumerated: int) -> list[str]:
+def plan_lines(
+    job_config: JobConfig, request: layout_search.PlanRequest, entries, enumerated: int
+) -> list[str]:
     """The best layouts the trainer runs and the estimator traces (the first few traced),
     then the best of the others (analytic figures only, with the reason)."""
     gaps = [layout_gap(layout_config(job_config, request, e), request.world_size) for e in entries]
     supported = [(i, e) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is None]
-    others = [(i, e, gap) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is not None]
+    others = [
+        (i, e, gap) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is not None
+    ]
     lines = [
         f"  {len(entries)} of {enumerated} layouts fit (need = analytic peak x (1 + reserved_margin) + "
         "context, workspaces, NCCL), ranked by a throughput model (compute at 400 TFLOP/s per GPU, "
@@ -81,37 +105,55 @@ def plan_lines(job_config: JobConfig, request: layout_search.PlanRequest, entrie
 
 
 def _plan_header() -> str:
-    return (f"  {'#':>4}  {'layout':<50}{'batch x accum':>14}{'peak GiB':>10}{'need GiB':>10}"
-            f"{'tok/s/GPU':>11}")
+    return (
+        f"  {'#':>4}  {'layout':<50}{'batch x accum':>14}{'peak GiB':>10}{'need GiB':>10}"
+        f"{'tok/s/GPU':>11}"
+    )
 
 
 def _plan_row(rank: int, entry: layout_search.PlanEntry) -> str:
     batch = f"{entry.local_batch} x {entry.grad_accum}"
-    return (f"  {rank:>4}  {entry.layout.describe():<50}{batch:>14}{report.gib(entry.peak_bytes):>10}"
-            f"{report.gib(entry.need_bytes):>10}{entry.tokens_per_second_per_gpu:>11,.0f}")
+    return (
+        f"  {rank:>4}  {entry.layout.describe():<50}{batch:>14}{report.gib(entry.peak_bytes):>10}"
+        f"{report.gib(entry.need_bytes):>10}{entry.tokens_per_second_per_gpu:>11,.0f}"
+    )
 
 
-def _traced_lines(job_config: JobConfig, request: layout_search.PlanRequest, supported) -> list[str]:
+def _traced_lines(
+    job_config: JobConfig, request: layout_search.PlanRequest, supported
+) -> list[str]:
     budget = job_config.memory_estimation.plan_traced_layouts
     lines = []
     for rank, entry in supported[:budget]:
         if entry.layout.pp > 1:
-            lines.append(f"    traced #{rank}: not traced here: a pipeline layout is traced per pipeline rank "
-                         f"through every micro-batch (long at this size); run mode estimate for it")
+            lines.append(
+                f"    traced #{rank}: not traced here: a pipeline layout is traced per pipeline rank "
+                f"through every micro-batch (long at this size); run mode estimate for it"
+            )
             continue
         config = layout_config(job_config, request, entry)
-        outcome = trace_training_memory(config, request.world_size, job_config.memory_estimation.target_device)
+        outcome = trace_training_memory(
+            config, request.world_size, job_config.memory_estimation.target_device
+        )
         peak = outcome.result.peak_bytes
-        lines.append(f"    traced #{rank}: {report.gib(peak)} GiB allocated peak (analytic "
-                     f"{(entry.peak_bytes - peak) / peak:+.2%}; traced in {outcome.seconds:.0f} s)")
+        lines.append(
+            f"    traced #{rank}: {report.gib(peak)} GiB allocated peak (analytic "
+            f"{(entry.peak_bytes - peak) / peak:+.2%}; traced in {outcome.seconds:.0f} s)"
+        )
     return lines
 
 
-def layout_config(job_config: JobConfig, request: layout_search.PlanRequest, entry: layout_search.PlanEntry) -> JobConfig:
+def layout_config(
+    job_config: JobConfig, request: layout_search.PlanRequest, entry: layout_search.PlanEntry
+) -> JobConfig:
     config = copy.deepcopy(job_config)
     lay, p = entry.layout, config.parallelism
     p.data_parallel_replicate_degree, p.data_parallel_shard_degree = lay.dp_replicate, lay.dp_shard
-    p.context_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree = lay.cp, lay.tp, lay.pp
+    p.context_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree = (
+        lay.cp,
+        lay.tp,
+        lay.pp,
+    )
     config.activation_checkpoint.mode = lay.ac
     config.training.local_batch_size = entry.local_batch
     config.training.global_batch_size = request.global_batch

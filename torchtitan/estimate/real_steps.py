@@ -22,8 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from torchtitan.config import JobConfig
 from torchtitan.estimate.build import build_estimation_recipe, build_parallel_dims
-from torchtitan.estimate.steps import run_training_steps
 from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
+from torchtitan.estimate.steps import run_training_steps
 from torchtitan.recipe import Recipe
 
 INIT_SEED = 0
@@ -75,12 +75,20 @@ class CudaPhaseProbe:
         self._current = (iteration, phase)
 
 
-def live_storage_bytes(model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> int:
+def live_storage_bytes(
+    model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> int:
     """Bytes of the distinct storages behind parameters, buffers, grads and optimizer state."""
     params = [p for part in model_parts for p in part.parameters()]
     tensors = params + [b for part in model_parts for b in part.buffers()]
     tensors += [p.grad for p in params if p.grad is not None]
-    tensors += [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors += [
+        v
+        for opt in optimizers
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    ]
     storages = {}
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t

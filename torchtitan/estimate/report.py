@@ -23,17 +23,30 @@ CUDA_CONTEXT_BYTES = int(0.82 * GiB)
 
 # Tracker categories -> report headings (both MemTracker and FSDPMemTracker names).
 _HEADINGS = {
-    "Sharded Param": "parameters", "Unsharded Param": "parameters", "Parameter": "parameters",
-    "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "Gradient": "gradients",
-    "OptState": "optimizer states", "Optstate": "optimizer states",
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "Parameter": "parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Gradient": "gradients",
+    "OptState": "optimizer states",
+    "Optstate": "optimizer states",
     "Activation": "activations",
     "Temp": "temporaries",
-    "All Gather": "communication buffers", "Reduce Scatter": "communication buffers",
-    "Buffer": "buffers and inputs", "Inputs": "buffers and inputs", "Other": "buffers and inputs",
+    "All Gather": "communication buffers",
+    "Reduce Scatter": "communication buffers",
+    "Buffer": "buffers and inputs",
+    "Inputs": "buffers and inputs",
+    "Other": "buffers and inputs",
 }
 _HEADING_ORDER = [
-    "parameters", "gradients", "optimizer states", "activations", "temporaries",
-    "communication buffers", "buffers and inputs",
+    "parameters",
+    "gradients",
+    "optimizer states",
+    "activations",
+    "temporaries",
+    "communication buffers",
+    "buffers and inputs",
 ]
 TOP_MODULES = 6
 
@@ -68,15 +81,24 @@ def size(n: int, reference: int | None = None) -> str:
     return f"{_fmt(n, unit)} {unit[0]}"
 
 
-def device_additions(allocated: int, world_size: int, reserved_margin: float, nccl_gib: float) -> DeviceAdditions:
+def device_additions(
+    allocated: int, world_size: int, reserved_margin: float, nccl_gib: float
+) -> DeviceAdditions:
     items = [
         ("cuBLAS workspaces (2 x 32 MiB on sm90)", CUBLAS_WORKSPACE_BYTES),
         ("CUDA context and kernels (measured on an H200)", CUDA_CONTEXT_BYTES),
-        (f"caching-allocator reserve, {reserved_margin:.0%} of allocated (memory_estimation.reserved_margin)",
-         int(reserved_margin * (allocated + CUBLAS_WORKSPACE_BYTES))),
+        (
+            f"caching-allocator reserve, {reserved_margin:.0%} of allocated (memory_estimation.reserved_margin)",
+            int(reserved_margin * (allocated + CUBLAS_WORKSPACE_BYTES)),
+        ),
     ]
     if world_size > 1:
-        items.append(("NCCL buffers, stated allowance (memory_estimation.nccl_allowance_gib)", int(nccl_gib * GiB)))
+        items.append(
+            (
+                "NCCL buffers, stated allowance (memory_estimation.nccl_allowance_gib)",
+                int(nccl_gib * GiB),
+            )
+        )
     return DeviceAdditions(items)
 
 
@@ -89,8 +111,15 @@ def breakdown_lines(result: TrackerResult) -> list[str]:
     for heading in _HEADING_ORDER:
         parts = groups.get(heading, {})
         shown = {k: v for k, v in parts.items() if v}
-        detail = ", ".join(f"{k.lower()} {_fmt(v, unit)}" for k, v in shown.items()) if len(shown) > 1 else ""
-        lines.append(f"    {heading:<40}{_fmt(sum(parts.values()), unit):>9}" + (f"   ({detail})" if detail else ""))
+        detail = (
+            ", ".join(f"{k.lower()} {_fmt(v, unit)}" for k, v in shown.items())
+            if len(shown) > 1
+            else ""
+        )
+        lines.append(
+            f"    {heading:<40}{_fmt(sum(parts.values()), unit):>9}"
+            + (f"   ({detail})" if detail else "")
+        )
     return lines
 
 
@@ -119,15 +148,21 @@ def phase_lines(result: TrackerResult) -> list[str]:
 def module_lines(result: TrackerResult) -> list[str]:
     unit = unit_for(result.peak_bytes)
     ranked = sorted(result.modules.items(), key=lambda kv: kv[1].activations_kept, reverse=True)
-    lines = [f"  top modules: activations left alive by their forward ({unit[0]}), peak while running ({unit[0]})"]
+    lines = [
+        f"  top modules: activations left alive by their forward ({unit[0]}), peak while running ({unit[0]})"
+    ]
     for name, stats in ranked[:TOP_MODULES]:
-        lines.append(f"    {name:<40}{_fmt(stats.activations_kept, unit):>9}{_fmt(stats.peak, unit):>12}")
+        lines.append(
+            f"    {name:<40}{_fmt(stats.activations_kept, unit):>9}{_fmt(stats.peak, unit):>12}"
+        )
     return lines
 
 
 def analytic_lines(traced: int, analytic: AnalyticEstimate) -> list[str]:
     diff = analytic.peak_bytes / traced - 1
-    lines = [f"analytic estimate: {size(analytic.peak_bytes, traced)} ({diff:+.2%} vs traced; its peak: {analytic.phase})"]
+    lines = [
+        f"analytic estimate: {size(analytic.peak_bytes, traced)} ({diff:+.2%} vs traced; its peak: {analytic.phase})"
+    ]
     if abs(diff) > ANALYTIC_WARN_FRACTION:
         lines.append(
             f"WARNING: the analytic and traced estimates differ by {diff:+.1%} (> "
@@ -136,7 +171,9 @@ def analytic_lines(traced: int, analytic: AnalyticEstimate) -> list[str]:
     return lines
 
 
-def additions_lines(allocated: int, additions: DeviceAdditions, device_memory_gib: float | None) -> list[str]:
+def additions_lines(
+    allocated: int, additions: DeviceAdditions, device_memory_gib: float | None
+) -> list[str]:
     lines = ["not seen by tracing (a CUDA rank adds these to the allocated peak):"]
     for label, nbytes in additions.items:
         lines.append(f"    {label:<86}{gib(nbytes):>7} GiB")

@@ -59,7 +59,10 @@ def random_batch(setup: Recipe) -> MicroBatch:
 
 
 def run_training_steps(
-    setup: Recipe, observer: PhaseObserver, iterations: int = ITERATIONS, replay_pipeline: bool = False
+    setup: Recipe,
+    observer: PhaseObserver,
+    iterations: int = ITERATIONS,
+    replay_pipeline: bool = False,
 ) -> None:
     """``replay_pipeline``: run pipeline stages through ``PipelineReplay`` (fake tensors)
     instead of the schedule."""
@@ -67,7 +70,8 @@ def run_training_steps(
     for iteration in range(1, iterations + 1):
         observer.start_iteration(iteration)
         train_step(
-            setup, lambda: random_batch(setup),
+            setup,
+            lambda: random_batch(setup),
             micro_batches=microbatches_per_step(setup),
             observer=IterationObserver(observer, iteration),
             run_microbatch=replay.microbatch_runner(iteration) if replay is not None else None,

@@ -19,8 +19,6 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, config_to_toml
 from torchtitan.estimate.build import build_estimation_meta_model
 from torchtitan.estimate.coverage import check_covered
-from torchtitan.estimate.steps import run_training_steps
-from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
 from torchtitan.estimate.emulation import (
     balanced_moe_routing,
     cuda_block_rounding,
@@ -28,8 +26,9 @@ from torchtitan.estimate.emulation import (
     fake_process_group,
     private_propagation_fake_mode,
 )
+from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
+from torchtitan.estimate.steps import run_training_steps
 from torchtitan.recipe import Recipe, materialize
-
 
 T = TypeVar("T")
 
@@ -70,9 +69,12 @@ def trace_training_memory(job_config: JobConfig, world_size: int, target: str) -
         result, setup = _trace_rank(job_config, world_size, target, rank=0)
         return TraceOutcome(result, time.perf_counter() - start, setup)
     first, setup = _trace_rank(job_config, world_size, target, rank=0)
-    stage_ranks = [parallel_dims.first_rank_at("pp", pp_rank) for pp_rank in range(1, parallel_dims.pp)]
+    stage_ranks = [
+        parallel_dims.first_rank_at("pp", pp_rank) for pp_rank in range(1, parallel_dims.pp)
+    ]
     results = [first] + [
-        in_fresh_process(_traced_rank_result, job_config, world_size, target, rank) for rank in stage_ranks
+        in_fresh_process(_traced_rank_result, job_config, world_size, target, rank)
+        for rank in stage_ranks
     ]
     result = max(results, key=lambda r: r.peak_bytes)
     return TraceOutcome(result, time.perf_counter() - start, setup, [r.peak_bytes for r in results])
@@ -94,14 +96,22 @@ def _call_with_config(fn: Callable[..., T], config_path: str, *args: Any) -> T:
     return fn(ConfigManager().parse_args(["--job.config_file", config_path]), *args)
 
 
-def _traced_rank_result(job_config: JobConfig, world_size: int, target: str, rank: int) -> TrackerResult:
+def _traced_rank_result(
+    job_config: JobConfig, world_size: int, target: str, rank: int
+) -> TrackerResult:
     return _trace_rank(job_config, world_size, target, rank)[0]
 
 
-def _trace_rank(job_config: JobConfig, world_size: int, target: str, rank: int) -> tuple[TrackerResult, Recipe]:
+def _trace_rank(
+    job_config: JobConfig, world_size: int, target: str, rank: int
+) -> tuple[TrackerResult, Recipe]:
     parallel_dims = check_covered(job_config, world_size)
     device = torch.device("cpu")
-    with fake_process_group(world_size, rank), private_propagation_fake_mode(), balanced_moe_routing():
+    with (
+        fake_process_group(world_size, rank),
+        private_propagation_fake_mode(),
+        balanced_moe_routing(),
+    ):
         parallel_dims.world_mesh  # noqa: B018  (meshes are built outside fake mode)
         meta = build_estimation_meta_model(job_config, parallel_dims, device)
         with FakeTensorMode(allow_non_fake_inputs=True):

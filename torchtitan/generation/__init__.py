@@ -3,7 +3,11 @@
 The command-line entry point is ``scripts/generate/test_generate.py``.
 """
 
-from torchtitan.generation.checkpoint import CheckpointError, load_model_weights, resolve_checkpoint_folder
+from torchtitan.generation.checkpoint import (
+    CheckpointError,
+    load_model_weights,
+    resolve_checkpoint_folder,
+)
 from torchtitan.generation.generate import generate, sample_next_token
 from torchtitan.generation.kv_cache import KVCacheAttention, kv_cache
 

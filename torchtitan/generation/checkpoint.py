@@ -20,8 +20,8 @@ from pathlib import Path
 from torch import nn
 
 from torchtitan.components.checkpoint import inspect_checkpoint, step_folders
-from torchtitan.config.errors import UserInputError
 from torchtitan.components.safe_loading import METADATA_FILE, LoadError, load_dcp, read_dcp_metadata
+from torchtitan.config.errors import UserInputError
 from torchtitan.tools.logging import logger
 
 MODEL_KEY = "model"
@@ -55,8 +55,11 @@ def load_model_weights(model: nn.Module, path: str | Path) -> Path:
         stored = read_dcp_metadata(folder).state_dict_metadata
         state = model.state_dict()
         prefix = f"{MODEL_KEY}." if all(f"{MODEL_KEY}.{key}" in stored for key in state) else ""
-        load_dcp({prefix + key: value for key, value in state.items()}, folder,
-                 hint="; check model.name, model.flavor and the tokenizer (vocabulary size)")
+        load_dcp(
+            {prefix + key: value for key, value in state.items()},
+            folder,
+            hint="; check model.name, model.flavor and the tokenizer (vocabulary size)",
+        )
     except LoadError as e:
         raise CheckpointError(f"--checkpoint: {e}") from None
     return folder

@@ -47,9 +47,13 @@ def generate(
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     generator = torch.Generator(device=prompt.device).manual_seed(seed)
     if not use_kv_cache:
-        return _decode(model, prompt, max_new_tokens, temperature, top_k, generator, eos_id, cached=False)
+        return _decode(
+            model, prompt, max_new_tokens, temperature, top_k, generator, eos_id, cached=False
+        )
     with kv_cache(model, max_len=prompt.shape[1] + max_new_tokens):
-        return _decode(model, prompt, max_new_tokens, temperature, top_k, generator, eos_id, cached=True)
+        return _decode(
+            model, prompt, max_new_tokens, temperature, top_k, generator, eos_id, cached=True
+        )
 
 
 def _decode(

@@ -39,12 +39,19 @@ class KVCacheAttention(AttentionKernel):
         self.values: torch.Tensor | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: Any = None,
         scale: float | None = None,
     ) -> torch.Tensor:
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; position {end - 1} does not fit")
+            raise ValueError(
+                f"KV cache holds {self.max_len} positions; position {end - 1} does not fit"
+            )
         if self.keys is None:
             batch, heads, _, head_dim = k.shape
             self.keys = k.new_empty(batch, heads, self.max_len, head_dim)
@@ -54,7 +61,9 @@ class KVCacheAttention(AttentionKernel):
         self.length = end
         keys, values = self.keys[:, :, :end], self.values[:, :, :end]
         if q.shape[2] == 1 and (self.sliding_window is None or end <= self.sliding_window):
-            return F.scaled_dot_product_attention(q, keys, values, scale=scale)  # sees every cached key
+            return F.scaled_dot_product_attention(
+                q, keys, values, scale=scale
+            )  # sees every cached key
         q_pos = torch.arange(start, end, device=q.device)[:, None]
         k_pos = torch.arange(end, device=q.device)[None, :]
         visible_keys = visible(q_pos, k_pos, None, None, self.sliding_window)

@@ -26,9 +26,13 @@ _BLOCK_PLAN = {
 def apply_tp_minus_sp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """q/k/v and w1/w3 column-wise, wo and w2 row-wise, the embedding row-wise and the
     output column-wise with replicated (all-gathered) logits."""
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _BLOCK_PLAN)

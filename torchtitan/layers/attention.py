@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.layers.blockwise_attention import BlockPlan, blockwise_attention, build_block_plan, visible
+from torchtitan.layers.blockwise_attention import (
+    BlockPlan,
+    blockwise_attention,
+    build_block_plan,
+    visible,
+)
 
 MAX_BLOCK = 512
 """Largest chunk of the block-by-block path (a [chunk, chunk] fp32 block per step)."""
@@ -79,7 +84,12 @@ class ScaledDotProductAttention(AttentionKernel):
     """Causal scaled-dot-product attention (the fused SDPA kernels)."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: Any = None,
         scale: float | None = None,
     ) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -107,29 +117,38 @@ def chunk_size(seq_len: int) -> int:
     return next(c for c in range(min(seq_len, MAX_BLOCK), 0, -1) if seq_len % c == 0)
 
 
-def document_block_mask(spec: MaskSpec, document_ids: torch.Tensor | None, seq_len: int, device: torch.device):
+def document_block_mask(
+    spec: MaskSpec, document_ids: torch.Tensor | None, seq_len: int, device: torch.device
+):
     """The FlexAttention ``BlockMask`` of :func:`visible` for one batch."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     window = spec.sliding_window
     if document_ids is None:
+
         def mask_mod(b, h, q, k):
             return visible(q, k, None, None, window)
+
         return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
 
     def doc_mask_mod(b, h, q, k):
         return visible(q, k, document_ids[b, q], document_ids[b, k], window)
 
-    return create_block_mask(doc_mask_mod, document_ids.shape[0], None, seq_len, seq_len, device=device)
+    return create_block_mask(
+        doc_mask_mod, document_ids.shape[0], None, seq_len, seq_len, device=device
+    )
 
 
-def _local_plan(document_ids: torch.Tensor | None, seq_len: int, window: int | None,
-                device: torch.device) -> BlockPlan:
+def _local_plan(
+    document_ids: torch.Tensor | None, seq_len: int, window: int | None, device: torch.device
+) -> BlockPlan:
     chunks = list(range(seq_len // chunk_size(seq_len)))
     return build_block_plan(chunks, chunks, chunk_size(seq_len), document_ids, window, device)
 
 
-def _position_only_mask(spec: MaskSpec, seq_len: int, device: torch.device, blockwise: bool) -> PreparedMask:
+def _position_only_mask(
+    spec: MaskSpec, seq_len: int, device: torch.device, blockwise: bool
+) -> PreparedMask:
     """A mask that depends on positions only (no documents). Built per forward, not cached
     across calls: a cache would carry tensors between real runs and fake-tensor traces."""
     if blockwise:
@@ -144,18 +163,30 @@ class FlexAttention(AttentionKernel):
         super().__init__()
         self.spec = spec
 
-    def prepare(self, document_ids: torch.Tensor | None, device: torch.device) -> PreparedMask | None:
+    def prepare(
+        self, document_ids: torch.Tensor | None, device: torch.device
+    ) -> PreparedMask | None:
         if document_ids is None:
             return None
         seq_len, blockwise = document_ids.shape[1], _blockwise(device)
         if not self.spec.block_causal:
             return _position_only_mask(self.spec, seq_len, device, blockwise)
         if blockwise:
-            return PreparedMask(document_ids, plan=_local_plan(document_ids, seq_len, self.spec.sliding_window, device))
-        return PreparedMask(document_ids, block_mask=document_block_mask(self.spec, document_ids, seq_len, device))
+            return PreparedMask(
+                document_ids,
+                plan=_local_plan(document_ids, seq_len, self.spec.sliding_window, device),
+            )
+        return PreparedMask(
+            document_ids, block_mask=document_block_mask(self.spec, document_ids, seq_len, device)
+        )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: PreparedMask | None = None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: PreparedMask | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
         if mask is None:  # no document ids (generation, direct calls): any length, so on the

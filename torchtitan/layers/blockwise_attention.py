@@ -87,13 +87,19 @@ def build_block_plan(
             kind = _block_kind(qc, kc, size, window, first, last)
             if kind == "skip":
                 continue
-            blocks[(qc, kc)] = None if kind == "full" else _block_mask(qc, kc, size, document_ids, window, device)
+            blocks[(qc, kc)] = (
+                None if kind == "full" else _block_mask(qc, kc, size, document_ids, window, device)
+            )
     return BlockPlan(size, blocks)
 
 
 def _block_kind(
-    qc: int, kc: int, size: int, window: int | None,
-    first: list[list[int]] | None, last: list[list[int]] | None,
+    qc: int,
+    kc: int,
+    size: int,
+    window: int | None,
+    first: list[list[int]] | None,
+    last: list[list[int]] | None,
 ) -> str:
     """'skip' (nothing visible), 'full' (everything visible) or 'partial'."""
     q0, q1, k0, k1 = qc * size, (qc + 1) * size - 1, kc * size, (kc + 1) * size - 1
@@ -104,20 +110,26 @@ def _block_kind(
         rows = range(len(first))
         if not any(first[b][qc] <= last[b][kc] and first[b][kc] <= last[b][qc] for b in rows):
             return "skip"
-        full = full and all(first[b][qc] == last[b][qc] == first[b][kc] == last[b][kc] for b in rows)
+        full = full and all(
+            first[b][qc] == last[b][qc] == first[b][kc] == last[b][kc] for b in rows
+        )
     return "full" if full else "partial"
 
 
 def _block_mask(
-    qc: int, kc: int, size: int, document_ids: torch.Tensor | None, window: int | None,
+    qc: int,
+    kc: int,
+    size: int,
+    document_ids: torch.Tensor | None,
+    window: int | None,
     device: torch.device | None,
 ) -> torch.Tensor:
     q_pos = torch.arange(qc * size, (qc + 1) * size, device=device)[:, None]
     k_pos = torch.arange(kc * size, (kc + 1) * size, device=device)[None, :]
     q_doc = k_doc = None
     if document_ids is not None:
-        q_doc = document_ids[:, qc * size:(qc + 1) * size, None]
-        k_doc = document_ids[:, None, kc * size:(kc + 1) * size]
+        q_doc = document_ids[:, qc * size : (qc + 1) * size, None]
+        k_doc = document_ids[:, None, kc * size : (kc + 1) * size]
     mask = visible(q_pos, k_pos, q_doc, k_doc, window)
     return mask.unsqueeze(1) if mask.dim() == 3 else mask[None, None]
 
@@ -143,7 +155,9 @@ def block_probs(
     return s.sub_(_finite(lse).unsqueeze(-1)).exp_(), lse
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
+) -> tuple[torch.Tensor, torch.Tensor]:
     p, lse = block_probs(q, k, mask)
     return p @ v, lse
 
@@ -191,7 +205,9 @@ def fused(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
 
 
-def _row_spans(plan: BlockPlan, q_chunks: list[int], k_chunks: list[int]) -> list[tuple[int, int, int, list[Mask]]]:
+def _row_spans(
+    plan: BlockPlan, q_chunks: list[int], k_chunks: list[int]
+) -> list[tuple[int, int, int, list[Mask]]]:
     """Per local query chunk with visible keys: (q index, first k index, end k index, the
     masks of the k chunks in between, a skipped one as all False). The fused kernels then
     run once per query chunk over one contiguous key range instead of once per block."""
@@ -205,7 +221,9 @@ def _row_spans(plan: BlockPlan, q_chunks: list[int], k_chunks: list[int]) -> lis
     return spans
 
 
-def _span_mask(masks: list, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def _span_mask(
+    masks: list, size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
     """The additive mask (0 visible, -inf not) of one query chunk over its key range; None
     when every key is visible."""
     if all(m is None for m in masks):
@@ -223,7 +241,9 @@ def _span_mask(masks: list, size: int, dtype: torch.dtype, device: torch.device)
     return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
 
 
-def fused_partial_forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_partial_forward(
+    q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused kernels' attention of ``q`` over the keys of ``k_chunks`` only: (out in q's
     dtype, fp32 log-sum-exp); rows that see none of these keys get 0 and -inf, ready for
     :func:`merge_blocks` with the other key sets' results (ring attention)."""
@@ -234,7 +254,13 @@ def fused_partial_forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -
         rows, keys = slice(a * size, (a + 1) * size), slice(first * size, end * size)
         mask = _span_mask(masks, size, q.dtype, q.device)
         out_a, lse_a = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, False, attn_mask=mask, scale=scale,
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            0.0,
+            False,
+            attn_mask=mask,
+            scale=scale,
         )
         if mask is not None:  # the kernel gives a row that sees no key here lse 0, not -inf
             lse_a = lse_a.masked_fill(~(mask > float("-inf")).any(-1), float("-inf"))
@@ -242,8 +268,20 @@ def fused_partial_forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -
     return out, lse
 
 
-def fused_partial_backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunks, k_chunks, scale,
-                           dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+def fused_partial_backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_out,
+    plan: BlockPlan,
+    q_chunks,
+    k_chunks,
+    scale,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> torch.Tensor:
     """dq (q's dtype) of the blocks over the keys of ``k_chunks``, their dk and dv added into
     the fp32 ``dk``/``dv``, given the output and log-sum-exp over ALL keys: the flash
     backward recomputes each block's probabilities from them, so per-key-set gradients add
@@ -254,8 +292,16 @@ def fused_partial_backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunk
     for a, first, end, masks in _row_spans(plan, q_chunks, k_chunks):
         rows, keys = slice(a * size, (a + 1) * size), slice(first * size, end * size)
         dq_a, dk_a, dv_a = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-            lse[:, :, rows], 0.0, False, attn_mask=_span_mask(masks, size, q.dtype, q.device), scale=scale,
+            grad_out[:, :, rows],
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            out[:, :, rows],
+            lse[:, :, rows],
+            0.0,
+            False,
+            attn_mask=_span_mask(masks, size, q.dtype, q.device),
+            scale=scale,
         )
         dq[:, :, rows] = dq_a
         dk[:, :, keys] += dk_a
@@ -263,7 +309,9 @@ def fused_partial_backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunk
     return dq
 
 
-def _forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale
+) -> tuple[torch.Tensor, torch.Tensor]:
     if fused(q):
         return fused_partial_forward(q, k, v, plan, q_chunks, k_chunks, scale)
     size, acc = plan.size, _accumulation_dtype(q)
@@ -279,7 +327,9 @@ def _forward(q, k, v, plan: BlockPlan, q_chunks, k_chunks, scale) -> tuple[torch
 def _backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunks, k_chunks, scale):
     if fused(q):
         dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v))
-        dq = fused_partial_backward(q, k, v, out, lse, grad_out, plan, q_chunks, k_chunks, scale, dk, dv)
+        dq = fused_partial_backward(
+            q, k, v, out, lse, grad_out, plan, q_chunks, k_chunks, scale, dk, dv
+        )
         return dq, dk.to(k.dtype), dv.to(v.dtype)
     size, acc = plan.size, _accumulation_dtype(q)
     dout = grad_out.to(acc)
@@ -290,7 +340,9 @@ def _backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunks, k_chunks, 
     dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
     dqs, dks, dvs = (t.split(size, dim=2) for t in (dq, dk, dv))
     for a, b, mask in plan.pairs(q_chunks, k_chunks):
-        dq_ab, dk_ab, dv_ab = block_backward(qs[a], ks[b], vs[b], douts[a], lses[a], deltas[a], mask, scale)
+        dq_ab, dk_ab, dv_ab = block_backward(
+            qs[a], ks[b], vs[b], douts[a], lses[a], deltas[a], mask, scale
+        )
         dqs[a].add_(dq_ab)
         dks[b].add_(dk_ab)
         dvs[b].add_(dv_ab)
@@ -302,7 +354,9 @@ class _BlockwiseAttention(torch.autograd.Function):
     in fp32 with autocast off."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockPlan, q_chunks: list[int], k_chunks: list[int], scale: float):
+    def forward(
+        ctx, q, k, v, plan: BlockPlan, q_chunks: list[int], k_chunks: list[int], scale: float
+    ):
         with torch.autocast(q.device.type, enabled=False):
             out, lse = _forward(q, k, v, plan, q_chunks, k_chunks, scale)
         ctx.save_for_backward(q, k, v, out, lse)

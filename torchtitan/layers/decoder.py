@@ -20,9 +20,16 @@ import torch
 from torch import nn
 
 from torchtitan.layers.attention import prepare_mask
-from torchtitan.layers.rope import rope_table
-from torchtitan.layers.init import InitFn, clean_fqn, init_param_, normal_init, ones_init, trunc_normal_init
+from torchtitan.layers.init import (
+    InitFn,
+    clean_fqn,
+    init_param_,
+    normal_init,
+    ones_init,
+    trunc_normal_init,
+)
 from torchtitan.layers.moe import MoE
+from torchtitan.layers.rope import rope_table
 
 BASE_STD = 0.02
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.(.+)")
@@ -49,7 +56,9 @@ class InitRules:
         follow the common rule."""
         inputs = "|".join(input_projections)
         return cls(
-            plain=re.compile(rf"attention\.({inputs})\.weight|{_FFNS}\.w1(\.weight)?|moe\.router\.gate\.weight"),
+            plain=re.compile(
+                rf"attention\.({inputs})\.weight|{_FFNS}\.w1(\.weight)?|moe\.router\.gate\.weight"
+            ),
             depth_scaled=re.compile(rf"attention\.wo\.weight|{_FFNS}\.(w2|w3)(\.weight)?"),
         )
 
@@ -70,7 +79,10 @@ class TransformerBlock(nn.Module):
             self.feed_forward = ffn
 
     def forward(
-        self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
         mask: Any = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cache, positions, mask=mask)
@@ -88,8 +100,14 @@ class Decoder(nn.Module):
     """
 
     def __init__(
-        self, model_args: Any, layers: dict[str, nn.Module], *, rope_frequencies: RopeFrequencies,
-        init_rules: InitRules, tie_word_embeddings: bool = False, depth_init: bool = True,
+        self,
+        model_args: Any,
+        layers: dict[str, nn.Module],
+        *,
+        rope_frequencies: RopeFrequencies,
+        init_rules: InitRules,
+        tie_word_embeddings: bool = False,
+        depth_init: bool = True,
     ) -> None:
         super().__init__()
         self.model_args = model_args
@@ -97,7 +115,9 @@ class Decoder(nn.Module):
         self._init_rules = init_rules
         self._depth_init = depth_init
         self.tie_word_embeddings = tie_word_embeddings
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim
+        )
         self.register_buffer("rope_cache", self.precompute_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict(layers)
         self.norm: nn.RMSNorm | None = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
@@ -106,7 +126,9 @@ class Decoder(nn.Module):
 
     def precompute_rope_cache(self, device: torch.device | None = None) -> torch.Tensor:
         """``[max_seq_len, rotary_dim]`` table (``layers/rope.py``)."""
-        return rope_table(self._rope_frequencies(self.model_args, device), self.model_args.max_seq_len)
+        return rope_table(
+            self._rope_frequencies(self.model_args, device), self.model_args.max_seq_len
+        )
 
     def tie_embeddings(self) -> None:
         """With tied embeddings, point the output layer at the embedding's weight. Called

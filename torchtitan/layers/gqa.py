@@ -27,8 +27,15 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 class GQAttention(nn.Module):
     def __init__(
-        self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, attn_type: str,
-        mask_spec: MaskSpec, qk_norm_eps: float | None = None, softmax_scale: float | None = None,
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        attn_type: str,
+        mask_spec: MaskSpec,
+        qk_norm_eps: float | None = None,
+        softmax_scale: float | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -44,7 +51,10 @@ class GQAttention(nn.Module):
         self.inner_attention = build_attention(attn_type, mask_spec)
 
     def forward(
-        self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
         mask: Any = None,
     ) -> torch.Tensor:
         """``mask``: the batch's prepared attention mask (``layers/attention.py``)."""
@@ -57,6 +67,11 @@ class GQAttention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)
         n_rep = xq.shape[2] // xk.shape[2]
         xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
-        out = self.inner_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask=mask,
-                                   scale=self.softmax_scale)
+        out = self.inner_attention(
+            xq.transpose(1, 2),
+            xk.transpose(1, 2),
+            xv.transpose(1, 2),
+            mask=mask,
+            scale=self.softmax_scale,
+        )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))

@@ -29,7 +29,9 @@ def cross_entropy_sum(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the valid labels of one batch (for direct use; training
     normalises over the global batch instead)."""
-    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        pred.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX
+    )
 
 
 def build_cross_entropy_loss() -> LossFn:

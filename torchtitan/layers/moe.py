@@ -138,21 +138,27 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden:
     so that it is safe inside any forward (activation checkpointing included)."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(7, dim, device=device, dtype=dtype, generator=gen)
-    ws = [torch.randn(3, *shape, device=device, dtype=dtype, generator=gen) / dim**0.5
-          for shape in ((hidden, dim), (dim, hidden), (hidden, dim))]
+    ws = [
+        torch.randn(3, *shape, device=device, dtype=dtype, generator=gen) / dim**0.5
+        for shape in ((hidden, dim), (dim, hidden), (hidden, dim))
+    ]
     counts = torch.tensor([4, 0, 3], device=device)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         try:
             grouped = _experts_grouped(x, counts, *ws)
         except (RuntimeError, NotImplementedError) as e:
-            logger.info(f"torch._grouped_mm unavailable on {device.type}/{dtype} ({e}); "
-                        "using per-expert matmuls")
+            logger.info(
+                f"torch._grouped_mm unavailable on {device.type}/{dtype} ({e}); "
+                "using per-expert matmuls"
+            )
             return False
         reference = _experts_loop(x, counts, *ws)
     tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
     if not torch.allclose(grouped.float(), reference.float(), rtol=tol, atol=tol):
-        logger.warning(f"torch._grouped_mm disagrees with matmuls on {device.type}/{dtype}; "
-                       "using per-expert matmuls")
+        logger.warning(
+            f"torch._grouped_mm disagrees with matmuls on {device.type}/{dtype}; "
+            "using per-expert matmuls"
+        )
         return False
     return True
 
@@ -217,7 +223,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.use_grouped_mm)
         self.shared_experts = (
             SharedExperts(dim, hidden_dim * args.num_shared_experts)
-            if args.num_shared_experts > 0 else None
+            if args.num_shared_experts > 0
+            else None
         )
         # Only with aux-loss-free balancing (else no state-dict entry, as in checkpoints of
         # models routed without one, e.g. Hugging Face's Qwen3-MoE).
@@ -306,8 +313,11 @@ def moe_load_metrics(model_parts: list[nn.Module]) -> dict[str, float]:
     """Per MoE layer, max / mean tokens per expert of the last optimizer step (1.0 is
     perfect balance), e.g. ``{"moe/layer3_imbalance": 1.42}``. One host sync and no
     communication: the counts were already summed over the data-parallel ranks."""
-    counts = {name: moe.last_tokens_per_expert for name, moe in moe_layers(model_parts).items()
-              if moe.last_tokens_per_expert is not None}
+    counts = {
+        name: moe.last_tokens_per_expert
+        for name, moe in moe_layers(model_parts).items()
+        if moe.last_tokens_per_expert is not None
+    }
     if not counts:
         return {}
     stacked = torch.stack(list(counts.values()))

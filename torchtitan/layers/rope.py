@@ -16,14 +16,19 @@ import math
 import torch
 
 
-def rope_frequencies(rotary_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+def rope_frequencies(
+    rotary_dim: int, theta: float, device: torch.device | None = None
+) -> torch.Tensor:
     """``[rotary_dim // 2]`` fp32 inverse frequencies ``theta ** (-2i / rotary_dim)``."""
     exponents = torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim
     return 1.0 / (theta**exponents)
 
 
 def llama3_scaled(
-    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
     original_max_len: int,
 ) -> torch.Tensor:
     """Llama 3.1 scaling: low frequencies (wavelengths beyond ``original_max_len /
@@ -37,8 +42,13 @@ def llama3_scaled(
 
 
 def yarn_scaled(
-    inv_freq: torch.Tensor, rotary_dim: int, theta: float, factor: float, original_max_len: int,
-    beta_fast: float, beta_slow: float,
+    inv_freq: torch.Tensor,
+    rotary_dim: int,
+    theta: float,
+    factor: float,
+    original_max_len: int,
+    beta_fast: float,
+    beta_slow: float,
 ) -> torch.Tensor:
     """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context
     are divided by ``factor``, those turning more than ``beta_fast`` times are kept, and a
@@ -46,7 +56,11 @@ def yarn_scaled(
 
     def channel(rotations: float) -> float:
         """The channel index whose frequency turns ``rotations`` times over the context."""
-        return rotary_dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return (
+            rotary_dim
+            * math.log(original_max_len / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
 
     low = max(math.floor(channel(beta_fast)), 0)
     high = min(math.ceil(channel(beta_slow)), rotary_dim - 1)
@@ -67,7 +81,9 @@ def rope_table(inv_freq: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rotate ``x`` ``[batch, seq, heads, rotary_dim]`` by position, in fp32, cast back.
 
     ``positions`` holds each token's absolute position, ``[seq]`` or ``[batch, seq]``

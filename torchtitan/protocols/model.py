@@ -12,9 +12,9 @@ from torch import nn
 from torchtitan.layers.attention import MaskSpec
 
 if TYPE_CHECKING:
-    from torchtitan.protocols.tokenizer import BaseTokenizer
     from torchtitan.config import ModelConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.tokenizer import BaseTokenizer
 
 
 @dataclass
@@ -35,7 +35,11 @@ class BaseModelArgs(ABC):
         return MaskSpec.from_config(self.attn_mask_type, self.sliding_window)
 
     def update_from_config(
-        self, model: ModelConfig, *, max_seq_len: int, tokenizer: BaseTokenizer | None = None,
+        self,
+        model: ModelConfig,
+        *,
+        max_seq_len: int,
+        tokenizer: BaseTokenizer | None = None,
         moe_force_load_balance: bool = False,
     ) -> None:
         """Adopt run-dependent values: the tokenizer's vocabulary size (when one is given),
@@ -55,7 +59,7 @@ class BaseModelArgs(ABC):
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Return (number of parameters, training FLOPs per token) for MFU."""
 
-    def check_parallelism(self, parallel_dims: ParallelDims) -> None:
+    def check_parallelism(self, parallel_dims: ParallelDims) -> None:  # noqa: B027 (optional hook)
         """Raise ConfigError when this model cannot run under ``parallel_dims`` (e.g. heads
         not divisible by the tensor-parallel degree). Called before any process group."""
 

@@ -39,7 +39,9 @@ class _Registration:
 _converters: dict[str, _Registration] = {}
 
 
-def register_model_converter(converter_cls: type[ModelConverter], name: str, config_section: str | None = None) -> None:
+def register_model_converter(
+    converter_cls: type[ModelConverter], name: str, config_section: str | None = None
+) -> None:
     """Make ``name`` valid in ``model.converters``; ``config_section`` (e.g.
     ``"quantize.linear.float8"``) is the job-config section its ``__init__`` receives."""
     if name in _converters:
@@ -67,7 +69,9 @@ class ModelConvertersContainer:
         names = job_config.model.converters
         check_converter_names(names)
         self.converters = [
-            _converters[name].converter_cls(_settings(job_config, _converters[name].config_section), parallel_dims)
+            _converters[name].converter_cls(
+                _settings(job_config, _converters[name].config_section), parallel_dims
+            )
             for name in names
         ]
 

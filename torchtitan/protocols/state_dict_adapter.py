@@ -26,7 +26,7 @@ class StateDictAdapter(ABC):
         """The ``config.json`` contents describing this model to transformers."""
         raise NotImplementedError(f"{type(self).__name__} cannot write a Hugging Face config.json")
 
-    def check_hf_config(self, config: dict[str, Any]) -> None:
+    def check_hf_config(self, config: dict[str, Any]) -> None:  # noqa: B027 (optional hook)
         """Raise ValueError (naming the field) when a Hugging Face config.json describes
         another architecture or other dimensions than this model."""
 

@@ -39,7 +39,9 @@ class BaseTokenizer(ABC):
     def chat_template(self) -> str:
         """Jinja2 source of the template that renders chat ``messages``; a ValueError naming
         ``field`` when the tokenizer has none."""
-        raise ValueError(f"{self.field}: {type(self).__name__} has no chat template; use one that has")
+        raise ValueError(
+            f"{self.field}: {type(self).__name__} has no chat template; use one that has"
+        )
 
     def special_tokens(self) -> dict[str, str]:
         """The text of the special tokens a chat template refers to (``bos_token``, ``eos_token``)."""

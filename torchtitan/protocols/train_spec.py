@@ -18,8 +18,7 @@ from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 if TYPE_CHECKING:
-    from torchtitan.config import JobConfig
-    from torchtitan.distributed import ParallelDims
+    pass
 
 # parallelize_fn(model, parallel_dims, *, training, parallelism, activation_checkpoint,
 #                compile_config) -> model: applies TP, CP, EP, AC, compile, FSDP/DDP in place
@@ -74,7 +73,9 @@ class TrainSpec:
             )
         return replace(self.model_args[flavor])
 
-    def hf_adapter(self, model_args: BaseModelArgs, hf_assets_path: str | None = None) -> StateDictAdapter | None:
+    def hf_adapter(
+        self, model_args: BaseModelArgs, hf_assets_path: str | None = None
+    ) -> StateDictAdapter | None:
         """The model's Hugging Face state-dict adapter for these args (None: it has none)."""
         if self.state_dict_adapter is None:
             return None

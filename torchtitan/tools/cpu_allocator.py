@@ -51,9 +51,13 @@ def keep_freed_cpu_memory() -> bool:
     libc = ctypes.CDLL(None)
     applied = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1
     if applied:
-        logger.info("CPU allocator: freed memory stays with the process for reuse "
-                    "(training.cpu_keep_freed_memory)")
+        logger.info(
+            "CPU allocator: freed memory stays with the process for reuse "
+            "(training.cpu_keep_freed_memory)"
+        )
     else:
-        logger.warning("training.cpu_keep_freed_memory: glibc refused mallopt; freed memory "
-                       "goes back to the OS as before")
+        logger.warning(
+            "training.cpu_keep_freed_memory: glibc refused mallopt; freed memory "
+            "goes back to the OS as before"
+        )
     return applied

@@ -35,7 +35,9 @@ def maybe_enable_profiling(cfg: ProfilingConfig, dump_folder: str, global_step: 
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(
         activities=activities,
-        schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active),
+        schedule=torch.profiler.schedule(
+            wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active
+        ),
         on_trace_ready=on_trace_ready,
         record_shapes=True,
     ) as prof:
@@ -59,10 +61,14 @@ class MemorySnapshotter:
         torch.cuda.memory._dump_snapshot(os.path.join(out, name))
 
 
-def maybe_memory_snapshotter(cfg: ProfilingConfig, dump_folder: str, device: torch.device) -> MemorySnapshotter | None:
+def maybe_memory_snapshotter(
+    cfg: ProfilingConfig, dump_folder: str, device: torch.device
+) -> MemorySnapshotter | None:
     if not cfg.enable_memory_snapshot:
         return None
     if device.type != "cuda":
         logger.warning("profiling.enable_memory_snapshot needs CUDA; no snapshots on this device")
         return None
-    return MemorySnapshotter(os.path.join(dump_folder, cfg.save_memory_snapshot_folder), cfg.profile_freq)
+    return MemorySnapshotter(
+        os.path.join(dump_folder, cfg.save_memory_snapshot_folder), cfg.profile_freq
+    )

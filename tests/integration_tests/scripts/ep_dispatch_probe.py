@@ -37,7 +37,7 @@ def expected_local(rank: int, world: int) -> tuple[torch.Tensor, list[int]]:
         n = 0
         for src in range(world):
             offsets = torch.cat([torch.zeros(1, dtype=torch.long), routing(src).cumsum(0)])
-            rows.append(tokens_of(src)[offsets[e]:offsets[e + 1]])
+            rows.append(tokens_of(src)[offsets[e] : offsets[e + 1]])
             n += int(routing(src)[e])
         counts.append(n)
     return torch.cat(rows), counts
@@ -54,7 +54,9 @@ def check() -> str:
     if not torch.equal(local.detach(), want_rows):
         return "dispatched rows differ from the expected local-expert order"
     # Scale every row by its local expert's index + 1, send back, check values and grads.
-    scale = torch.repeat_interleave(torch.arange(1.0, len(want_counts) + 1), local_counts).unsqueeze(1)
+    scale = torch.repeat_interleave(
+        torch.arange(1.0, len(want_counts) + 1), local_counts
+    ).unsqueeze(1)
     back = combine(local * scale, route, group)
     expert_of_row = torch.repeat_interleave(torch.arange(EXPERTS), routing(rank))
     row_scale = (expert_of_row % (EXPERTS // world) + 1).float().unsqueeze(1)

@@ -30,7 +30,9 @@ def main() -> None:
         sys.argv[1:] + ["--model.name", name, "--training.mixed_precision_param", "float32"]
     )
     dist.init_process_group("gloo")
-    parallel_dims = parallel_dims_from_config(config.parallelism, config.fault_tolerance, dist.get_world_size())
+    parallel_dims = parallel_dims_from_config(
+        config.parallelism, config.fault_tolerance, dist.get_world_size()
+    )
     spec = get_train_spec(name)
     hf_config = json.load(open(os.path.join(hf_dir, "config.json")))
     args = ARGS_FROM_HF_CONFIG[name](hf_config)

@@ -18,10 +18,14 @@ from torchtitan.recipe import parallelize_settings
 
 
 def main() -> None:
-    config = ConfigManager().parse_args(sys.argv[1:] + ["--model.flavor", "debugmodel_tiny",
-                                                       "--training.mixed_precision_param", "float32"])
+    config = ConfigManager().parse_args(
+        sys.argv[1:]
+        + ["--model.flavor", "debugmodel_tiny", "--training.mixed_precision_param", "float32"]
+    )
     dist.init_process_group("gloo")
-    parallel_dims = parallel_dims_from_config(config.parallelism, config.fault_tolerance, dist.get_world_size())
+    parallel_dims = parallel_dims_from_config(
+        config.parallelism, config.fault_tolerance, dist.get_world_size()
+    )
     spec = get_train_spec("llama3")
     args = spec.flavor_args("debugmodel_tiny")
 
@@ -33,9 +37,15 @@ def main() -> None:
         model = spec.model_cls(args)
     if parallel_dims.pp_enabled:
         settings = parallelize_settings(config)
-        parts = spec.pipelining_fn(model, parallel_dims, config.parallelism, config.training.local_batch_size,
-                                   torch.device("cpu"), lambda stage: spec.parallelize_fn(stage, parallel_dims, **settings),
-                                   None).model_parts
+        parts = spec.pipelining_fn(
+            model,
+            parallel_dims,
+            config.parallelism,
+            config.training.local_batch_size,
+            torch.device("cpu"),
+            lambda stage: spec.parallelize_fn(stage, parallel_dims, **settings),
+            None,
+        ).model_parts
     else:
         parts = [spec.parallelize_fn(model, parallel_dims, **parallelize_settings(config))]
     result, sharded, count = "ok", 0, 0

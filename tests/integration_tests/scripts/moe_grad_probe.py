@@ -17,14 +17,25 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
-from torchtitan.distributed.utils import clip_grad_norm_
-from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+from torchtitan.distributed.utils import (
+    clip_grad_norm_,
+    exit_skipping_static_destructors,
+    leave_together,
+)
 from torchtitan.layers.init import clean_fqn
 from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import model_args_from_config, parallelize_settings
 
-BASE = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "32",
-        "--training.mixed_precision_param", "float32"]
+BASE = [
+    "--model.name",
+    "deepseek_v3",
+    "--model.flavor",
+    "debugmodel",
+    "--training.seq_len",
+    "32",
+    "--training.mixed_precision_param",
+    "float32",
+]
 BATCH, SEED, RTOL = 8, 3, 1e-5
 
 
@@ -46,7 +57,9 @@ def reference_grads(overrides: list[str], tokens: torch.Tensor) -> tuple[dict, f
 
 def parallel_grads(overrides: list[str], tokens: torch.Tensor) -> tuple[dict, float]:
     config, spec, args = build(overrides)
-    dims = parallel_dims_from_config(config.parallelism, config.fault_tolerance, dist.get_world_size())
+    dims = parallel_dims_from_config(
+        config.parallelism, config.fault_tolerance, dist.get_world_size()
+    )
     with torch.device("meta"):
         model = spec.model_cls(args)
     model = spec.parallelize_fn(model, dims, **parallelize_settings(config))
@@ -55,7 +68,7 @@ def parallel_grads(overrides: list[str], tokens: torch.Tensor) -> tuple[dict, fl
         model.init_weights(seed=SEED)
     dp = dims.world_mesh["dp"] if dims.dp_enabled else None
     rank, size = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
-    mine = tokens[rank * BATCH // size:(rank + 1) * BATCH // size]
+    mine = tokens[rank * BATCH // size : (rank + 1) * BATCH // size]
     with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
         F.cross_entropy(model(mine[:, :-1]).flatten(0, 1), mine[:, 1:].flatten()).backward()
     grads = {}

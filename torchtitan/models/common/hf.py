@@ -45,7 +45,11 @@ GQA = {
     "attention.wo.weight": "self_attn.o_proj.weight",
 }
 ROUTER = {"moe.router.gate.weight": "mlp.gate.weight"}
-_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
+_EXPERTS = {
+    "moe.experts.w1": "gate_proj",
+    "moe.experts.w2": "down_proj",
+    "moe.experts.w3": "up_proj",
+}
 _TO_OURS_EXPERT = {hf: ours for ours, hf in _EXPERTS.items()}
 _OURS_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -98,10 +102,16 @@ class DecoderStateDictAdapter(StateDictAdapter):
             rest = match.group(2) if match else None
             if rest in _EXPERTS:
                 prefix = f"model.layers.{match.group(1)}.mlp.experts"
-                out.update({f"{prefix}.{e}.{_EXPERTS[rest]}.weight": expert
-                            for e, expert in enumerate(value.unbind(0))})
+                out.update(
+                    {
+                        f"{prefix}.{e}.{_EXPERTS[rest]}.weight": expert
+                        for e, expert in enumerate(value.unbind(0))
+                    }
+                )
             elif rest in self.per_layer:
-                out[f"model.layers.{match.group(1)}.{self.per_layer[rest]}"] = self.value_to_hf(rest, value)
+                out[f"model.layers.{match.group(1)}.{self.per_layer[rest]}"] = self.value_to_hf(
+                    rest, value
+                )
             else:
                 raise ValueError(f"no Hugging Face counterpart for key {key!r}")
         return out
@@ -125,7 +135,9 @@ class DecoderStateDictAdapter(StateDictAdapter):
             if expert := _HF_EXPERT_KEY.fullmatch(rest):
                 experts[(layer, _TO_OURS_EXPERT[expert.group(2)])][int(expert.group(1))] = value
             elif rest == "mlp.experts.gate_up_proj":
-                out[prefix + "moe.experts.w1"], out[prefix + "moe.experts.w3"] = value.chunk(2, dim=1)
+                out[prefix + "moe.experts.w1"], out[prefix + "moe.experts.w3"] = value.chunk(
+                    2, dim=1
+                )
             elif rest == "mlp.experts.down_proj":
                 out[prefix + "moe.experts.w2"] = value
             elif rest in to_ours_layer:
@@ -136,7 +148,9 @@ class DecoderStateDictAdapter(StateDictAdapter):
         out.update(self._stack_experts(experts))
         return out
 
-    def _stack_experts(self, experts: dict[tuple[str, str], dict[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _stack_experts(
+        self, experts: dict[tuple[str, str], dict[int, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
         out = {}
         n = self.model_args.moe.num_experts if experts else 0
         for (layer, name), by_index in experts.items():
@@ -164,7 +178,9 @@ def rotate_half_to_interleaved(w: torch.Tensor, n_heads: int, head_dim: int) -> 
 def check_rows(key: str, value: torch.Tensor, n_heads: int, head_dim: int) -> None:
     expected = n_heads * head_dim
     if value.shape[0] != expected:
-        raise ValueError(f"{key!r} has {value.shape[0]} rows, expected {n_heads} heads x {head_dim} = {expected}")
+        raise ValueError(
+            f"{key!r} has {value.shape[0]} rows, expected {n_heads} heads x {head_dim} = {expected}"
+        )
 
 
 # ---------------------------------------------------------------------------- config.json
@@ -188,8 +204,11 @@ def require(config: Mapping[str, Any], key: str) -> Any:
 def check_same_fields(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
     """Raise ValueError listing every field of ``ours`` that ``theirs`` (from config.json)
     gives differently."""
-    mismatches = [f"{name} = {theirs[name]} but model.flavor gives {ours[name]}"
-                  for name in ours if name in theirs and theirs[name] != ours[name]]
+    mismatches = [
+        f"{name} = {theirs[name]} but model.flavor gives {ours[name]}"
+        for name in ours
+        if name in theirs and theirs[name] != ours[name]
+    ]
     if mismatches:
         raise ValueError(
             f"config.json has {', '.join(mismatches)}; choose the flavor (or tokenizer) that matches"

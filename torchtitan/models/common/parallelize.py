@@ -36,7 +36,12 @@ from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
-    from torchtitan.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import (
+        ActivationCheckpointConfig,
+        CompileConfig,
+        ParallelismConfig,
+        TrainingConfig,
+    )
 
 BlockPlan = Callable[[TransformerBlock], dict[str, ParallelStyle]]
 """A block -> its tensor-parallel plan (module path under the block -> style)."""
@@ -86,7 +91,9 @@ def gqa_tp_plan(attention: GQAttention) -> dict[str, ParallelStyle]:
 def feed_forward_tp_plan() -> dict[str, ParallelStyle]:
     """A dense SwiGLU: w1/w3 column-wise, w2 row-wise back to sequence shards."""
     return {
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         "feed_forward.w3": ColwiseParallel(),
@@ -105,21 +112,31 @@ def gqa_block_tp_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
     return attention_input_plan() | gqa_tp_plan(block.attention) | ffn_tp_plan(block)
 
 
-def apply_tp(model: Decoder, tp_mesh: DeviceMesh, loss_parallel: bool,
-             block_plan: BlockPlan = gqa_block_tp_plan, float8_styles: bool = False) -> None:
+def apply_tp(
+    model: Decoder,
+    tp_mesh: DeviceMesh,
+    loss_parallel: bool,
+    block_plan: BlockPlan = gqa_block_tp_plan,
+    float8_styles: bool = False,
+) -> None:
     """Megatron-style TP with sequence parallel: activations between blocks are sharded on
     the sequence dim; each block by ``block_plan``; tied embeddings tied again.
     ``float8_styles``: Float8Linear targets take torchao's float8 styles."""
+
     def styled(module: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
         return with_float8_styles(module, plan) if float8_styles else plan
 
-    present = {k: v for k, v in root_tp_plan(loss_parallel).items() if getattr(model, k, None) is not None}
+    present = {
+        k: v for k, v in root_tp_plan(loss_parallel).items() if getattr(model, k, None) is not None
+    }
     parallelize_module(model, tp_mesh, styled(model, present))
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, styled(block, block_plan(block)))
     model.tie_embeddings()  # both weights are Shard(0) over tp (the vocab)
-    logger.info(f"applied tensor + sequence parallel over {tp_mesh.size()} ranks "
-                f"(loss parallel {'on' if loss_parallel else 'off'})")
+    logger.info(
+        f"applied tensor + sequence parallel over {tp_mesh.size()} ranks "
+        f"(loss parallel {'on' if loss_parallel else 'off'})"
+    )
 
 
 def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
@@ -137,7 +154,9 @@ def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- the order
-def fsdp_settings(training: TrainingConfig, parallelism: ParallelismConfig, parallel_dims: ParallelDims) -> dict[str, Any]:
+def fsdp_settings(
+    training: TrainingConfig, parallelism: ParallelismConfig, parallel_dims: ParallelDims
+) -> dict[str, Any]:
     """The keyword arguments of ``apply_fsdp`` / ``apply_expert_fsdp`` from the config."""
     return {
         "param_dtype": TORCH_DTYPES[training.mixed_precision_param],
@@ -150,31 +169,52 @@ def fsdp_settings(training: TrainingConfig, parallelism: ParallelismConfig, para
 
 
 def parallelize_decoder(
-    model: Decoder, parallel_dims: ParallelDims, *, training: TrainingConfig, parallelism: ParallelismConfig,
-    activation_checkpoint: ActivationCheckpointConfig, compile_config: CompileConfig,
+    model: Decoder,
+    parallel_dims: ParallelDims,
+    *,
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    activation_checkpoint: ActivationCheckpointConfig,
+    compile_config: CompileConfig,
     block_plan: BlockPlan = gqa_block_tp_plan,
 ) -> Decoder:
     """Apply every enabled parallelism to ``model`` (or one pipeline stage of it) in place."""
     p = parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.world_mesh["tp"]
-        apply_tp(model, tp_mesh, loss_parallel=not p.disable_loss_parallel, block_plan=block_plan,
-                 float8_styles=float8_tensorwise_tp(model, tp_mesh.device_type))
+        apply_tp(
+            model,
+            tp_mesh,
+            loss_parallel=not p.disable_loss_parallel,
+            block_plan=block_plan,
+            float8_styles=float8_tensorwise_tp(model, tp_mesh.device_type),
+        )
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh, compiled=compile_config.enable)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.world_mesh["cp"], parallel_dims.cp_rotate_method,
-                 parallel_dims.cp_load_balancer)
+        apply_cp(
+            model,
+            parallel_dims.world_mesh["cp"],
+            parallel_dims.cp_rotate_method,
+            parallel_dims.cp_load_balancer,
+        )
     moes = [block.moe for block in model.layers.values() if block.moe_enabled]
     for moe in moes:
         parallelize_moe(moe, parallel_dims)
     if moes and parallel_dims.ep_enabled:
-        logger.info(f"applied expert parallel over {parallel_dims.ep} ranks "
-                    f"(expert tensor parallel {parallel_dims.etp})")
+        logger.info(
+            f"applied expert parallel over {parallel_dims.ep} ranks "
+            f"(expert tensor parallel {parallel_dims.etp})"
+        )
 
     ac = activation_checkpoint
-    apply_ac(model.layers, ac.mode, ac.selective_ac_option, ac.preserve_rng_state,
-             keeps_attention_output(ac, parallel_dims.ring_cp))
+    apply_ac(
+        model.layers,
+        ac.mode,
+        ac.selective_ac_option,
+        ac.preserve_rng_state,
+        keeps_attention_output(ac, parallel_dims.ring_cp),
+    )
     if compile_config.enable and "model" in compile_config.components:
         compile_blocks(model.layers, compile_config.backend)
 

@@ -8,20 +8,25 @@ from __future__ import annotations
 from torch import nn
 
 from torchtitan.components.dataloader import build_dataloader
-from torchtitan.layers.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_moe_optimizers, build_optimizers
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.validate import build_validator
 from torchtitan.distributed.pipeline import pipeline_llm
+from torchtitan.layers.loss import build_cross_entropy_loss
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.protocols.train_spec import ParallelizeFunction, TrainSpec
 
 
 def decoder_train_spec(
-    name: str, model_cls: type[nn.Module], flavors: dict[str, BaseModelArgs],
-    parallelize_fn: ParallelizeFunction, state_dict_adapter: type[StateDictAdapter], *, has_moe: bool,
+    name: str,
+    model_cls: type[nn.Module],
+    flavors: dict[str, BaseModelArgs],
+    parallelize_fn: ParallelizeFunction,
+    state_dict_adapter: type[StateDictAdapter],
+    *,
+    has_moe: bool,
 ) -> TrainSpec:
     """``has_moe``: some flavors have MoE layers (the optimizers then update expert biases)."""
     return TrainSpec(

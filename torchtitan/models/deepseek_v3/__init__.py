@@ -9,9 +9,20 @@ from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from torchtitan.protocols.train_spec import register_train_spec
 
-__all__ = ["DeepSeekV3Model", "DeepSeekV3ModelArgs", "deepseek_v3_flavors", "parallelize_deepseek_v3"]
+__all__ = [
+    "DeepSeekV3Model",
+    "DeepSeekV3ModelArgs",
+    "deepseek_v3_flavors",
+    "parallelize_deepseek_v3",
+]
 
-register_train_spec(decoder_train_spec(
-    "deepseek_v3", DeepSeekV3Model, deepseek_v3_flavors, parallelize_deepseek_v3,
-    DeepSeekV3StateDictAdapter, has_moe=True,
-))
+register_train_spec(
+    decoder_train_spec(
+        "deepseek_v3",
+        DeepSeekV3Model,
+        deepseek_v3_flavors,
+        parallelize_deepseek_v3,
+        DeepSeekV3StateDictAdapter,
+        has_moe=True,
+    )
+)

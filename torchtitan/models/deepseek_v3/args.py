@@ -7,15 +7,20 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from torchtitan.layers.rope import yarn_mscale
-from torchtitan.models.common.args import check_expert_layout, check_tp_divides_heads, nparams_and_flops, require
 from torchtitan.layers.moe import MoEArgs
+from torchtitan.layers.rope import yarn_mscale
+from torchtitan.models.common.args import (
+    check_expert_layout,
+    check_tp_divides_heads,
+    nparams_and_flops,
+    require,
+)
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
-    from torchtitan.protocols.tokenizer import BaseTokenizer
     from torchtitan.config import ModelConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.tokenizer import BaseTokenizer
 
 
 @dataclass
@@ -54,7 +59,11 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
         return self.qk_head_dim**-0.5 * yarn_mscale(self.rope_factor, self.rope_mscale) ** 2
 
     def update_from_config(
-        self, model: ModelConfig, *, max_seq_len: int, tokenizer: BaseTokenizer | None = None,
+        self,
+        model: ModelConfig,
+        *,
+        max_seq_len: int,
+        tokenizer: BaseTokenizer | None = None,
         moe_force_load_balance: bool = False,
     ) -> None:
         super().update_from_config(model, max_seq_len=max_seq_len, tokenizer=tokenizer)
@@ -63,17 +72,25 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, inter_dim=self.inter_dim)
-        check_expert_layout(parallel_dims, self.moe, {
-            "moe_inter_dim": self.moe_inter_dim,
-            "shared": self.moe_inter_dim * self.moe.num_shared_experts,
-        })
+        check_expert_layout(
+            parallel_dims,
+            self.moe,
+            {
+                "moe_inter_dim": self.moe_inter_dim,
+                "shared": self.moe_inter_dim * self.moe.num_shared_experts,
+            },
+        )
         if self.moe.num_expert_groups:
-            require(self.moe.num_experts % self.moe.num_expert_groups == 0,
-                    f"model: num_expert_groups ({self.moe.num_expert_groups}) must divide "
-                    f"num_experts ({self.moe.num_experts})")
+            require(
+                self.moe.num_experts % self.moe.num_expert_groups == 0,
+                f"model: num_expert_groups ({self.moe.num_expert_groups}) must divide "
+                f"num_experts ({self.moe.num_experts})",
+            )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token (``common/args.py``); attention adds
         ``6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len``."""
-        attention = 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        attention = (
+            6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        )
         return nparams_and_flops(model, attention, self.moe)

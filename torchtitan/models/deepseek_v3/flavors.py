@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.layers.moe import MoEArgs
+from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 
 deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
     # Tiny and CPU-friendly: 1 dense + 3 MoE blocks, 8 routed experts (EP up to 8) in 4
@@ -18,8 +18,14 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         n_dense_layers=1,
         n_heads=4,
         moe=MoEArgs(
-            num_experts=8, num_shared_experts=1, top_k=3, score_func="sigmoid",
-            route_norm=True, route_scale=1.0, num_expert_groups=4, num_limited_groups=2,
+            num_experts=8,
+            num_shared_experts=1,
+            top_k=3,
+            score_func="sigmoid",
+            route_norm=True,
+            route_scale=1.0,
+            num_expert_groups=4,
+            num_limited_groups=2,
             load_balance_coeff=1e-3,
         ),
         q_lora_rank=32,
@@ -39,8 +45,13 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         n_dense_layers=1,
         n_heads=16,
         moe=MoEArgs(
-            num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax",
-            route_norm=False, route_scale=1.0, load_balance_coeff=1e-3,
+            num_experts=64,
+            num_shared_experts=2,
+            top_k=6,
+            score_func="softmax",
+            route_norm=False,
+            route_scale=1.0,
+            load_balance_coeff=1e-3,
         ),
         q_lora_rank=0,
         kv_lora_rank=512,
@@ -59,8 +70,14 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         n_dense_layers=3,
         n_heads=128,
         moe=MoEArgs(
-            num_experts=256, num_shared_experts=1, top_k=8, score_func="sigmoid",
-            route_norm=True, route_scale=2.5, num_expert_groups=8, num_limited_groups=4,
+            num_experts=256,
+            num_shared_experts=1,
+            top_k=8,
+            score_func="sigmoid",
+            route_norm=True,
+            route_scale=2.5,
+            num_expert_groups=8,
+            num_limited_groups=4,
             load_balance_coeff=1e-3,
         ),
         q_lora_rank=1536,

@@ -19,9 +19,9 @@ from torch import nn
 from torchtitan.layers.attention import build_attention
 from torchtitan.layers.decoder import Decoder, InitRules, TransformerBlock
 from torchtitan.layers.feed_forward import FeedForward
+from torchtitan.layers.moe import MoE
 from torchtitan.layers.rope import apply_rope, rope_frequencies, yarn_scaled
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.layers.moe import MoE
 
 _INIT_RULES = InitRules.for_attention(("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"))
 
@@ -31,8 +31,15 @@ def rope_inv_freq(args: DeepSeekV3ModelArgs, device: torch.device | None = None)
     inv_freq = rope_frequencies(args.qk_rope_head_dim, args.rope_theta, device)
     if args.rope_factor <= 1:
         return inv_freq
-    return yarn_scaled(inv_freq, args.qk_rope_head_dim, args.rope_theta, args.rope_factor,
-                       args.rope_original_seq_len, args.rope_beta_fast, args.rope_beta_slow)
+    return yarn_scaled(
+        inv_freq,
+        args.qk_rope_head_dim,
+        args.rope_theta,
+        args.rope_factor,
+        args.rope_original_seq_len,
+        args.rope_beta_fast,
+        args.rope_beta_slow,
+    )
 
 
 class MLA(nn.Module):
@@ -65,7 +72,10 @@ class MLA(nn.Module):
         return self.wq_b(self.q_norm(self.wq_a(x)))
 
     def forward(
-        self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
         mask: Any = None,
     ) -> torch.Tensor:
         """``mask``: the batch's prepared attention mask (``layers/attention.py``)."""
@@ -83,8 +93,13 @@ class MLA(nn.Module):
         # Values padded to the query/key head size: every SDPA backend (and context
         # parallel) then sees plain equal-size multi-head attention.
         v = F.pad(v, (0, q.shape[-1] - self.v_dim))
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                   mask=mask, scale=self.softmax_scale)
+        out = self.inner_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            mask=mask,
+            scale=self.softmax_scale,
+        )
         out = out.transpose(1, 2)[..., : self.v_dim].reshape(bsz, seq_len, -1)
         return self.wo(out)
 
@@ -103,6 +118,8 @@ class DeepSeekV3Model(Decoder):
 
     def __init__(self, model_args: DeepSeekV3ModelArgs) -> None:
         super().__init__(
-            model_args, {str(i): build_block(i, model_args) for i in range(model_args.n_layers)},
-            rope_frequencies=rope_inv_freq, init_rules=_INIT_RULES,
+            model_args,
+            {str(i): build_block(i, model_args) for i in range(model_args.n_layers)},
+            rope_frequencies=rope_inv_freq,
+            init_rules=_INIT_RULES,
         )

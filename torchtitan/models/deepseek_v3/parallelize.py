@@ -12,7 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from torchtitan.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import (
+    ActivationCheckpointConfig,
+    CompileConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
 from torchtitan.distributed import ParallelDims
 from torchtitan.layers.decoder import TransformerBlock
 from torchtitan.models.common.parallelize import (
@@ -23,12 +28,21 @@ from torchtitan.models.common.parallelize import (
 
 
 def parallelize_deepseek_v3(
-    model: nn.Module, parallel_dims: ParallelDims, *, training: TrainingConfig, parallelism: ParallelismConfig,
-    activation_checkpoint: ActivationCheckpointConfig, compile_config: CompileConfig,
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    *,
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    activation_checkpoint: ActivationCheckpointConfig,
+    compile_config: CompileConfig,
 ) -> nn.Module:
     return parallelize_decoder(
-        model, parallel_dims, training=training, parallelism=parallelism,
-        activation_checkpoint=activation_checkpoint, compile_config=compile_config,
+        model,
+        parallel_dims,
+        training=training,
+        parallelism=parallelism,
+        activation_checkpoint=activation_checkpoint,
+        compile_config=compile_config,
         block_plan=mla_block_tp_plan,
     )
 
@@ -44,7 +58,7 @@ class _SumGradFrom(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        summed = grad[..., ctx.start:].contiguous()
+        summed = grad[..., ctx.start :].contiguous()
         dist.all_reduce(summed, group=ctx.group)
         return torch.cat([grad[..., : ctx.start], summed], dim=-1), None, None
 
@@ -64,8 +78,10 @@ class ReplicateParallel(ParallelStyle):
 
     @staticmethod
     def _to_dtensor(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()])
-                     for x in inputs)
+        return tuple(
+            x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()])
+            for x in inputs
+        )
 
     def _to_local(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
         if self.sum_grad_from is None:
@@ -89,6 +105,9 @@ def mla_block_tp_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
     if hasattr(attention, "wq"):
         plan["attention.wq"] = ColwiseParallel()
     else:
-        plan |= {"attention.wq_a": ReplicateParallel(), "attention.q_norm": ReplicateParallel(),
-                 "attention.wq_b": ColwiseParallel()}
+        plan |= {
+            "attention.wq_a": ReplicateParallel(),
+            "attention.q_norm": ReplicateParallel(),
+            "attention.wq_b": ColwiseParallel(),
+        }
     return plan | ffn_tp_plan(block)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torchtitan.layers.moe import MoEArgs
 from torchtitan.models.common.hf import (
     DENSE_BLOCK,
     ROUTER,
@@ -28,7 +29,6 @@ from torchtitan.models.common.hf import (
     rope_settings,
 )
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.layers.moe import MoEArgs
 from torchtitan.tools.logging import logger
 
 _MLA = {
@@ -61,7 +61,9 @@ class DeepSeekV3StateDictAdapter(DecoderStateDictAdapter):
 
     def check_hf_config(self, config: dict[str, Any]) -> None:
         self.require_architecture(config, "DeepseekV3ForCausalLM", "DeepSeek-V3")
-        check_same_fields(_compared_fields(from_hf_config(config)), _compared_fields(self.model_args))
+        check_same_fields(
+            _compared_fields(from_hf_config(config)), _compared_fields(self.model_args)
+        )
         if self.model_args.moe.load_balance_coeff is None:
             logger.warning(
                 "model.flavor has moe.load_balance_coeff = None, so the routers ignore the "
@@ -86,10 +88,13 @@ def to_hf_config(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_factor > 1:
         rope.update(
-            rope_type="yarn", factor=args.rope_factor,
+            rope_type="yarn",
+            factor=args.rope_factor,
             original_max_position_embeddings=args.rope_original_seq_len,
-            beta_fast=args.rope_beta_fast, beta_slow=args.rope_beta_slow,
-            mscale=args.rope_mscale, mscale_all_dim=args.rope_mscale,
+            beta_fast=args.rope_beta_fast,
+            beta_slow=args.rope_beta_slow,
+            mscale=args.rope_mscale,
+            mscale_all_dim=args.rope_mscale,
         )
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -213,7 +218,10 @@ def _compared_fields(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
         "rope_factor": args.rope_factor if args.rope_factor > 1 else 1.0,
     }
     if args.rope_factor > 1:
-        fields.update(rope_original_seq_len=args.rope_original_seq_len,
-                      rope_beta_fast=args.rope_beta_fast, rope_beta_slow=args.rope_beta_slow,
-                      rope_mscale=args.rope_mscale)
+        fields.update(
+            rope_original_seq_len=args.rope_original_seq_len,
+            rope_beta_fast=args.rope_beta_fast,
+            rope_beta_slow=args.rope_beta_slow,
+            rope_mscale=args.rope_mscale,
+        )
     return fields

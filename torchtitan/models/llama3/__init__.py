@@ -10,6 +10,13 @@ from torchtitan.protocols.train_spec import register_train_spec
 
 __all__ = ["Transformer", "TransformerModelArgs", "llama3_flavors", "parallelize_llama"]
 
-register_train_spec(decoder_train_spec(
-    "llama3", Transformer, llama3_flavors, parallelize_llama, Llama3StateDictAdapter, has_moe=False,
-))
+register_train_spec(
+    decoder_train_spec(
+        "llama3",
+        Transformer,
+        llama3_flavors,
+        parallelize_llama,
+        Llama3StateDictAdapter,
+        has_moe=False,
+    )
+)

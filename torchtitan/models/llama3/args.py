@@ -8,7 +8,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from torchtitan.models.common.args import check_no_experts, check_tp_divides_heads, nparams_and_flops
+from torchtitan.models.common.args import (
+    check_no_experts,
+    check_tp_divides_heads,
+    nparams_and_flops,
+)
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:

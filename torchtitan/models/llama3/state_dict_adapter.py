@@ -36,13 +36,17 @@ class Llama3StateDictAdapter(DecoderStateDictAdapter):
     def check_hf_config(self, config: dict[str, Any]) -> None:
         self.require_architecture(config, "LlamaForCausalLM", "Llama")
         theirs = from_hf_config(config)
-        check_same_fields({f: getattr(theirs, f) for f in _COMPARED},
-                          {f: getattr(self.model_args, f) for f in _COMPARED})
+        check_same_fields(
+            {f: getattr(theirs, f) for f in _COMPARED},
+            {f: getattr(self.model_args, f) for f in _COMPARED},
+        )
 
     def rope_heads(self, key: str) -> int | None:
         """Number of heads whose rows need the RoPE permutation, or None."""
-        return {"attention.wq.weight": self.model_args.n_heads,
-                "attention.wk.weight": self.model_args.kv_heads}.get(key)
+        return {
+            "attention.wq.weight": self.model_args.n_heads,
+            "attention.wk.weight": self.model_args.kv_heads,
+        }.get(key)
 
 
 def to_hf_config(model_args: TransformerModelArgs) -> dict[str, Any]:

@@ -11,6 +11,13 @@ from torchtitan.protocols.train_spec import register_train_spec
 
 __all__ = ["Qwen3Model", "Qwen3ModelArgs", "parallelize_qwen3", "qwen3_flavors"]
 
-register_train_spec(decoder_train_spec(
-    "qwen3", Qwen3Model, qwen3_flavors, parallelize_qwen3, Qwen3StateDictAdapter, has_moe=True,
-))
+register_train_spec(
+    decoder_train_spec(
+        "qwen3",
+        Qwen3Model,
+        qwen3_flavors,
+        parallelize_qwen3,
+        Qwen3StateDictAdapter,
+        has_moe=True,
+    )
+)

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
+from torchtitan.layers.moe import MoEArgs
+from torchtitan.layers.rope import yarn_mscale
 from torchtitan.models.common.args import (
     check_expert_layout,
     check_no_experts,
@@ -15,14 +17,12 @@ from torchtitan.models.common.args import (
     nparams_and_flops,
     require,
 )
-from torchtitan.layers.rope import yarn_mscale
-from torchtitan.layers.moe import MoEArgs
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
-    from torchtitan.protocols.tokenizer import BaseTokenizer
     from torchtitan.config import ModelConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.tokenizer import BaseTokenizer
 
 
 @dataclass
@@ -73,7 +73,11 @@ class Qwen3ModelArgs(BaseModelArgs):
         return self.head_dim**-0.5 * factor**2
 
     def update_from_config(
-        self, model: ModelConfig, *, max_seq_len: int, tokenizer: BaseTokenizer | None = None,
+        self,
+        model: ModelConfig,
+        *,
+        max_seq_len: int,
+        tokenizer: BaseTokenizer | None = None,
         moe_force_load_balance: bool = False,
     ) -> None:
         super().update_from_config(model, max_seq_len=max_seq_len, tokenizer=tokenizer)
@@ -86,10 +90,12 @@ class Qwen3ModelArgs(BaseModelArgs):
             check_no_experts(parallel_dims, "this qwen3 flavor (dense)")
         else:
             check_expert_layout(parallel_dims, self.moe, {"moe_hidden_dim": self.moe_hidden_dim})
-        require(not (self.tie_word_embeddings and parallel_dims.pp > 1),
-                "parallelism.pipeline_parallel_degree: this qwen3 flavor ties the output layer to the "
-                "embedding, which sit on different pipeline stages; use pipeline_parallel_degree 1 "
-                "or an untied flavor (8B and larger)")
+        require(
+            not (self.tie_word_embeddings and parallel_dims.pp > 1),
+            "parallelism.pipeline_parallel_degree: this qwen3 flavor ties the output layer to the "
+            "embedding, which sit on different pipeline stages; use pipeline_parallel_degree 1 "
+            "or an untied flavor (8B and larger)",
+        )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token (``common/args.py``); attention adds

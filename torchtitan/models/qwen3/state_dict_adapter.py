@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torchtitan.layers.moe import MoEArgs
 from torchtitan.models.common.hf import (
     DENSE_BLOCK,
     GQA,
@@ -23,7 +24,6 @@ from torchtitan.models.common.hf import (
     require,
     rope_settings,
 )
-from torchtitan.layers.moe import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 
 _QK_NORMS = {
@@ -44,8 +44,12 @@ class Qwen3StateDictAdapter(DecoderStateDictAdapter):
 
     def check_hf_config(self, config: dict[str, Any]) -> None:
         architecture = "Qwen3ForCausalLM" if self.model_args.moe is None else "Qwen3MoeForCausalLM"
-        self.require_architecture(config, architecture, "Qwen3" if self.model_args.moe is None else "Qwen3-MoE")
-        check_same_fields(_compared_fields(from_hf_config(config)), _compared_fields(self.model_args))
+        self.require_architecture(
+            config, architecture, "Qwen3" if self.model_args.moe is None else "Qwen3-MoE"
+        )
+        check_same_fields(
+            _compared_fields(from_hf_config(config)), _compared_fields(self.model_args)
+        )
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         out = super().to_hf(state_dict)
@@ -62,8 +66,12 @@ class Qwen3StateDictAdapter(DecoderStateDictAdapter):
     def rope_heads(self, key: str) -> int | None:
         """How many heads' channels the RoPE permutation reorders in ``key``, or None."""
         args = self.model_args
-        return {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads,
-                "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}.get(key)
+        return {
+            "attention.wq.weight": args.n_heads,
+            "attention.wk.weight": args.n_kv_heads,
+            "attention.q_norm.weight": 1,
+            "attention.k_norm.weight": 1,
+        }.get(key)
 
 
 def to_hf_config(args: Qwen3ModelArgs) -> dict[str, Any]:
@@ -84,7 +92,8 @@ def to_hf_config(args: Qwen3ModelArgs) -> dict[str, Any]:
         "max_position_embeddings": args.max_seq_len,
         "rope_theta": args.rope_theta,
         "rope_scaling": _rope_scaling(args),
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta} | (_rope_scaling(args) or {}),
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}
+        | (_rope_scaling(args) or {}),
         "tie_word_embeddings": args.tie_word_embeddings,
         "attention_bias": False,
         "use_sliding_window": False,
@@ -115,9 +124,13 @@ def _rope_scaling(args: Qwen3ModelArgs) -> dict[str, Any] | None:
     """The YaRN settings in config.json form, or None without YaRN."""
     if args.rope_factor <= 1:
         return None
-    scaling = {"rope_type": "yarn", "factor": args.rope_factor,
-               "original_max_position_embeddings": args.rope_original_seq_len,
-               "beta_fast": args.rope_beta_fast, "beta_slow": args.rope_beta_slow}
+    scaling = {
+        "rope_type": "yarn",
+        "factor": args.rope_factor,
+        "original_max_position_embeddings": args.rope_original_seq_len,
+        "beta_fast": args.rope_beta_fast,
+        "beta_slow": args.rope_beta_slow,
+    }
     if args.rope_attention_factor is not None:
         scaling["attention_factor"] = args.rope_attention_factor
     return scaling
@@ -128,11 +141,14 @@ def _read_yarn(config: Mapping[str, Any], args: Qwen3ModelArgs) -> None:
     original context defaults to max_position_embeddings, as in transformers)."""
     rope = rope_settings(config)
     if rope.get("mscale") or rope.get("mscale_all_dim"):
-        raise ValueError("config.json: YaRN with mscale / mscale_all_dim is not supported for Qwen3; "
-                         "give attention_factor instead")
+        raise ValueError(
+            "config.json: YaRN with mscale / mscale_all_dim is not supported for Qwen3; "
+            "give attention_factor instead"
+        )
     args.rope_factor = float(require(rope, "factor"))
-    args.rope_original_seq_len = int(rope.get("original_max_position_embeddings")
-                                     or require(config, "max_position_embeddings"))
+    args.rope_original_seq_len = int(
+        rope.get("original_max_position_embeddings") or require(config, "max_position_embeddings")
+    )
     args.rope_beta_fast = float(rope.get("beta_fast") or 32.0)
     args.rope_beta_slow = float(rope.get("beta_slow") or 1.0)
     if rope.get("attention_factor") is not None:
@@ -160,10 +176,15 @@ def from_hf_config(config: Mapping[str, Any]) -> Qwen3ModelArgs:
     if rope["rope_type"] == "yarn":
         _read_yarn(config, args)
     if num_experts := _num_experts(config):
-        args.moe = MoEArgs(num_experts=num_experts, num_shared_experts=0,
-                           top_k=require(config, "num_experts_per_tok"), score_func="softmax",
-                           route_norm=bool(config.get("norm_topk_prob", False)), route_scale=1.0,
-                           load_balance_coeff=None)
+        args.moe = MoEArgs(
+            num_experts=num_experts,
+            num_shared_experts=0,
+            top_k=require(config, "num_experts_per_tok"),
+            score_func="softmax",
+            route_norm=bool(config.get("norm_topk_prob", False)),
+            route_scale=1.0,
+            load_balance_coeff=None,
+        )
         args.moe_hidden_dim = require(config, "moe_intermediate_size")
     return args
 
@@ -179,13 +200,23 @@ def _reject_unsupported(config: Mapping[str, Any]) -> None:
     rope_type = rope_settings(config)["rope_type"]
     problems = [
         (config.get("attention_bias"), "attention biases are not supported"),
-        (config.get("hidden_act", "silu") != "silu", f"unsupported hidden_act {config.get('hidden_act')!r}"),
-        (config.get("use_sliding_window"), "sliding-window layers (use_sliding_window) are not supported"),
+        (
+            config.get("hidden_act", "silu") != "silu",
+            f"unsupported hidden_act {config.get('hidden_act')!r}",
+        ),
+        (
+            config.get("use_sliding_window"),
+            "sliding-window layers (use_sliding_window) are not supported",
+        ),
         (rope_type not in ("default", "yarn"), f"unsupported rope_type {rope_type!r}"),
-        (_num_experts(config) and config.get("mlp_only_layers"),
-         "dense layers among MoE layers (mlp_only_layers) are not supported"),
-        (_num_experts(config) and config.get("decoder_sparse_step", 1) != 1,
-         "MoE in only some layers (decoder_sparse_step != 1) is not supported"),
+        (
+            _num_experts(config) and config.get("mlp_only_layers"),
+            "dense layers among MoE layers (mlp_only_layers) are not supported",
+        ),
+        (
+            _num_experts(config) and config.get("decoder_sparse_step", 1) != 1,
+            "MoE in only some layers (decoder_sparse_step != 1) is not supported",
+        ),
     ]
     for bad, message in problems:
         if bad:
