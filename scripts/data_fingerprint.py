@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         batch = first_global_batch(dp, args.seq_len, args.global_batch, args.data_shards)
         digest = hashlib.sha1(batch.numpy().tobytes()).hexdigest()
         print(
-            f"dp={dp} dataset=python_stdlib corpus={corpus_fingerprint('train')} seq_len={args.seq_len} "
-            f"global_batch={args.global_batch} data_shards={args.data_shards} first_batch_sha1={digest}"
+            f"dp={dp} dataset=python_stdlib corpus={corpus_fingerprint('train')} "
+            f"seq_len={args.seq_len} global_batch={args.global_batch} "
+            f"data_shards={args.data_shards} first_batch_sha1={digest}"
         )
     return 0
 

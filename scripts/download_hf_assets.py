@@ -1,6 +1,7 @@
 """Download a model's tokenizer, config and/or safetensors weights from the HuggingFace Hub.
 
-    python scripts/download_hf_assets.py --repo_id meta-llama/Llama-3.1-8B --assets tokenizer config \
+    python scripts/download_hf_assets.py --repo_id meta-llama/Llama-3.1-8B \
+        --assets tokenizer config \
         [--local_dir assets/hf/Llama-3.1-8B] [--hf_token hf_...]
 
 The resulting directory can be passed as ``model.hf_assets_path``.
@@ -34,7 +35,8 @@ def default_local_dir(repo_id: str) -> str:
 def download(
     repo_id: str, assets: list[str], local_dir: str | None = None, hf_token: str | None = None
 ) -> str:
-    """Download the assets into ``local_dir`` (default ``assets/hf/<repo name>``); returns the directory."""
+    """Download the assets into ``local_dir`` (default ``assets/hf/<repo name>``); returns the
+    directory."""
     from huggingface_hub import snapshot_download
 
     return snapshot_download(
@@ -60,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         path = download(args.repo_id, args.assets, args.local_dir, args.hf_token)
     except Exception as e:  # network, auth, missing repo: one line, no traceback
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        message = f"error: cannot download {args.assets} from {args.repo_id!r}: {type(e).__name__}: {first_line}"
+        message = (
+            f"error: cannot download {args.assets} from {args.repo_id!r}: "
+            f"{type(e).__name__}: {first_line}"
+        )
         print(message, file=sys.stderr)
         return 1
     print(f"downloaded {', '.join(args.assets)} of {args.repo_id} to {path}")

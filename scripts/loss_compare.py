@@ -100,8 +100,8 @@ def format_table(baseline: dict[int, dict], test: dict[int, dict]) -> str:
         largest = max((d for d in diffs if d.key == key), key=lambda d: d.absolute, default=None)
         if largest is not None:
             rows.append(
-                f"largest {key} difference: {largest.absolute:.3e} (relative {largest.relative:.3e}) "
-                f"at step {largest.step}"
+                f"largest {key} difference: {largest.absolute:.3e} "
+                f"(relative {largest.relative:.3e}) at step {largest.step}"
             )
     return "\n".join(rows)
 
@@ -161,7 +161,8 @@ def train(
     result = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(
-            f"training run failed (exit {result.returncode}):\n{result.stdout[-4000:]}{result.stderr[-4000:]}"
+            f"training run failed (exit {result.returncode}):\n"
+            f"{result.stdout[-4000:]}{result.stderr[-4000:]}"
         )
 
 

@@ -38,10 +38,12 @@ def train_tokenizer(
     dataset_path: str | None = None,
     max_docs: int | None = None,
 ) -> Path:
-    """Train on the first ``max_docs`` documents (all if None) and save into ``out``; returns ``out``."""
+    """Train on the first ``max_docs`` documents (all if None) and save into ``out``; returns
+    ``out``."""
     if vocab_size < _MIN_VOCAB:
         raise ValueError(
-            f"--vocab_size must be at least {_MIN_VOCAB} (3 special tokens + 256 bytes), got {vocab_size}"
+            f"--vocab_size must be at least {_MIN_VOCAB} (3 special tokens + 256 bytes), "
+            f"got {vocab_size}"
         )
     if max_docs is not None and max_docs < 1:
         raise ValueError(f"--max_docs must be positive, got {max_docs}")

@@ -83,7 +83,8 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _wait(proc: subprocess.Popen, timeout: float, check: bool) -> subprocess.CompletedProcess:
-    """Wait for ``proc``; on a timeout kill it and every rank below it. Always reaps every process."""
+    """Wait for ``proc``; on a timeout kill it and every rank below it. Always reaps every
+    process."""
     cmd = proc.args
     try:
         out, _ = proc.communicate(timeout=timeout)

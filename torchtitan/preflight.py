@@ -259,7 +259,8 @@ def _check_validation(job_config, parallel_dims) -> None:
         raise ConfigError(
             "validation under pipeline parallel reuses the training schedule: set "
             f"validation.seq_len = training.seq_len ({training.seq_len}) and "
-            f"validation.local_batch_size = training.local_batch_size ({training.local_batch_size}); "
+            "validation.local_batch_size = training.local_batch_size "
+            f"({training.local_batch_size}); "
             f"got {validation.seq_len} and {validation.local_batch_size}"
         )
 

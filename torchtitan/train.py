@@ -112,7 +112,8 @@ class Trainer:
         )
         maybe_keep_freed_cpu_memory(job_config.training.cpu_keep_freed_memory, self.device)
         logger.info(
-            f"parallel layout {parallel_dims.describe()}, mesh views {parallel_dims.world_mesh.view_names}"
+            f"parallel layout {parallel_dims.describe()}, "
+            f"mesh views {parallel_dims.world_mesh.view_names}"
         )
 
         self.gc_handler = GarbageCollection(
@@ -216,8 +217,8 @@ class Trainer:
     def _log_recipe(self) -> None:
         recipe, job_config = self.recipe, self.job_config
         logger.info(
-            f"model {job_config.model.name} {job_config.model.flavor}: {recipe.nparams:,} parameters, "
-            f"{recipe.flops_per_token / 1e9:.3f} GFLOPs/token"
+            f"model {job_config.model.name} {job_config.model.flavor}: "
+            f"{recipe.nparams:,} parameters, {recipe.flops_per_token / 1e9:.3f} GFLOPs/token"
         )
         if recipe.grad_accum_steps > 1:
             logger.info(f"gradient accumulation: {recipe.grad_accum_steps} micro-batches per step")
@@ -271,7 +272,8 @@ class Trainer:
         if self.replicas is not None and not self.replicas.committed:
             logger.warning(
                 f"step {self.step}: not committed (fewer than fault_tolerance.min_replica_size "
-                "replica groups took part, or one failed during it); running it again on the next batch"
+                "replica groups took part, or one failed during it); "
+                "running it again on the next batch"
             )
             self.step -= 1
             return

@@ -62,7 +62,8 @@ def main() -> None:
         peak = peak_of_one_step(a.flavor, a.seq_len, a.batch, mode, option)
         label = mode if mode != "selective" else f"selective {option}"
         print(
-            f"| {label} | {peak.get('act', 0):.1f} | {peak.get('temp', 0):.1f} | {peak.get('total', 0):.1f} |"
+            f"| {label} | {peak.get('act', 0):.1f} | {peak.get('temp', 0):.1f} | "
+            f"{peak.get('total', 0):.1f} |"
         )
 
 

@@ -1,6 +1,7 @@
 """Speed and peak memory of one attention layer under the mask types of ``model.attn_type``.
 
-    python scripts/bench/attention_masks.py --seq-lens 2048,8192 --output benchmarks/attention_masks_cpu.md
+    python scripts/bench/attention_masks.py --seq-lens 2048,8192 \\
+        --output benchmarks/attention_masks_cpu.md
 
 Rows, each at every sequence length (one sequence of packed documents whose lengths are
 drawn from a geometric distribution of mean ``--mean-doc-len``):
@@ -154,10 +155,13 @@ def main() -> None:
         f"# Attention masks: {device.type}, {args.heads} heads x {args.head_dim}, batch 1, {dtype}",
         "",
         f"- command: `python scripts/bench/attention_masks.py {' '.join(sys.argv[1:])}`",
-        f"- torch {torch.__version__}, Python {platform.python_version()}, {torch.get_num_threads()} threads",
-        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; documents of mean length {args.mean_doc_len}",
+        f"- torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{torch.get_num_threads()} threads",
+        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; "
+        f"documents of mean length {args.mean_doc_len}",
         "",
-        "| seq | kernel | documents | tokens/s | median step (ms) | peak memory beyond inputs (MiB) | [seq, seq] fp32 would be (MiB) |",
+        "| seq | kernel | documents | tokens/s | median step (ms) "
+        "| peak memory beyond inputs (MiB) | [seq, seq] fp32 would be (MiB) |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for seq_len in (int(s) for s in args.seq_lens.split(",")):

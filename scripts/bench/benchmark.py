@@ -28,8 +28,10 @@ upstream torchtitan (Llama 3 debug model, upstream's 2,000-token test tokenizer,
 of CPython's standard-library docstrings written by ``make_stdlib_docs_corpus.py``, seq 2048,
 local batch 8, bf16 autocast, every 2nd block checkpointed, 30 steps):
 
-    python scripts/bench/benchmark.py --preset upstream-debug --nproc 1 --output benchmarks/upstream_debug_1proc.md
-    python scripts/bench/benchmark.py --preset upstream-debug --nproc 2 --output benchmarks/upstream_debug_fsdp2.md
+    python scripts/bench/benchmark.py --preset upstream-debug --nproc 1 \\
+        --output benchmarks/upstream_debug_1proc.md
+    python scripts/bench/benchmark.py --preset upstream-debug --nproc 2 \\
+        --output benchmarks/upstream_debug_fsdp2.md
 """
 
 from __future__ import annotations
@@ -211,7 +213,8 @@ def _run(cmd: list[str], threads: int) -> str:
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(threads), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(
-            f"exit {result.returncode}: {shlex.join(cmd)}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+            f"exit {result.returncode}: {shlex.join(cmd)}\n"
+            f"{result.stdout[-3000:]}{result.stderr[-3000:]}"
         )
     return result.stdout
 
@@ -323,9 +326,9 @@ def _row(stats: RunStats, repeat: str) -> str:
         for k in ("data", "forward_backward", "optimizer", "other", "communication")
     )
     return (
-        f"| {stats.label} | {repeat} | {stats.tokens_per_second:,.0f} | {stats.tflops:.3f} | {stats.mfu:.2f}% | "
-        f"{1e3 * stats.median_step:.1f} | {1e3 * stats.min_step:.1f} | {1e3 * b['step']:.1f} | {pct} | "
-        f"{stats.memory_gib:.2f} | {stats.load:.1f} |"
+        f"| {stats.label} | {repeat} | {stats.tokens_per_second:,.0f} | {stats.tflops:.3f} | "
+        f"{stats.mfu:.2f}% | {1e3 * stats.median_step:.1f} | {1e3 * stats.min_step:.1f} | "
+        f"{1e3 * b['step']:.1f} | {pct} | {stats.memory_gib:.2f} | {stats.load:.1f} |"
     )
 
 
@@ -334,7 +337,8 @@ def _loss_agreement(trainer: RunStats, bare: RunStats) -> str:
     worst = max(abs(a - b) / abs(a) for a, b in pairs)
     return (
         f"the per-step losses of the trainer and the bare loop agree within {worst:.1e} (relative) "
-        f"over all {len(pairs)} steps (first {pairs[0][0]:.6f}, last {pairs[-1][0]:.6f} / {pairs[-1][1]:.6f})"
+        f"over all {len(pairs)} steps (first {pairs[0][0]:.6f}, "
+        f"last {pairs[-1][0]:.6f} / {pairs[-1][1]:.6f})"
     )
 
 
@@ -368,11 +372,14 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
         f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         f"- steady state: steps {args.warmup + 1}..{args.steps - PROFILED_STEPS} of {args.steps}; "
         f"{len(runs)} interleaved repeat(s)",
-        f"- same workload: {_loss_agreement(*runs[0]) if args.nproc == 1 else _per_rank_workload(args.nproc)}",
+        "- same workload: "
+        f"{_loss_agreement(*runs[0]) if args.nproc == 1 else _per_rank_workload(args.nproc)}",
         "",
-        "| run | repeat | tokens/s/device | TFLOP/s | MFU | step median (ms) | step min (ms) | profiled step (ms) "
-        "| data | fwd+bwd | optimizer | other | comm (overlaps) | peak memory (GiB) | load avg |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| run | repeat | tokens/s/device | TFLOP/s | MFU | step median (ms) | step min (ms) "
+        "| profiled step (ms) | data | fwd+bwd | optimizer | other | comm (overlaps) "
+        "| peak memory (GiB) | load avg |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for i, (trainer, bare) in enumerate(runs, 1):
         mark = "" if trainer.steady and bare.steady else " (disturbed)"
@@ -381,14 +388,15 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
         ""
         if args.nproc > 1
         else (
-            f"; {'within' if ratio <= OVERHEAD_LIMIT else 'ABOVE'} the {OVERHEAD_LIMIT:.2f} limit for one process"
+            f"; {'within' if ratio <= OVERHEAD_LIMIT else 'ABOVE'} the "
+            f"{OVERHEAD_LIMIT:.2f} limit for one process"
         )
     )
     lines += [
         "",
         f"**Framework overhead: trainer / bare-loop median step time = {ratio:.3f}** (median over "
-        f"{'the ' + str(len(steady)) + ' undisturbed' if steady else 'all (none undisturbed!)'} repeats"
-        f"{verdict}). A repeat is disturbed (by other load on the "
+        f"{'the ' + str(len(steady)) + ' undisturbed' if steady else 'all (none undisturbed!)'}"
+        f" repeats{verdict}). A repeat is disturbed (by other load on the "
         f"machine) when a run's median step exceeds its fastest by more than "
         f"{100 * (STEADY_SPREAD - 1):.0f}%. Per counted repeat: "
         + ", ".join(f"{r:.3f}" for r in ratios)
@@ -397,9 +405,10 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
         + ", ".join(f"{r:.3f}" for r in min_ratios)
         + ").",
         "",
-        "tokens/s, TFLOP/s and MFU are means over the steady-state steps (the trainer's metrics.jsonl "
-        "fields). data .. comm are shares of the one profiled step, whose time includes the profiler's own "
-        "overhead (host-side: on CUDA, GPU work shows where the host waits for it). MFU uses `torchtitan/tools/utils.py` `peak_flops` "
+        "tokens/s, TFLOP/s and MFU are means over the steady-state steps (the trainer's "
+        "metrics.jsonl fields). data .. comm are shares of the one profiled step, whose time "
+        "includes the profiler's own overhead (host-side: on CUDA, GPU work shows where the host "
+        "waits for it). MFU uses `torchtitan/tools/utils.py` `peak_flops` "
         "(GPU data sheet; on CPU the measured matmul peak in the same dtype).",
     ]
     return "\n".join(lines) + "\n"

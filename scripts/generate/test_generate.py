@@ -6,8 +6,9 @@
 The model (train spec, flavor, tokenizer) comes from the job config; options this script
 does not know (``--model.flavor debugmodel_tiny``, ...) override the config. Under torchrun
 with N processes the model is tensor-parallel over N ranks
-(``scripts/generate/run_llama_generate.sh``; Llama 3 only). ``--temperature 0`` is greedy decoding; the
-same ``--seed`` gives the same text. ``--out F.json`` also writes the result as JSON.
+(``scripts/generate/run_llama_generate.sh``; Llama 3 only). ``--temperature 0`` is greedy
+decoding; the same ``--seed`` gives the same text. ``--out F.json`` also writes the result as
+JSON.
 """
 
 from __future__ import annotations

@@ -199,8 +199,10 @@ def test_a_killed_group_rejoins_from_the_survivor_with_identical_weights(lightho
     ), log[-4000:]
     rejoined_at = next(r["step"] for r in _steps(tmp_path, 1) if r["step"] > killed_at)
     print(
-        f"killed after step {killed_at}; survivor alone for steps {alone[0]['step']}-{alone[-1]['step']}; "
-        f"rejoined at step {rejoined_at}, {recovery_s:.1f}s after the relaunch; survivor steps run again: {retried}"
+        f"killed after step {killed_at}; "
+        f"survivor alone for steps {alone[0]['step']}-{alone[-1]['step']}; "
+        f"rejoined at step {rejoined_at}, {recovery_s:.1f}s after the relaunch; "
+        f"survivor steps run again: {retried}"
     )
 
     weights = [_final_weights(tmp_path, r, steps, tmp_path / f"w{r}.pt") for r in (0, 1)]

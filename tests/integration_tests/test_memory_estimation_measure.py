@@ -1,7 +1,7 @@
 """``--memory_estimation.mode measure`` under torchrun: real CPU processes (gloo) run the
 traced steps (FSDP 2, HSDP 2 x 2, FSDP 2 x CP 2, DeepSeek-V3 FSDP 4 x EP 2, PP 2 with
-1F1B and Interleaved1F1B, PP 2 x TP 2), and every rank's measured peak must match the estimate (under
-pipeline parallel: its pipeline rank's)."""
+1F1B and Interleaved1F1B, PP 2 x TP 2), and every rank's measured peak must match the
+estimate (under pipeline parallel: its pipeline rank's)."""
 
 from __future__ import annotations
 

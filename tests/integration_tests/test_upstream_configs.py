@@ -39,7 +39,8 @@ handler.emit = lambda record: messages.append(record.getMessage())
 logger.addHandler(handler)
 trainer = train(runs["bf16"])
 params = list(trainer.model_parts[0].parameters())
-states = [t for s in trainer.optimizers.optimizers[0].state.values() for t in s.values() if t.dim() > 0]
+optimizer_states = trainer.optimizers.optimizers[0].state.values()
+states = [t for s in optimizer_states for t in s.values() if t.dim() > 0]
 dtypes = {"params": sorted({str(p.dtype) for p in params}),
           "grads": sorted({str(p.grad.dtype) for p in params if p.grad is not None}),
           "states": sorted({str(t.dtype) for t in states})}

@@ -80,7 +80,8 @@ def test_a_cycle_is_one_error_line(tmp_path: Path) -> None:
     _write(tmp_path / "b.toml", '[job]\nbase_config = "a.toml"\n')
     with pytest.raises(
         ConfigError,
-        match=r"^job\.base_config: the base configs form a cycle: .*a\.toml -> .*b\.toml -> .*a\.toml$",
+        match=r"^job\.base_config: the base configs form a cycle: "
+        r".*a\.toml -> .*b\.toml -> .*a\.toml$",
     ):
         ConfigManager().parse_args(["--job.config_file", str(tmp_path / "a.toml")])
 

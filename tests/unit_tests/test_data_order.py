@@ -307,9 +307,12 @@ dist.init_process_group("gloo")
 dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
                     world_size=dist.get_world_size(), device_type="cpu")
 from torchtitan.config import ConfigManager
-job = ConfigManager().parse_args(["--validation.seq_len", "512", "--validation.local_batch_size", "3"])
+job = ConfigManager().parse_args(
+    ["--validation.seq_len", "512", "--validation.local_batch_size", "3"]
+)
 loader = build_dataloader(job.validation, dims, ByteTokenizer(), split="validation")
-rows = [x + [y[-1]] for inputs, labels in loader for x, y in zip(inputs["input"].tolist(), labels.tolist())]
+rows = [x + [y[-1]] for inputs, labels in loader \
+for x, y in zip(inputs["input"].tolist(), labels.tolist())]
 with open(os.path.join(os.environ["PROBE_DIR"], f"{dist.get_rank()}.json"), "w") as f:
     json.dump(rows, f)
 from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together

@@ -348,7 +348,10 @@ def test_finite_loader_with_too_many_shards_for_its_data():
     register_dataset(
         "test_tiny_stream", DatasetConfig("test_tiny_stream", lambda path: _Stream(TINY_DOCS))
     )
-    message = r"^training.data_shards \(16\) with dataset 'test_tiny_stream': data shard 8 yields no tokens"
+    message = (
+        r"^training.data_shards \(16\) with dataset 'test_tiny_stream': "
+        r"data shard 8 yields no tokens"
+    )
     for workers in (0, 2):  # the same one-line error from a worker process
         with pytest.raises(ValueError, match=message + r"[^\n]*$"):
             next(

@@ -1,6 +1,6 @@
 """Generation: the KV cache reproduces the training forward, sampling is seeded, DCP
-checkpoints load in both layouts, and the command line refuses a bad checkpoint in one line (generating from a trained
-checkpoint: tests/integration_tests/test_generation_cli.py)."""
+checkpoints load in both layouts, and the command line refuses a bad checkpoint in one line
+(generating from a trained checkpoint: tests/integration_tests/test_generation_cli.py)."""
 
 from __future__ import annotations
 

@@ -44,8 +44,9 @@ def _run_file_records(path: Path) -> list[Record]:
 
 
 def _finished_run_records(folder: Path, timeout: float = 60.0) -> list[Record]:
-    """The records of the one offline run under ``folder``, once its exit record is on disk (wandb's
-    service writes the file asynchronously; ``finish()`` can return before the last records land)."""
+    """The records of the one offline run under ``folder``, once its exit record is on disk
+    (wandb's service writes the file asynchronously; ``finish()`` can return before the last
+    records land)."""
     deadline = time.monotonic() + timeout
     while True:
         runs = list(folder.glob("offline-run-*/run-*.wandb"))
@@ -84,7 +85,8 @@ def _processor(tmp_path: Path, owns_loss: bool):
 
 @pytest.fixture(autouse=True)
 def fresh_wandb():
-    """wandb keeps its settings (the mode, read from the environment) in a process-wide singleton."""
+    """wandb keeps its settings (the mode, read from the environment) in a process-wide
+    singleton."""
     import wandb
 
     yield

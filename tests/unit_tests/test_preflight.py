@@ -166,7 +166,8 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.seq_len", "64"
                 "--parallelism.pipeline_parallel_microbatch_size",
                 "4",
             ],
-            "training.local_batch_size (6) must be divisible by parallelism.pipeline_parallel_microbatch_size (4)",
+            "training.local_batch_size (6) must be divisible by "
+            "parallelism.pipeline_parallel_microbatch_size (4)",
         ),
         (
             2,

@@ -116,7 +116,8 @@ def check(args: list[str], device_type: str = "cpu", world_size: int = 1):
     [
         (
             ["--model.converters", "float8"],
-            r"^quantize.linear.float8.emulate: float8 matmuls need a CUDA GPU of SM89\+; on cpu set ",
+            r"^quantize.linear.float8.emulate: float8 matmuls need a CUDA GPU of SM89\+; "
+            r"on cpu set ",
         ),
         (
             ["--model.converters", "mx"],
@@ -129,7 +130,8 @@ def check(args: list[str], device_type: str = "cpu", world_size: int = 1):
                 "--quantize.grouped_mm.float8.fqns",
                 "experts",
             ],
-            r"^model.converters: quantize.grouped_mm.float8 needs a MoE model; llama3 debugmodel_tiny has no",
+            r"^model.converters: quantize.grouped_mm.float8 needs a MoE model; "
+            r"llama3 debugmodel_tiny has no",
         ),
         (
             EMULATED_FLOAT8 + ["--quantize.linear.float8.enable_fsdp_float8_all_gather"],
@@ -184,11 +186,13 @@ def test_grouped_mm_on_cpu_is_refused():
                 "rowwise",
                 "--quantize.linear.float8.enable_fsdp_float8_all_gather",
             ],
-            r"enable_fsdp_float8_all_gather: needs quantize.linear.float8.recipe_name 'tensorwise', got 'rowwise'",
+            r"enable_fsdp_float8_all_gather: needs quantize.linear.float8.recipe_name "
+            r"'tensorwise', got 'rowwise'",
         ),
         (
             EMULATED_FLOAT8 + ["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
-            r"precompute_float8_dynamic_scale_for_fsdp: needs quantize.linear.float8.enable_fsdp_float8_all_gather",
+            r"precompute_float8_dynamic_scale_for_fsdp: "
+            r"needs quantize.linear.float8.enable_fsdp_float8_all_gather",
         ),
     ],
 )

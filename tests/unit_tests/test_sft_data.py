@@ -20,8 +20,9 @@ from torchtitan.layers.loss import IGNORE_INDEX
 REPO = Path(__file__).resolve().parents[2]
 TINY_SFT = REPO / "tests" / "assets" / "sft_tiny.jsonl"
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -92,9 +93,9 @@ def test_byte_template_trains_only_assistant_turns():
     encoded = ChatEncoder(ByteTokenizer())(sample)
     assert encoded.tokens[0] == ByteTokenizer().bos_id
     text = ByteTokenizer().decode(encoded.tokens)
-    assert (
-        text
-        == "<|system|>\nBe brief.\n<|user|>\nHi?\n<|assistant|>\nHello.<|user|>\n2+2?\n<|assistant|>\n4"
+    assert text == (
+        "<|system|>\nBe brief.\n<|user|>\nHi?\n<|assistant|>\nHello."
+        "<|user|>\n2+2?\n<|assistant|>\n4"
     )
     assert _trained_text(ByteTokenizer(), sample) == ["Hello.<EOS>", "4<EOS>"]
 
@@ -405,7 +406,10 @@ def test_template_that_is_not_incremental_is_refused(chatml_dir, tmp_path):
 
 
 def test_template_errors_name_the_sample(chatml_dir, tmp_path):
-    strict = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system message') }}{% endif %}"
+    strict = (
+        "{% if messages[0]['role'] != 'system' %}"
+        "{{ raise_exception('needs a system message') }}{% endif %}"
+    )
     message = _error(
         tmp_path, [GOOD], tokenizer=_hf_with_template(chatml_dir, tmp_path / "t", strict)
     )

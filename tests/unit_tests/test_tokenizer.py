@@ -297,7 +297,8 @@ def _upstream_test_shaped(out: Path) -> None:
 
 
 def _llama3_shaped(out: Path) -> None:
-    """Specials in tokenizer.json's added_tokens, a post-processor that adds BOS, names in the config."""
+    """Specials in tokenizer.json's added_tokens, a post-processor that adds BOS, names in the
+    config."""
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
     tokenizer = _byte_level_bpe(specials)
     bos_id = tokenizer.token_to_id(specials[0])
@@ -330,8 +331,10 @@ def _chat_shaped(out: Path) -> None:
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|pad|>",
-        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}",
+        "chat_template": (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        ),
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config))

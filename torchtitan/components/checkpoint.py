@@ -606,8 +606,8 @@ class CheckpointManager:
             if not model_only:
                 return _LoadChoice(
                     error=(
-                        f"{field}: {path} is a plain DCP checkpoint (no {MANIFEST}); only its model "
-                        "weights can load: set checkpoint.initial_load_model_only"
+                        f"{field}: {path} is a plain DCP checkpoint (no {MANIFEST}); "
+                        "only its model weights can load: set checkpoint.initial_load_model_only"
                     )
                 )
             return _LoadChoice(str(path), None, True)
@@ -617,7 +617,8 @@ class CheckpointManager:
         if manifest["model_only"] and not model_only:
             return _LoadChoice(
                 error=(
-                    f"{field}: {path} holds model weights only; set checkpoint.initial_load_model_only"
+                    f"{field}: {path} holds model weights only; "
+                    "set checkpoint.initial_load_model_only"
                 )
             )
         return _LoadChoice(str(path), manifest, model_only)

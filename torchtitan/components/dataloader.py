@@ -1,10 +1,11 @@
 """Data loaders of packed text sequences whose order does not depend on the dp layout.
 
 See ``torchtitan/datasets/packing.py`` for the order and the state. Batches are
-``({"input": LongTensor[B, seq_len], "document_ids": IntTensor[B, seq_len]}, labels LongTensor[B, seq_len])``:
-``document_ids[b, p]`` numbers the documents of sample ``b`` from 0 along the sequence, so two
-positions share an id exactly when they come from the same document. Labels hold
-``IGNORE_INDEX`` where nothing is trained (prompt tokens and padding of chat data).
+``({"input": LongTensor[B, seq_len], "document_ids": IntTensor[B, seq_len]},
+labels LongTensor[B, seq_len])``: ``document_ids[b, p]`` numbers the documents of sample ``b``
+from 0 along the sequence, so two positions share an id exactly when they come from the same
+document. Labels hold ``IGNORE_INDEX`` where nothing is trained (prompt tokens and padding of
+chat data).
 
 Errors in the data or its config fields reach ``build_dataloader``'s caller as ``ConfigError``
 (one line, exit 2 at the entry point).
@@ -177,7 +178,8 @@ def build_text_dataloader(
     ``global_min`` (finite loaders) reduces an int with MIN over the dp group; the default is
     the identity, right for one process. ``section`` names the config section in errors.
     ``num_workers`` > 0 (infinite loaders only) must divide the data shards of a dp rank.
-    ``loader_options``: ``TextDataLoader``'s ``persistent_workers``, ``prefetch_factor``, ``pin_memory``.
+    ``loader_options``: ``TextDataLoader``'s ``persistent_workers``, ``prefetch_factor``,
+    ``pin_memory``.
     """
     _check_positive(
         section, seq_len=seq_len, local_batch_size=local_batch_size, data_shards=data_shards
@@ -186,12 +188,14 @@ def build_text_dataloader(
         raise ValueError(f"dp_rank {dp_rank} is outside the data-parallel degree {dp_degree}")
     if data_shards % dp_degree != 0:
         raise ValueError(
-            f"{section}.data_shards ({data_shards}) must be divisible by the data-parallel degree ({dp_degree})"
+            f"{section}.data_shards ({data_shards}) must be divisible by the data-parallel "
+            f"degree ({dp_degree})"
         )
     _check_workers(num_workers, data_shards // dp_degree, infinite, section)
     if loader_options.get("pin_memory") and not torch.accelerator.is_available():
         logger.warning(
-            f"{section}.dataloader.pin_memory: no accelerator on this machine; batches are not pinned"
+            f"{section}.dataloader.pin_memory: no accelerator on this machine; "
+            "batches are not pinned"
         )
     config, documents = load_documents(dataset, dataset_path, section)
     encode, pad_id = _encoding(config, tokenizer, section)
@@ -223,8 +227,9 @@ def _check_workers(num_workers: int, shards_per_rank: int, infinite: bool, secti
         )
     if shards_per_rank % num_workers != 0:
         raise ValueError(
-            f"{section}.dataloader.num_workers ({num_workers}) must divide the data shards of each dp rank "
-            f"({section}.data_shards / dp degree = {shards_per_rank}); each worker reads whole shards"
+            f"{section}.dataloader.num_workers ({num_workers}) must divide the data shards of "
+            f"each dp rank ({section}.data_shards / dp degree = {shards_per_rank}); "
+            "each worker reads whole shards"
         )
 
 

@@ -1,4 +1,5 @@
-"""Per-step metrics: console line, ``{dump_folder}/metrics.jsonl``, TensorBoard and Weights & Biases.
+"""Per-step metrics: console line, ``{dump_folder}/metrics.jsonl``, TensorBoard and
+Weights & Biases.
 
 metrics.jsonl is written by the rank that owns the loss, whatever LOG_RANK says; every
 tool and test that compares runs reads it (full-precision floats), never the console.
@@ -101,7 +102,8 @@ class MetricsProcessor:
         except wandb.errors.Error as e:
             message = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(
-                f"metrics.enable_wandb: wandb cannot start a run ({message}); run `wandb login` or set WANDB_MODE=offline"
+                f"metrics.enable_wandb: wandb cannot start a run ({message}); "
+                "run `wandb login` or set WANDB_MODE=offline"
             ) from None
 
     def _build_tensorboard(self, dump: Path):

@@ -162,7 +162,10 @@ def _metadata_problem(metadata: Any) -> str | None:
         if not all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length)):
             return f"storage_data[{index.fqn!r}] has an invalid offset or length"
         if info.transform_descriptors:
-            return f"storage_data[{index.fqn!r}] asks for storage transforms {info.transform_descriptors!r}"
+            return (
+                f"storage_data[{index.fqn!r}] asks for storage transforms "
+                f"{info.transform_descriptors!r}"
+            )
     if metadata.storage_meta is not None and type(metadata.storage_meta) is not StorageMeta:
         return "storage_meta is not a StorageMeta"
     return None

@@ -86,7 +86,8 @@ class ByteTokenizer(BaseTokenizer):
 
 
 class HuggingFaceTokenizer(BaseTokenizer):
-    """A ``tokenizers`` tokenizer loaded from ``tokenizer.json``, completed by ``tokenizer_config.json``.
+    """A ``tokenizers`` tokenizer loaded from ``tokenizer.json``, completed by
+    ``tokenizer_config.json``.
 
     Tokens the config names that tokenizer.json lacks (``added_tokens_decoder`` entries, the
     ``bos_token``/``eos_token``/``pad_token``/... it names) are added with the ids transformers'
@@ -125,7 +126,8 @@ class HuggingFaceTokenizer(BaseTokenizer):
         return default if token is None else self._tokenizer.token_to_id(token)
 
     def _post_processor_specials(self) -> tuple[int | None, int | None]:
-        """(bos, eos) ids the post-processor adds around the text "a", or None where it adds none."""
+        """(bos, eos) ids the post-processor adds around the text "a", or None where it adds
+        none."""
         plain = self._tokenizer.encode("a", add_special_tokens=False).ids
         framed = self._tokenizer.encode("a", add_special_tokens=True).ids
         if not plain or len(framed) <= len(plain):
@@ -148,9 +150,9 @@ class HuggingFaceTokenizer(BaseTokenizer):
     def chat_template(self) -> str:
         if self._chat_template is None:
             raise ValueError(
-                f"{self.field}: the tokenizer in {self._folder} has no chat template (no chat_template.jinja, "
-                f"no chat_template in tokenizer_config.json); chat data needs one: add it there or use a "
-                f"tokenizer that ships one"
+                f"{self.field}: the tokenizer in {self._folder} has no chat template "
+                "(no chat_template.jinja, no chat_template in tokenizer_config.json); "
+                "chat data needs one: add it there or use a tokenizer that ships one"
             )
         return self._chat_template
 
@@ -179,8 +181,8 @@ def _locate_tokenizer_files(path: Path, field: str) -> tuple[Path, Path | None]:
     """(tokenizer.json, tokenizer_config.json or None) for a directory or a direct file path."""
     if not path.exists():
         raise FileNotFoundError(
-            f"{field}: {str(path)!r} does not exist (expected a directory containing tokenizer.json, "
-            f"or the path of a tokenizer.json file)"
+            f"{field}: {str(path)!r} does not exist (expected a directory containing "
+            "tokenizer.json, or the path of a tokenizer.json file)"
         )
     tokenizer_file = path / "tokenizer.json" if path.is_dir() else path
     if not tokenizer_file.is_file():
@@ -237,7 +239,8 @@ def _config_tokens(config: dict[str, Any], field: str) -> list[AddedToken]:
         str(k).isdigit() and isinstance(v, dict) and "content" in v for k, v in decoder.items()
     ):
         raise ValueError(
-            f'{field}: added_tokens_decoder in tokenizer_config.json must map ids to dicts with "content"'
+            f"{field}: added_tokens_decoder in tokenizer_config.json must map ids to dicts "
+            'with "content"'
         )
     tokens = []
     for _, entry in sorted(decoder.items(), key=lambda item: int(item[0])):

@@ -160,7 +160,8 @@ class Validator:
             record["validation_perplexity"],
         )
         logger.info(
-            f"validation step {step}: loss {loss:.4f}  perplexity {perplexity:.4f}  ({tokens:,} tokens)"
+            f"validation step {step}: loss {loss:.4f}  perplexity {perplexity:.4f}  "
+            f"({tokens:,} tokens)"
         )
         if self.metrics_processor is not None:
             self.metrics_processor.log_validation(record)

@@ -87,19 +87,31 @@ _NOT_YET_SUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
 # Upstream settings of features this code base does not have: accepted at upstream's default
 # (so upstream TOMLs load), refused otherwise.
 _UPSTREAM_ONLY: dict[str, str] = {
-    "parallelism.module_fqns_per_model_part": "pipeline stages by module lists (use pipeline_parallel_split_points)",
+    "parallelism.module_fqns_per_model_part": (
+        "pipeline stages by module lists (use pipeline_parallel_split_points)"
+    ),
     "parallelism.pipeline_parallel_expert_parallel_overlap": "the DualPipeV EP/PP overlap",
     "parallelism.expert_parallel_comm_backend": "DeepEP dispatch",
     "checkpoint.initial_load_in_hf_quantized": "loading quantized Hugging Face checkpoints",
-    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": "forced matmul recompute by FQN",
+    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": (
+        "forced matmul recompute by FQN"
+    ),
     "activation_checkpoint.early_stop": "early-stopped recomputation",
     "activation_checkpoint.memory_budget": "memory-budget activation checkpointing",
-    "activation_checkpoint.visualize_memory_budget_pareto": "memory-budget activation checkpointing",
+    "activation_checkpoint.visualize_memory_budget_pareto": (
+        "memory-budget activation checkpointing"
+    ),
     "activation_checkpoint.determinism_check": "recomputation determinism checks",
     "activation_checkpoint.debug": "activation-checkpoint debug mode",
-    "comm.mode": "fake-backend dry runs (python -m torchtitan.preflight --world-size N checks a layout)",
-    "quantize.linear.float8.force_recompute_fp8_weight_in_bwd": "forced float8 weight recomputation",
-    "quantize.linear.float8.moe_fqns_prototype": "float8 MoE prototype (use quantize.grouped_mm.float8.fqns)",
+    "comm.mode": (
+        "fake-backend dry runs (python -m torchtitan.preflight --world-size N checks a layout)"
+    ),
+    "quantize.linear.float8.force_recompute_fp8_weight_in_bwd": (
+        "forced float8 weight recomputation"
+    ),
+    "quantize.linear.float8.moe_fqns_prototype": (
+        "float8 MoE prototype (use quantize.grouped_mm.float8.fqns)"
+    ),
     "quantize.linear.mx.use_fp8_dim1_cast_triton_kernel": "choice of MX cast kernel",
     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": "choice of MX cast kernel",
 }
@@ -147,7 +159,8 @@ def check_job_config(config: Any) -> None:
     _check_dataloaders(config)
     if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
-            "metrics.enable_wandb: the wandb package is not installed; pip install 'torchtitan[wandb]'"
+            "metrics.enable_wandb: the wandb package is not installed; "
+            "pip install 'torchtitan[wandb]'"
         )
     _check_profiler_schedule(config.profiling)
     _check_training_dtype(config.training)
@@ -190,8 +203,8 @@ def _check_dataloaders(config: Any) -> None:
             )
     if config.validation.dataloader.num_workers:
         raise ConfigError(
-            "validation.dataloader.num_workers: the finite validation loader reads in the training process; "
-            "leave it at 0"
+            "validation.dataloader.num_workers: the finite validation loader reads in the "
+            "training process; leave it at 0"
         )
 
 
@@ -203,39 +216,47 @@ def _check_fault_tolerance(ft: Any, parallelism: Any) -> None:
         return
     if ft.group_size < 1:
         raise ConfigError(
-            f"fault_tolerance.group_size: must be >= 1 with fault_tolerance.enable, got {ft.group_size}"
+            "fault_tolerance.group_size: must be >= 1 with fault_tolerance.enable, "
+            f"got {ft.group_size}"
         )
     if not 0 <= ft.replica_id < ft.group_size:
         raise ConfigError(
-            f"fault_tolerance.replica_id: must be in 0 .. group_size - 1 = {ft.group_size - 1}, got {ft.replica_id}"
+            "fault_tolerance.replica_id: must be in 0 .. group_size - 1 = "
+            f"{ft.group_size - 1}, got {ft.replica_id}"
         )
     if not 1 <= ft.min_replica_size <= ft.group_size:
         raise ConfigError(
-            f"fault_tolerance.min_replica_size: must be in 1 .. group_size = {ft.group_size}, got {ft.min_replica_size}"
+            f"fault_tolerance.min_replica_size: must be in 1 .. group_size = {ft.group_size}, "
+            f"got {ft.min_replica_size}"
         )
     if ft.semi_sync_method not in _SEMI_SYNC_METHODS:
         raise ConfigError(
-            f"fault_tolerance.semi_sync_method: must be unset, 'diloco' or 'local_sgd', got {ft.semi_sync_method!r}"
+            "fault_tolerance.semi_sync_method: must be unset, 'diloco' or 'local_sgd', "
+            f"got {ft.semi_sync_method!r}"
         )
     if ft.process_group_timeout_ms < 1:
         raise ConfigError(
-            f"fault_tolerance.process_group_timeout_ms: must be >= 1, got {ft.process_group_timeout_ms}"
+            "fault_tolerance.process_group_timeout_ms: must be >= 1, "
+            f"got {ft.process_group_timeout_ms}"
         )
     if ft.semi_sync_method is not None:
         if parallelism.pipeline_parallel_degree > 1:
             raise ConfigError(
-                f"fault_tolerance.semi_sync_method={ft.semi_sync_method!r}: not with pipeline parallel "
-                "(the outer optimizer steps one model part); set parallelism.pipeline_parallel_degree = 1"
+                f"fault_tolerance.semi_sync_method={ft.semi_sync_method!r}: "
+                "not with pipeline parallel (the outer optimizer steps one model part); "
+                "set parallelism.pipeline_parallel_degree = 1"
             )
         if ft.sync_steps < 1:
             raise ConfigError(f"fault_tolerance.sync_steps: must be >= 1, got {ft.sync_steps}")
         if not 0 <= ft.fragment_sync_delay < ft.sync_steps:
             raise ConfigError(
-                f"fault_tolerance.fragment_sync_delay: must be in 0 .. sync_steps - 1, got {ft.fragment_sync_delay}"
+                "fault_tolerance.fragment_sync_delay: must be in 0 .. sync_steps - 1, "
+                f"got {ft.fragment_sync_delay}"
             )
         if not 0.0 <= ft.fragment_update_alpha <= 1.0:
             raise ConfigError(
-                f"fault_tolerance.fragment_update_alpha: must be in [0, 1], got {ft.fragment_update_alpha}"
+                "fault_tolerance.fragment_update_alpha: must be in [0, 1], "
+                f"got {ft.fragment_update_alpha}"
             )
 
 
@@ -302,8 +323,8 @@ def _check_checkpoint(ckpt: Any) -> None:
     ]
     if unknown:
         raise ConfigError(
-            f"checkpoint.preemption_signals: unknown signal(s) {', '.join(map(repr, unknown))}; use names "
-            "such as SIGTERM or SIGUSR1"
+            "checkpoint.preemption_signals: unknown signal(s) "
+            f"{', '.join(map(repr, unknown))}; use names such as SIGTERM or SIGUSR1"
         )
 
 
@@ -322,8 +343,8 @@ def _check_attention(model: Any, training: Any) -> None:
             )
         if not 1 <= window <= training.seq_len:
             raise ConfigError(
-                f"model.sliding_window: must be between 1 and training.seq_len ({training.seq_len}), "
-                f"got {window}"
+                "model.sliding_window: must be between 1 and training.seq_len "
+                f"({training.seq_len}), got {window}"
             )
     if training.reset_position_ids_per_document and model.attn_mask_type != "block_causal":
         raise ConfigError(

@@ -30,8 +30,8 @@ class JobSectionConfig:
     this one, so a custom train spec can read its own settings."""
 
     use_for_integration_test: bool = False
-    """CI trains this config for two steps through run_train.sh
-    (tests/integration_tests/test_config_files.py), as upstream's CI does with its marked configs."""
+    """CI trains this config for two steps through run_train.sh, as upstream's CI does with
+    the configs it marks (tests/integration_tests/test_config_files.py)."""
 
 
 @dataclass

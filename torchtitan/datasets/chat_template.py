@@ -95,9 +95,9 @@ class ChatEncoder:
         text = self._render(sample, count, add_generation_prompt)
         if not text.startswith(rendered):
             raise ConfigError(
-                f"{self._tokenizer.field}: the chat template does not render {sample.source} turn by turn "
-                f"(its text for the first {count} messages does not extend its text for fewer); masking "
-                f"the prompt needs a template that does"
+                f"{self._tokenizer.field}: the chat template does not render {sample.source} "
+                f"turn by turn (its text for the first {count} messages does not extend its "
+                "text for fewer); masking the prompt needs a template that does"
             )
         return text
 
@@ -113,6 +113,6 @@ class ChatEncoder:
             Exception
         ) as e:  # a template is foreign code: any failure is a problem of the data or template
             raise ConfigError(
-                f"{self._field}: {sample.source}: the chat template of {self._tokenizer.field} fails on this "
-                f"sample: {e}"
+                f"{self._field}: {sample.source}: the chat template of {self._tokenizer.field} "
+                f"fails on this sample: {e}"
             ) from None

@@ -186,8 +186,8 @@ class ShardReader:
     def _start_next_epoch(self) -> None:
         if not self._epoch_has_tokens:
             raise ConfigError(
-                f"{self._describe}: data shard {self.shard} yields no tokens (the dataset has fewer "
-                f"non-empty documents than data shards)"
+                f"{self._describe}: data shard {self.shard} yields no tokens "
+                "(the dataset has fewer non-empty documents than data shards)"
             )
         self.cursor.epoch, self.cursor.doc, self.cursor.offset = self.cursor.epoch + 1, 0, 0
         self._epoch_has_tokens = False
@@ -219,7 +219,8 @@ def merge_data_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     missing = [s for s in range(num_shards) if str(s) not in shards]
     if missing:
         raise ValueError(
-            f"merge_data_states: no state holds data shards {missing}; pass the states of all dp ranks"
+            f"merge_data_states: no state holds data shards {missing}; "
+            "pass the states of all dp ranks"
         )
     return {
         "data_shards": num_shards,
@@ -341,7 +342,8 @@ class ShardedTextDataset(IterableDataset):
         cursor after the sample, sample)``. Leaves this dataset's state untouched."""
         if not self._infinite or len(self._shards) % parts != 0:
             raise ValueError(
-                f"iter_partition: needs an infinite dataset and a divisor of {len(self._shards)} parts"
+                "iter_partition: needs an infinite dataset and a divisor of "
+                f"{len(self._shards)} parts"
             )
         first, stride = self._position + part * self._dp_degree, parts * self._dp_degree
         shards = sorted(
@@ -375,9 +377,10 @@ class ShardedTextDataset(IterableDataset):
         end = self._global_min(local_end)
         if end == 0:
             raise ValueError(
-                f"{self._section}.dataset {self._name!r}: some of its {self._num_shards} data shards hold "
-                f"less than one sequence of {self._section}.seq_len + 1 = {self._window} tokens; lower "
-                f"{self._section}.data_shards or {self._section}.seq_len"
+                f"{self._section}.dataset {self._name!r}: some of its {self._num_shards} "
+                f"data shards hold less than one sequence of {self._section}.seq_len + 1 = "
+                f"{self._window} tokens; lower {self._section}.data_shards or "
+                f"{self._section}.seq_len"
             )
         return end
 
@@ -402,8 +405,9 @@ class ShardedTextDataset(IterableDataset):
         lengths = [length for counts in self._epoch_lengths().values() for length in counts]
         too_long = sum(length > self._window for length in lengths)
         logger.warning(
-            "%s.seq_len: %d of the %d samples of dataset %r on this rank are longer than %s.seq_len + 1 = %d "
-            "tokens and lose their tail; raise %s.seq_len to train on them whole",
+            "%s.seq_len: %d of the %d samples of dataset %r on this rank are longer than "
+            "%s.seq_len + 1 = %d tokens and lose their tail; "
+            "raise %s.seq_len to train on them whole",
             self._section,
             too_long,
             len(lengths),
@@ -435,16 +439,18 @@ class ShardedTextDataset(IterableDataset):
         missing = [s for s in self._shards if str(s) not in state["shards"]]
         if missing:
             raise ValueError(
-                f"data state: no cursors for data shards {missing} of dp rank {self._dp_rank}; a state saved "
-                f"under another dp degree must be merged over all ranks with merge_data_states"
+                f"data state: no cursors for data shards {missing} of dp rank {self._dp_rank}; "
+                "a state saved under another dp degree must be merged over all ranks with "
+                "merge_data_states"
             )
         cursors = {shard: ShardCursor(*state["shards"][str(shard)]) for shard in self._shards}
         for shard, cursor in cursors.items():
             expected = _sequences_before(position, shard, self._num_shards)
             if cursor.sequences != expected:
                 raise ValueError(
-                    f"data state is inconsistent: data shard {shard} produced {cursor.sequences} sequences, "
-                    f"but next position {next_position} implies {expected}"
+                    f"data state is inconsistent: data shard {shard} produced "
+                    f"{cursor.sequences} sequences, but next position {next_position} implies "
+                    f"{expected}"
                 )
         self._position = position
         self._readers = {shard: self._reader(shard, cursor) for shard, cursor in cursors.items()}

@@ -57,7 +57,8 @@ def registered_datasets() -> list[str]:
 def get_dataset_config(name: str, section: str = "training") -> DatasetConfig:
     if name not in _DATASETS:
         raise ValueError(
-            f"{section}.dataset: unknown dataset {name!r}; registered datasets: {', '.join(registered_datasets())}"
+            f"{section}.dataset: unknown dataset {name!r}; registered datasets: "
+            f"{', '.join(registered_datasets())}"
         )
     return _DATASETS[name]
 
@@ -73,7 +74,8 @@ def check_dataset_fields(name: str, path: str | None, section: str = "training")
     config = get_dataset_config(name, section)
     if config.uses_path and not path:
         raise ValueError(
-            f"{section}.dataset_path: dataset {name!r} reads local files; set {section}.dataset_path"
+            f"{section}.dataset_path: dataset {name!r} reads local files; "
+            f"set {section}.dataset_path"
         )
     if path and not config.uses_path:
         raise ValueError(

@@ -83,12 +83,13 @@ def _checked_messages(messages: Any, source: str) -> tuple[dict[str, str], ...]:
     for k, message in enumerate(messages):
         if not _is_message(message):
             raise ValueError(
-                f'{source}: messages[{k}] must be {{"role": one of {", ".join(ROLES)}, "content": a string}}, '
-                f"got {json.dumps(message)[:80]}"
+                f'{source}: messages[{k}] must be {{"role": one of {", ".join(ROLES)}, '
+                f'"content": a string}}, got {json.dumps(message)[:80]}'
             )
         if message["role"] == "assistant" and not message["content"].strip():
             raise ValueError(
-                f"{source}: messages[{k}] is an assistant message with empty 'content'; fill it or drop it"
+                f"{source}: messages[{k}] is an assistant message with empty 'content'; "
+                "fill it or drop it"
             )
     if not any(message["role"] == "assistant" for message in messages):
         raise ValueError(

@@ -49,7 +49,8 @@ def lighthouse_address() -> str:
     if not address:
         raise ConfigError(
             f"fault_tolerance.enable: set {LIGHTHOUSE_ENV} to the lighthouse's address, e.g. "
-            "http://localhost:29510 (start it with: torchft_lighthouse --min_replicas 1 --bind [::]:29510)"
+            "http://localhost:29510 (start it with: "
+            "torchft_lighthouse --min_replicas 1 --bind [::]:29510)"
         )
     return address
 
@@ -64,8 +65,9 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
             return
     except OSError as e:
         raise ConfigError(
-            f"fault_tolerance.enable: no torchft lighthouse reachable at {LIGHTHOUSE_ENV}={address} "
-            f"({e.strerror or e}); start it first (torchft_lighthouse --min_replicas 1 --bind [::]:PORT)"
+            "fault_tolerance.enable: no torchft lighthouse reachable at "
+            f"{LIGHTHOUSE_ENV}={address} ({e.strerror or e}); start it first "
+            "(torchft_lighthouse --min_replicas 1 --bind [::]:PORT)"
         ) from None
 
 
@@ -75,7 +77,8 @@ def check_fault_tolerance_inputs(ft: FaultToleranceConfig) -> None:
         return
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError(
-            "fault_tolerance.enable: the torchft package is not installed; pip install 'torchtitan[ft]'"
+            "fault_tolerance.enable: the torchft package is not installed; "
+            "pip install 'torchtitan[ft]'"
         )
     if ft.process_group == "nccl" and not torch.cuda.is_available():
         raise ConfigError(
@@ -136,7 +139,8 @@ def _attempt_store() -> tuple[dist.TCPStore | None, str, int]:
 
 
 class ModelPartsState:
-    """The model parts (several under pipeline parallel) as one Stateful: their FQNs are distinct."""
+    """The model parts (several under pipeline parallel) as one Stateful: their FQNs are
+    distinct."""
 
     def __init__(self, model_parts: list[nn.Module]) -> None:
         self.model_parts = model_parts
@@ -232,7 +236,8 @@ class ReplicaGroups:
         if live != self.live_groups:
             if self.live_groups:
                 logger.warning(
-                    f"fault tolerance: step {step}: live replica groups {self.live_groups} -> {live}"
+                    f"fault tolerance: step {step}: live replica groups {self.live_groups} "
+                    f"-> {live}"
                 )
             self.live_groups, self.changed_at_step = live, step
 
@@ -339,5 +344,6 @@ class DataPositionFile:
         if saved["step"] > step:
             dataloader.load_state_dict(saved["dataloader"])
             logger.info(
-                f"fault tolerance: data loader resumes after step {saved['step']} of this replica group"
+                f"fault tolerance: data loader resumes after step {saved['step']} "
+                "of this replica group"
             )

@@ -32,7 +32,10 @@ _VIEW_HINTS = {
     "dp_shard_cp": "data_parallel_shard_degree or context_parallel_degree > 1",
     "dp_cp": "a data-parallel or context-parallel degree > 1",
     "ep": "parallelism.expert_parallel_degree > 1",
-    "etp": "parallelism.expert_tensor_parallel_degree = tensor_parallel_degree > 1 with expert parallel",
+    "etp": (
+        "parallelism.expert_tensor_parallel_degree = tensor_parallel_degree > 1 "
+        "with expert parallel"
+    ),
     "efsdp": "parallelism.expert_parallel_degree > 1",
 }
 

@@ -33,7 +33,8 @@ def analytic_lines(job_config: JobConfig, outcome: TraceOutcome, target: str) ->
     )
     if geometry is None:
         return [
-            "analytic estimate: not available (the model args are not a Llama, Qwen3 or DeepSeek-V3 decoder)"
+            "analytic estimate: not available (the model args are not a Llama, Qwen3 or "
+            "DeepSeek-V3 decoder)"
         ]
     closed_form = analytic.estimate(geometry, layout, run)
     if closed_form is None:
@@ -57,9 +58,11 @@ def header_lines(job_config: JobConfig, setup: Recipe, world_size: int, target: 
     lines = [
         f"memory estimate: {job_config.model.name} {job_config.model.flavor}, {world_size} ranks "
         f"({degrees(setup.parallel_dims)})",
-        f"  seq_len {t.seq_len} x local batch {t.local_batch_size}, {_microbatch_text(setup)}; params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}; "
+        f"  seq_len {t.seq_len} x local batch {t.local_batch_size}, {_microbatch_text(setup)}; "
+        f"params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}; "
         f"{o.name} ({o.implementation}); activation checkpointing {ac_text}",
-        f"  vocabulary {setup.model_args.vocab_size:,} (from the {vocab_source}); target device {target}"
+        f"  vocabulary {setup.model_args.vocab_size:,} (from the {vocab_source}); "
+        f"target device {target}"
         + (
             ": CUDA-kernel emulation (rms_norm) and 512-byte block rounding"
             if target == "cuda"
@@ -68,8 +71,8 @@ def header_lines(job_config: JobConfig, setup: Recipe, world_size: int, target: 
     ]
     if getattr(setup.model_args, "moe", None) is not None:
         lines.append(
-            "  MoE routing assumed perfectly balanced (every expert gets tokens x top_k / experts); "
-            "real imbalance adds to the expert activations"
+            "  MoE routing assumed perfectly balanced (every expert gets tokens x top_k / "
+            "experts); real imbalance adds to the expert activations"
         )
     return lines
 
@@ -104,14 +107,16 @@ def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int
     lines += [
         f"  traced {traced} of {world_size} over {ITERATIONS} steps in {outcome.seconds:.1f} s",
         "",
-        f"traced allocated peak per rank: {report.size(result.peak_bytes)} ({result.peak_bytes:,} B)",
+        f"traced allocated peak per rank: {report.size(result.peak_bytes)} "
+        f"({result.peak_bytes:,} B)",
     ]
     if outcome.stage_peaks is not None:
         per_stage = ", ".join(
             f"pp {i} {report.size(p, result.peak_bytes)}" for i, p in enumerate(outcome.stage_peaks)
         )
         lines.append(
-            f"  peak per pipeline rank: {per_stage} (largest: pp {outcome.pp_rank}; details below are its)"
+            f"  peak per pipeline rank: {per_stage} (largest: pp {outcome.pp_rank}; "
+            "details below are its)"
         )
     lines.append(report.where_line(result))
     if me.target_device == "cuda":
@@ -174,12 +179,13 @@ def run_analytic(job_config: JobConfig) -> int:
     fit = analytic_fit(job_config)
     print(
         f"analytic memory estimate: {job_config.model.name} {job_config.model.flavor}, "
-        f"{fit.parallel_dims.world_size} ranks ({degrees(fit.parallel_dims)}), activation checkpointing "
-        f"{job_config.activation_checkpoint.mode}"
+        f"{fit.parallel_dims.world_size} ranks ({degrees(fit.parallel_dims)}), "
+        f"activation checkpointing {job_config.activation_checkpoint.mode}"
     )
     print(
-        f"analytic allocated peak per rank: {report.size(fit.peak.peak_bytes)} (in the {fit.peak.phase}; "
-        "a CUDA rank adds its context, cuBLAS workspaces, allocator reserve and NCCL buffers)"
+        f"analytic allocated peak per rank: {report.size(fit.peak.peak_bytes)} "
+        f"(in the {fit.peak.phase}; a CUDA rank adds its context, cuBLAS workspaces, "
+        "allocator reserve and NCCL buffers)"
     )
     print(fit.verdict)
     return 0

@@ -169,8 +169,8 @@ def plan(req: PlanRequest) -> tuple[list[PlanEntry], int]:
     valid = [lay for lay in layouts if req.global_batch % (lay.dp_replicate * lay.dp_shard) == 0]
     if not valid:
         raise PlanError(
-            f"training.global_batch_size ({req.global_batch}) is not divisible by the data-parallel "
-            f"degree of any layout of {req.world_size} GPUs; use a multiple of "
+            f"training.global_batch_size ({req.global_batch}) is not divisible by the "
+            f"data-parallel degree of any layout of {req.world_size} GPUs; use a multiple of "
             f"{_smallest_dp(layouts)} (or more sequences)"
         )
     entries = [e for e in (_best_batch(req, lay) for lay in valid) if e is not None]

@@ -29,8 +29,8 @@ def _measuring_device(target: str) -> torch.device:
     device_type = default_device_type()
     if device_type != target:
         raise ConfigError(
-            f"memory_estimation.target_device={target!r} but real tensors here are on {device_type}; "
-            f"pass --memory_estimation.target_device {device_type}"
+            f"memory_estimation.target_device={target!r} but real tensors here are on "
+            f"{device_type}; pass --memory_estimation.target_device {device_type}"
         )
     if device_type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -143,8 +143,9 @@ def measure_lines(
         lines.append(f"  rank {rank}: " + "; ".join(parts))
     if any(m.reserved_bytes is not None for m in measured):
         lines.append(
-            f"  max_memory_allocated also counts cuBLAS workspaces ({report.CUBLAS_WORKSPACE_BYTES >> 20} MiB "
-            "on sm90) that tracing cannot see; the estimate's device additions list them"
+            "  max_memory_allocated also counts cuBLAS workspaces "
+            f"({report.CUBLAS_WORKSPACE_BYTES >> 20} MiB on sm90) that tracing cannot see; "
+            "the estimate's device additions list them"
         )
     return lines
 

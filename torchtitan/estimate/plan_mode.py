@@ -57,16 +57,16 @@ def run_plan(job_config: JobConfig) -> int:
     except layout_search.PlanError as e:
         raise ConfigError(str(e)) from None
     print(
-        f"plan: {job_config.model.name} {job_config.model.flavor}, seq_len {training.seq_len}, global batch "
-        f"{global_batch} sequences, {world_size} GPUs of {me.device_memory_gib:g} GiB "
-        f"({me.gpus_per_node} per node)"
+        f"plan: {job_config.model.name} {job_config.model.flavor}, seq_len {training.seq_len}, "
+        f"global batch {global_batch} sequences, {world_size} GPUs of "
+        f"{me.device_memory_gib:g} GiB ({me.gpus_per_node} per node)"
     )
     if not entries:
         need, layout = layout_search.smallest_need(request)
         print(
-            f"no layout fits in {me.device_memory_gib:g} GiB per GPU: the least any layout needs is "
-            f"{report.gib(need)} GiB ({layout.describe()}, local batch 1); use more GPUs, a shorter "
-            "training.seq_len or a smaller model",
+            f"no layout fits in {me.device_memory_gib:g} GiB per GPU: the least any layout "
+            f"needs is {report.gib(need)} GiB ({layout.describe()}, local batch 1); "
+            "use more GPUs, a shorter training.seq_len or a smaller model",
             file=sys.stderr,
         )
         return 1
@@ -89,9 +89,10 @@ def plan_lines(
         (i, e, gap) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is not None
     ]
     lines = [
-        f"  {len(entries)} of {enumerated} layouts fit (need = analytic peak x (1 + reserved_margin) + "
-        "context, workspaces, NCCL), ranked by a throughput model (compute at 400 TFLOP/s per GPU, "
-        "FSDP overlapped, TP/CP exposed, pipeline bubble; NVLink 400 GB/s, network 50 GB/s per GPU)",
+        f"  {len(entries)} of {enumerated} layouts fit "
+        "(need = analytic peak x (1 + reserved_margin) + context, workspaces, NCCL), "
+        "ranked by a throughput model (compute at 400 TFLOP/s per GPU, FSDP overlapped, "
+        "TP/CP exposed, pipeline bubble; NVLink 400 GB/s, network 50 GB/s per GPU)",
         "",
         "  layouts the trainer runs and the estimator traces:",
         _plan_header(),
@@ -127,8 +128,9 @@ def _traced_lines(
     for rank, entry in supported[:budget]:
         if entry.layout.pp > 1:
             lines.append(
-                f"    traced #{rank}: not traced here: a pipeline layout is traced per pipeline rank "
-                f"through every micro-batch (long at this size); run mode estimate for it"
+                f"    traced #{rank}: not traced here: a pipeline layout is traced per "
+                "pipeline rank through every micro-batch (long at this size); "
+                "run mode estimate for it"
             )
             continue
         config = layout_config(job_config, request, entry)

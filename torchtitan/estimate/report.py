@@ -88,7 +88,8 @@ def device_additions(
         ("cuBLAS workspaces (2 x 32 MiB on sm90)", CUBLAS_WORKSPACE_BYTES),
         ("CUDA context and kernels (measured on an H200)", CUDA_CONTEXT_BYTES),
         (
-            f"caching-allocator reserve, {reserved_margin:.0%} of allocated (memory_estimation.reserved_margin)",
+            f"caching-allocator reserve, {reserved_margin:.0%} of allocated "
+            "(memory_estimation.reserved_margin)",
             int(reserved_margin * (allocated + CUBLAS_WORKSPACE_BYTES)),
         ),
     ]
@@ -149,7 +150,8 @@ def module_lines(result: TrackerResult) -> list[str]:
     unit = unit_for(result.peak_bytes)
     ranked = sorted(result.modules.items(), key=lambda kv: kv[1].activations_kept, reverse=True)
     lines = [
-        f"  top modules: activations left alive by their forward ({unit[0]}), peak while running ({unit[0]})"
+        f"  top modules: activations left alive by their forward ({unit[0]}), "
+        f"peak while running ({unit[0]})"
     ]
     for name, stats in ranked[:TOP_MODULES]:
         lines.append(
@@ -161,12 +163,14 @@ def module_lines(result: TrackerResult) -> list[str]:
 def analytic_lines(traced: int, analytic: AnalyticEstimate) -> list[str]:
     diff = analytic.peak_bytes / traced - 1
     lines = [
-        f"analytic estimate: {size(analytic.peak_bytes, traced)} ({diff:+.2%} vs traced; its peak: {analytic.phase})"
+        f"analytic estimate: {size(analytic.peak_bytes, traced)} "
+        f"({diff:+.2%} vs traced; its peak: {analytic.phase})"
     ]
     if abs(diff) > ANALYTIC_WARN_FRACTION:
         lines.append(
-            f"WARNING: the analytic and traced estimates differ by {diff:+.1%} (> "
-            f"{ANALYTIC_WARN_FRACTION:.0%}); trust the trace, the closed form misses this layout's peak"
+            f"WARNING: the analytic and traced estimates differ by {diff:+.1%} "
+            f"(> {ANALYTIC_WARN_FRACTION:.0%}); trust the trace, "
+            "the closed form misses this layout's peak"
         )
     return lines
 
@@ -189,7 +193,10 @@ def fit_verdict(allocated: int, additions: DeviceAdditions, device_memory_gib: f
     hard = allocated + CUBLAS_WORKSPACE_BYTES + CUDA_CONTEXT_BYTES
     total = allocated + additions.total
     if hard > capacity:
-        return f"verdict: does NOT fit in {device_memory_gib:g} GiB (allocations alone need {gib(hard)} GiB)"
+        return (
+            f"verdict: does NOT fit in {device_memory_gib:g} GiB "
+            f"(allocations alone need {gib(hard)} GiB)"
+        )
     if total > capacity:
         return (
             f"verdict: tight in {device_memory_gib:g} GiB: the allocations fit, the allowances for "

@@ -9,8 +9,8 @@ Accepted, told apart by the keys in the folder's DCP metadata:
   DCP stores ``model.<fqn>``.
 
 Only the model's tensors are read, through ``components/safe_loading`` (no code runs from
-the files; every tensor is checked against the metadata first). A folder without ``.metadata`` is a checkpoint root: its newest
-complete ``step-<N>`` is used.
+the files; every tensor is checked against the metadata first). A folder without
+``.metadata`` is a checkpoint root: its newest complete ``step-<N>`` is used.
 """
 
 from __future__ import annotations

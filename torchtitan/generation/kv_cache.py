@@ -2,9 +2,10 @@
 
 ``kv_cache(model, max_len)`` swaps every local attention kernel of the model (SDPA or
 FlexAttention) for a ``KVCacheAttention`` and restores them on exit. A prompt is one
-document: the cache applies the causal mask and the model's sliding window, if any. The model's own forward runs unchanged
-(so tensor-parallel hooks and RoPE apply as in training); the caller passes each call's
-absolute ``positions`` so that RoPE rotates the new tokens at their place in the sequence.
+document: the cache applies the causal mask and the model's sliding window, if any. The
+model's own forward runs unchanged (so tensor-parallel hooks and RoPE apply as in training);
+the caller passes each call's absolute ``positions`` so that RoPE rotates the new tokens at
+their place in the sequence.
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def rope_table(inv_freq: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """``[max_seq_len, 2 * len(inv_freq)]`` fp32: row ``p`` holds cos then sin of ``p * inv_freq``."""
+    """``[max_seq_len, 2 * len(inv_freq)]`` fp32: row ``p`` holds cos then sin of
+    ``p * inv_freq``."""
     positions = torch.arange(max_seq_len, device=inv_freq.device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)

@@ -44,7 +44,8 @@ class BaseTokenizer(ABC):
         )
 
     def special_tokens(self) -> dict[str, str]:
-        """The text of the special tokens a chat template refers to (``bos_token``, ``eos_token``)."""
+        """The text of the special tokens a chat template refers to (``bos_token``,
+        ``eos_token``)."""
         return {}
 
     def encode_rendered(self, text: str) -> list[int]:

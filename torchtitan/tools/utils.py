@@ -48,7 +48,10 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
     """Measured matmul peak of this machine for ``dtype`` with the current thread count,
     cached on disk so each machine measures once (a lock file keeps concurrent ranks from
     all measuring at once)."""
-    key_src = f"{platform.processor()}|{platform.machine()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{dtype}"
+    key_src = (
+        f"{platform.processor()}|{platform.machine()}|{os.cpu_count()}|"
+        f"{torch.get_num_threads()}|{torch.__version__}|{dtype}"
+    )
     key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
     path = _CPU_PEAK_CACHE / f"cpu_peak_{key}.json"
     cached = _read_json(path)

@@ -211,5 +211,6 @@ def check_same_fields(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> Non
     ]
     if mismatches:
         raise ValueError(
-            f"config.json has {', '.join(mismatches)}; choose the flavor (or tokenizer) that matches"
+            f"config.json has {', '.join(mismatches)}; "
+            "choose the flavor (or tokenizer) that matches"
         )

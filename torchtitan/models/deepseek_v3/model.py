@@ -27,7 +27,8 @@ _INIT_RULES = InitRules.for_attention(("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"))
 
 
 def rope_inv_freq(args: DeepSeekV3ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """``[qk_rope_head_dim // 2]`` fp32 inverse frequencies, YaRN-scaled when ``rope_factor > 1``."""
+    """``[qk_rope_head_dim // 2]`` fp32 inverse frequencies, YaRN-scaled when
+    ``rope_factor > 1``."""
     inv_freq = rope_frequencies(args.qk_rope_head_dim, args.rope_theta, device)
     if args.rope_factor <= 1:
         return inv_freq
