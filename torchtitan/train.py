@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.validate import PipelineEval
+from torchtitan.components.validate import PipelineEval, Validator
 from torchtitan.config import ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error
 from torchtitan.config.errors import UserInputError
@@ -48,7 +48,7 @@ from torchtitan.distributed.utils import (
 )
 from torchtitan.layers.moe import moe_load_metrics
 from torchtitan.preflight import load_tokenizer, preflight
-from torchtitan.protocols import get_train_spec
+from torchtitan.protocols import TrainSpec, get_train_spec
 from torchtitan.recipe import (
     MicroBatch,
     build_recipe,
@@ -156,18 +156,7 @@ class Trainer:
         self.stop_requested = False
         self.applied_step: AppliedStep | None = None
         self._install_preemption_handlers()
-        self.metrics = MetricsProcessor(
-            job_config.metrics,
-            dump_folder=job_config.job.dump_folder,
-            total_steps=job_config.training.steps,
-            parallel_dims=parallel_dims,
-            device=self.device,
-            flops_per_token=recipe.flops_per_token,
-            owns_loss=self._owns_loss(),
-            compute_dtype=TORCH_DTYPES[job_config.training.mixed_precision_param],
-            run_config=dataclasses.asdict(job_config),
-            description=job_config.job.description,
-        )
+        self.metrics = self._build_metrics()
         self.checkpointer = CheckpointManager(
             job_config.checkpoint,
             dump_folder=job_config.job.dump_folder,
@@ -180,20 +169,39 @@ class Trainer:
             state_dict_adapter=spec.hf_adapter(model_args, job_config.model.hf_assets_path),
         )
         self.replicas = self._build_replica_groups()
-        self.validator = None
-        if job_config.validation.enable and spec.build_validator_fn is not None:
-            self.validator = spec.build_validator_fn(
-                validation=job_config.validation,
-                reset_positions=job_config.training.reset_position_ids_per_document,
-                parallel_dims=parallel_dims,
-                tokenizer=self.tokenizer,
-                loss_fn=spec.build_loss_fn(),
-                train_context=recipe.train_context,
-                metrics_processor=self.metrics,
-                pipeline=self._pipeline_eval(),
-            )
+        self.validator = self._build_validator(spec)
 
     # ------------------------------------------------------------------ set-up helpers
+    def _build_metrics(self) -> MetricsProcessor:
+        job_config = self.job_config
+        return MetricsProcessor(
+            job_config.metrics,
+            dump_folder=job_config.job.dump_folder,
+            total_steps=job_config.training.steps,
+            parallel_dims=self.parallel_dims,
+            device=self.device,
+            flops_per_token=self.recipe.flops_per_token,
+            owns_loss=self._owns_loss(),
+            compute_dtype=TORCH_DTYPES[job_config.training.mixed_precision_param],
+            run_config=dataclasses.asdict(job_config),
+            description=job_config.job.description,
+        )
+
+    def _build_validator(self, spec: TrainSpec) -> Validator | None:
+        job_config = self.job_config
+        if not job_config.validation.enable or spec.build_validator_fn is None:
+            return None
+        return spec.build_validator_fn(
+            validation=job_config.validation,
+            reset_positions=job_config.training.reset_position_ids_per_document,
+            parallel_dims=self.parallel_dims,
+            tokenizer=self.tokenizer,
+            loss_fn=spec.build_loss_fn(),
+            train_context=self.recipe.train_context,
+            metrics_processor=self.metrics,
+            pipeline=self._pipeline_eval(),
+        )
+
     def _build_replica_groups(self) -> ReplicaGroups | None:
         """Fault tolerance: the torchft manager, what a healing peer receives, and this
         rank's data-position file (with checkpointing and enable_ft_dataloader_checkpoints)."""
