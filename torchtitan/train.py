@@ -57,6 +57,7 @@ from torchtitan.recipe import (
     train_step,
 )
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory
+from torchtitan.tools.cpu_precision import resolve_cpu_precision
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
 from torchtitan.tools.profiling import maybe_enable_profiling, maybe_memory_snapshotter
@@ -103,6 +104,9 @@ class Trainer:
     def __init__(self, job_config: JobConfig) -> None:
         self.job_config = job_config
         logger.info(f"starting job: {job_config.job.description}")
+        precision = resolve_cpu_precision(job_config.training, default_device_type())
+        if precision is not None:
+            logger.info(precision)
         self.parallel_dims = preflight(
             job_config, int(os.environ.get("WORLD_SIZE", "1")), default_device_type()
         )

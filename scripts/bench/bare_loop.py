@@ -36,6 +36,7 @@ from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E4
 from torchtitan.protocols import get_train_spec  # noqa: E402
 from torchtitan.recipe import model_args_from_config  # noqa: E402
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory  # noqa: E402
+from torchtitan.tools.cpu_precision import resolve_cpu_precision  # noqa: E402
 from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: E402
 from torchtitan.tools.utils import peak_flops, peak_memory_gib  # noqa: E402
 
@@ -96,9 +97,9 @@ def prefetch(
 def train(job_config, trace: Path | None) -> dict:
     torch.manual_seed(job_config.debug.seed or 0)
     device = torch.device(default_device_type())
-    maybe_keep_freed_cpu_memory(
-        job_config.training.cpu_keep_freed_memory, device
-    )  # as the trainer: loops compared, not malloc
+    # as the trainer: loops compared, not malloc or a different precision
+    maybe_keep_freed_cpu_memory(job_config.training.cpu_keep_freed_memory, device)
+    resolve_cpu_precision(job_config.training, device.type)
     dtype = TORCH_DTYPES[job_config.training.mixed_precision_param]
     steps = job_config.training.steps
     model, optimizer, lr_schedule, tokenizer, flops_per_token = build(job_config, device)
@@ -131,7 +132,7 @@ def train(job_config, trace: Path | None) -> dict:
         "losses": losses,
         "tokens_per_step": batches[0][1].numel(),
         "flops_per_token": flops_per_token,
-        "peak_flops": peak_flops(device, dtype),
+        "peak_flops": peak_flops(device, dtype).flops,
         "memory_gib": peak_memory_gib(device),
         "threads": torch.get_num_threads(),
     }

@@ -349,7 +349,22 @@ def _per_rank_workload(nproc: int) -> str:
     )
 
 
-def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats, RunStats]]) -> str:
+def precision_case(config: str, overrides: list[str]) -> str:
+    """What the runs compute in: the trainer's CPU precision decision for this workload on
+    this machine (training.cpu_low_precision), or the configured dtype."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed.parallel_dims import default_device_type
+    from torchtitan.tools.cpu_precision import resolve_cpu_precision
+
+    training = ConfigManager().parse_args(["--job.config_file", config, *overrides]).training
+    decided = resolve_cpu_precision(training, default_device_type())
+    case = f"compute in {training.mixed_precision_param}, parameters in {training.dtype}"
+    return case + (f" ({decided})" if decided else " (as configured)")
+
+
+def report(
+    args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats, RunStats]], precision: str
+) -> str:
     import torch
 
     steady = [(t, b) for t, b in runs if t.steady and b.steady]
@@ -369,6 +384,7 @@ def report(args: argparse.Namespace, argv: list[str], runs: list[tuple[RunStats,
         f"- commit: `{_git('rev-parse', 'HEAD')}`{dirty}",
         f"- torch {torch.__version__}, Python {platform.python_version()}",
         f"- machine: {machine()}; {args.threads} thread(s) per process",
+        f"- precision: {precision}",
         f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         f"- steady state: steps {args.warmup + 1}..{args.steps - PROFILED_STEPS} of {args.steps}; "
         f"{len(runs)} interleaved repeat(s)",
@@ -462,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
                 *preset_overrides(PRESETS[args.preset], args.nproc, Path(tmp) / "corpus.json"),
                 *overrides,
             ]
+        precision = precision_case(args.config, overrides)
+        print(f"precision: {precision}", flush=True)
         for repeat in range(args.repeats):
             folder = Path(tmp) / f"repeat_{repeat}"
             wait_for_quiet(args.max_load)
@@ -476,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
             runs.append((trainer, bare))
-    text = report(args, argv, runs)
+    text = report(args, argv, runs, precision)
     print(text)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,8 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
             str(folder / "bf16"),
             "--training.dtype",
             "bfloat16",
+            "--training.cpu_low_precision",  # tests bf16 itself: even where the CPU emulates it
+            "force",
         ],
     }
     (folder / "runs.args").write_text(json.dumps(run_args))

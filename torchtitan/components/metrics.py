@@ -23,7 +23,7 @@ import torch
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
-from torchtitan.tools.utils import peak_flops, peak_memory_gib
+from torchtitan.tools.utils import PeakFlops, peak_flops, peak_memory_gib
 
 if TYPE_CHECKING:
     from torchtitan.config import MetricsConfig
@@ -75,7 +75,8 @@ class MetricsProcessor:
         self.run_config = run_config or {}
         self.description = description
         self.colors = _Colors(not metrics.disable_color_printing and sys.stderr.isatty())
-        self.peak_flops = peak_flops(device, compute_dtype)
+        self.peak = peak_flops(device, compute_dtype)
+        logger.info(f"MFU against {_rate(self.peak.flops)}: {self.peak.source}")
         self.timer = StepTimer()
         self.total_tokens = 0
         self.run_start = time.perf_counter()
@@ -144,7 +145,7 @@ class MetricsProcessor:
         elapsed = self.timer.start - timer.start
         tps = timer.tokens / elapsed / self.parallel_dims.non_data_parallel_size
         tflops = self.flops_per_token * tps / 1e12
-        mfu = 100 * self.flops_per_token * tps / self.peak_flops
+        mfu = 100 * self._flops_fraction(self.flops_per_token * tps)
         self.total_tokens += timer.tokens * self.parallel_dims.dp_degree
         memory = peak_memory_gib(self.device)
         step_time = elapsed / max(timer.steps, 1)
@@ -180,6 +181,19 @@ class MetricsProcessor:
             self.jsonl.flush()
         self._log_scalars({key: value for key, value in record.items() if key != "step"}, step)
         return record
+
+    def _flops_fraction(self, achieved: float) -> float:
+        """``achieved`` FLOP/s as a fraction of the peak, never above 1: a rate above the
+        peak means the peak was measured low (a busy CPU), so the highest rate achieved
+        becomes the peak, with one warning."""
+        if achieved > self.peak.flops:
+            logger.warning(
+                f"MFU: {_rate(achieved)} achieved exceeds the peak it divides by "
+                f"({_rate(self.peak.flops)}, {self.peak.source}); the achieved rate is the peak "
+                "from here on"
+            )
+            self.peak = PeakFlops(achieved, f"the highest rate achieved (above {self.peak.source})")
+        return achieved / self.peak.flops
 
     def _log_scalars(self, scalars: dict[str, float], step: int) -> None:
         """To TensorBoard and Weights & Biases, where enabled."""
@@ -234,6 +248,10 @@ def _open_jsonl(path: Path, first_step: int):
         f.writelines(kept)
     tmp.replace(path)
     return open(path, "a")
+
+
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:,.2f} TFLOP/s" if flops >= 1e11 else f"{flops / 1e9:,.1f} GFLOP/s"
 
 
 def _format_seconds(seconds: float) -> str:

@@ -243,6 +243,13 @@ class TrainingConfig:
     (benchmark preset, 1 process: ~8% more tokens/s, half the system time); the peak RSS
     is higher (+15% there). No effect on CUDA."""
 
+    cpu_low_precision: Literal["auto", "force"] = "auto"
+    """Training on the CPU: "auto" computes in bfloat16 / float16 (mixed_precision_param,
+    mixed_precision_reduce, dtype) only where this CPU runs that dtype's matmuls natively
+    (measured once per machine), else in float32, said in one line at start (a CPU without
+    bf16 instructions emulates them, ~80x slower than float32); "force" keeps the dtypes as
+    configured. No effect on CUDA."""
+
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """Data loader keyword arguments."""
 

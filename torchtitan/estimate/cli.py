@@ -19,6 +19,7 @@ from torchtitan.estimate.steps import ITERATIONS, microbatches_per_step
 from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
 from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import Recipe, grad_accumulation_steps
+from torchtitan.tools.cpu_precision import resolve_cpu_precision
 from torchtitan.tools.logging import init_logger
 
 # The trainer refuses memory_estimation.enable; this script always estimates, so the flag
@@ -211,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in _ENABLE_FLAGS]
     job_config = ConfigManager().parse_args(args)
+    if job_config.memory_estimation.target_device == "cpu":
+        # a CPU run on this machine computes in what the trainer would choose here
+        precision = resolve_cpu_precision(job_config.training, "cpu")
+        if precision is not None:
+            print(f"note: {precision}")
     modes = {
         "estimate": run_estimate,
         "analytic": run_analytic,

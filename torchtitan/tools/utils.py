@@ -9,6 +9,8 @@ import os
 import platform
 import resource
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,19 +46,19 @@ def gpu_peak_flops(device_name: str) -> float | None:
     return None
 
 
-def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
-    """Measured matmul peak of this machine for ``dtype`` with the current thread count,
-    cached on disk so each machine measures once (a lock file keeps concurrent ranks from
-    all measuring at once)."""
+def cached_machine_measurement(name: str, measure: Callable[[], float]) -> float:
+    """``measure()`` once per machine (CPU model, core count, thread count, torch version),
+    cached on disk under ``$TORCHTITAN_CACHE`` (default ``~/.cache/torchtitan``); a lock
+    file keeps concurrent ranks from all measuring at once."""
     key_src = (
         f"{platform.processor()}|{platform.machine()}|{os.cpu_count()}|"
-        f"{torch.get_num_threads()}|{torch.__version__}|{dtype}"
+        f"{torch.get_num_threads()}|{torch.__version__}|{name}"
     )
     key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
-    path = _CPU_PEAK_CACHE / f"cpu_peak_{key}.json"
+    path = _CPU_PEAK_CACHE / f"cpu_{key}.json"
     cached = _read_json(path)
     if cached:
-        return cached["flops"]
+        return cached["value"]
     _CPU_PEAK_CACHE.mkdir(parents=True, exist_ok=True)
     lock = path.with_suffix(".lock")
     try:
@@ -66,17 +68,22 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
             time.sleep(0.1)
             cached = _read_json(path)
             if cached:
-                return cached["flops"]
-        return _measure_matmul_flops(dtype)
+                return cached["value"]
+        return measure()
     try:
-        flops = _measure_matmul_flops(dtype)
+        value = measure()
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"flops": flops, "machine": key_src}))
+        tmp.write_text(json.dumps({"value": value, "machine": key_src}))
         tmp.replace(path)
-        return flops
+        return value
     finally:
         os.close(fd)
         lock.unlink(missing_ok=True)
+
+
+def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
+    """Measured matmul peak of this machine for ``dtype`` with the current thread count."""
+    return cached_machine_measurement(f"matmul peak {dtype}", lambda: measure_matmul_flops(dtype))
 
 
 def _read_json(path: Path) -> dict | None:
@@ -86,7 +93,8 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _measure_matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 8) -> float:
+def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 8) -> float:
+    """Best-of-``repeats`` FLOP/s of an ``[n, n] @ [n, n]`` matmul in ``dtype`` on the CPU."""
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     a @ b
@@ -98,15 +106,30 @@ def _measure_matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 8) -
     return 2 * n**3 / best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+@dataclass(frozen=True)
+class PeakFlops:
+    """The peak MFU divides by, and where it comes from (for the one line at start)."""
+
+    flops: float
+    source: str
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops:
+    """The matmul peak of ``device`` in ``dtype`` (the dtype the matmuls run in)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         flops = gpu_peak_flops(name)
         if flops is None:
             logger.warning(f"peak FLOPs of {name!r} unknown; MFU assumes A100 (312 TFLOP/s)")
-            return 312e12
-        return flops if dtype in (torch.bfloat16, torch.float16) else flops / 2
-    return cpu_peak_flops(dtype)
+            return PeakFlops(312e12, "A100 bf16 data sheet (device unknown)")
+        if dtype in (torch.bfloat16, torch.float16):
+            return PeakFlops(flops, f"{name} bf16 data sheet")
+        return PeakFlops(flops / 2, f"{name} bf16 data sheet / 2 for {dtype}")
+    threads = torch.get_num_threads()
+    return PeakFlops(
+        cpu_peak_flops(dtype),
+        f"{dtype} matmul peak of this CPU measured with {threads} thread{'s' * (threads > 1)}",
+    )
 
 
 def peak_memory_gib(device: torch.device) -> float:
