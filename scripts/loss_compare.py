@@ -9,10 +9,14 @@ two sets of options and/or two commits (each commit runs from its own ``git work
 
     python scripts/loss_compare.py --config train_configs/debug_model.toml --steps 20 \\
         --test-options "--optimizer.lr 1e-3" [--baseline-commit main --test-commit HEAD] \\
-        [--nproc 2] [--assert-equal [--rtol 1e-6]]
+        [--nproc 2] [--assert-equal [--rtol 1e-4]] [--plot out.png]
 
 Prints a side-by-side table and the largest differences. With ``--assert-equal`` the exit
-code is 1 unless every step of both runs matches within ``--rtol`` (default 0: bitwise).
+code is 1 unless every step of both runs matches within ``--rtol``: relative tolerance,
+default 1e-4 (the parity harness's), ``--rtol 0`` for bitwise. ``--plot out.png`` draws loss
+and grad norm per step of both runs with the band baseline x (1 +/- rtol) shaded and the test
+steps outside it marked (needs matplotlib: ``pip install -e '.[plot]'``). A missing dump
+folder or metrics.jsonl exits 2.
 """
 
 from __future__ import annotations
@@ -29,9 +33,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("loss", "grad_norm")
+PARITY_RTOL = 1e-4
+"""Default relative tolerance: the parity harness's (RTOL in tests/parity.py), so layouts that
+agree to float32 rounding compare equal."""
+PLOT_HINT = "--plot needs matplotlib: pip install -e '.[plot]'"
+
+
+class InputError(Exception):
+    """A problem with the inputs the user fixes (missing dump folder, no matplotlib):
+    reported as one line, exit code 2."""
 
 
 @dataclass
@@ -53,13 +71,28 @@ class Difference:
 
 
 def read_metrics(dump_folder: Path) -> dict[int, dict[str, float]]:
-    path = Path(dump_folder) / "metrics.jsonl"
+    folder = Path(dump_folder)
+    path = folder / "metrics.jsonl"
+    if not folder.is_dir():
+        problem = "not a folder" if folder.exists() else "no such folder"
+        raise InputError(f"dump folder {folder}: {problem}")
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} does not exist (was the run's job.dump_folder {dump_folder}?)"
+        raise InputError(
+            f"dump folder {folder}: no metrics.jsonl in it (was it the run's job.dump_folder?)"
         )
-    with open(path) as f:
-        return {record["step"]: record for record in map(json.loads, filter(str.strip, f))}
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except OSError as e:
+        raise InputError(f"dump folder {folder}: cannot read metrics.jsonl ({e.strerror})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"dump folder {folder}: metrics.jsonl is not JSON lines ({e})") from e
+    required = ("step", *KEYS)
+    if not all(isinstance(r, dict) and all(k in r for k in required) for r in records):
+        raise InputError(
+            f"dump folder {folder}: a metrics.jsonl record lacks one of {', '.join(required)}"
+        )
+    return {record["step"]: record for record in records}
 
 
 def differences(baseline: dict[int, dict], test: dict[int, dict]) -> list[Difference]:
@@ -71,12 +104,16 @@ def differences(baseline: dict[int, dict], test: dict[int, dict]) -> list[Differ
     ]
 
 
+def within(d: Difference, rtol: float) -> bool:
+    return math.isclose(d.baseline, d.test, rel_tol=rtol, abs_tol=0.0)
+
+
 def mismatches(baseline: dict[int, dict], test: dict[int, dict], rtol: float) -> list[str]:
     problems = []
     if baseline.keys() != test.keys():
         problems.append(f"logged steps differ: baseline {sorted(baseline)}, test {sorted(test)}")
     for d in differences(baseline, test):
-        if not math.isclose(d.baseline, d.test, rel_tol=rtol, abs_tol=0.0):
+        if not within(d, rtol):
             problems.append(
                 f"step {d.step}: {d.key} {d.test!r} vs baseline {d.baseline!r} "
                 f"(relative difference {d.relative:.3e} > rtol {rtol:g})"
@@ -104,6 +141,90 @@ def format_table(baseline: dict[int, dict], test: dict[int, dict]) -> str:
                 f"(relative {largest.relative:.3e}) at step {largest.step}"
             )
     return "\n".join(rows)
+
+
+def require_matplotlib() -> None:
+    """Fail before any training when --plot cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise InputError(PLOT_HINT) from None
+
+
+def plot_comparison(
+    baseline: dict[int, dict],
+    test: dict[int, dict],
+    rtol: float,
+    labels: tuple[str, str] = ("baseline", "test"),
+) -> Figure:
+    """Two panels (loss, grad norm per step): both runs, the band baseline x (1 +/- rtol)
+    shaded, and test steps outside it marked (at rtol 1e-4 the band is thinner than a line)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(9, 7), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(KEYS), 1, sharex=True)
+    for ax, key in zip(axes, KEYS):
+        _plot_metric(ax, key, baseline, test, rtol, labels)
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    figure.suptitle(f"{labels[1]}  vs  {labels[0]}  (band: baseline x (1 ± {rtol:g}))")
+    return figure
+
+
+def _plot_metric(
+    ax: Axes,
+    key: str,
+    baseline: dict[int, dict],
+    test: dict[int, dict],
+    rtol: float,
+    labels: tuple[str, str],
+) -> None:
+    steps = sorted(baseline)
+    values = [baseline[s][key] for s in steps]
+    ax.fill_between(
+        steps,
+        [v * (1 - rtol) for v in values],
+        [v * (1 + rtol) for v in values],
+        color="C0",
+        alpha=0.25,
+        label=f"tolerance band (rtol {rtol:g})",
+    )
+    ax.plot(steps, values, "o-", color="C0", markersize=3, label=labels[0])
+    test_steps = sorted(test)
+    ax.plot(
+        test_steps,
+        [test[s][key] for s in test_steps],
+        "s--",
+        color="C1",
+        markersize=3,
+        label=labels[1],
+    )
+    compared = [d for d in differences(baseline, test) if d.key == key]
+    outside = [d for d in compared if not within(d, rtol)]
+    if outside:
+        ax.plot(
+            [d.step for d in outside],
+            [d.test for d in outside],
+            "x",
+            color="red",
+            markersize=8,
+            markeredgewidth=2,
+            label="test outside the band",
+        )
+    ax.set_title(f"{key}: {len(outside)} of {len(compared)} common steps outside the band")
+    ax.set_ylabel(key)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def save_plot(figure: Figure, path: Path) -> None:
+    try:
+        figure.savefig(path, dpi=120)
+    except OSError as e:
+        raise InputError(f"--plot {path}: cannot write it ({e.strerror})") from None
 
 
 @contextmanager
@@ -213,9 +334,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--assert-equal", action="store_true", help="exit 1 on any difference beyond --rtol"
     )
     parser.add_argument(
-        "--rtol", type=float, default=0.0, help="relative tolerance of --assert-equal"
+        "--rtol",
+        type=float,
+        default=PARITY_RTOL,
+        help=f"relative tolerance of --assert-equal and the --plot band (default {PARITY_RTOL:g}, "
+        "the parity harness's; 0: bitwise)",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="draw loss and grad norm per step of both runs with the tolerance band",
     )
     args = parser.parse_args(argv)
+    if args.rtol < 0:
+        parser.error("--rtol must be >= 0")
     compare_dumps = args.baseline_dump is not None or args.test_dump is not None
     if compare_dumps and (args.baseline_dump is None or args.test_dump is None):
         parser.error("--baseline-dump and --test-dump go together")
@@ -226,8 +359,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def compare(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        require_matplotlib()
     if args.baseline_dump is not None:
         baseline_folder, test_folder = args.baseline_dump, args.test_dump
     else:
@@ -235,13 +369,26 @@ def main(argv: list[str] | None = None) -> int:
     baseline, test = read_metrics(baseline_folder), read_metrics(test_folder)
     print(f"baseline: {baseline_folder}\ntest:     {test_folder}")
     print(format_table(baseline, test))
+    if args.plot is not None:
+        labels = (f"baseline: {baseline_folder}", f"test: {test_folder}")
+        save_plot(plot_comparison(baseline, test, args.rtol, labels), args.plot)
+        print(f"plot: {args.plot}")
     if not args.assert_equal:
         return 0
     problems = mismatches(baseline, test, args.rtol)
     for problem in problems:
         print(f"MISMATCH {problem}")
-    print("runs differ" if problems else f"runs equal (rtol {args.rtol:g})")
+    print(f"runs {'differ' if problems else 'equal'} (rtol {args.rtol:g})")
     return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return compare(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

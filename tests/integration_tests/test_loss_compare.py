@@ -53,6 +53,8 @@ def identical_runs(tmp_path_factory):
         "--output-dir",
         str(output),
         "--assert-equal",
+        "--rtol",
+        "0",  # same config, seed and deterministic algorithms: bitwise equal
     )
     return output, result
 

@@ -606,6 +606,10 @@ class MemoryEstimationConfig:
     plan_traced_layouts: int = 2
     """For mode plan: how many of the best layouts the trainer supports to trace (0: none)."""
 
+    plot: str | None = None
+    """PNG path: the traced peak's per-phase memory breakdown as a stacked bar (needs
+    matplotlib: the plot extra)."""
+
 
 @dataclass
 class FaultToleranceConfig:

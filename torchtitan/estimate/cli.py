@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.estimate import analytic, report
+from torchtitan.estimate import analytic, plot, report
 from torchtitan.estimate.build import estimation_model_args
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
 from torchtitan.estimate.measure_mode import measure_single_process, run_measure
@@ -94,7 +94,39 @@ def run_estimate(job_config: JobConfig) -> int:
         return _estimate_on_real_tensors(job_config, world_size)
     outcome = trace_training_memory(job_config, world_size, me.target_device)
     print("\n".join(estimate_lines(job_config, outcome, world_size)))
+    if me.plot is not None:
+        plot.save_breakdown_plot(
+            outcome.result, plot_title(job_config, outcome, world_size), me.plot
+        )
+        print(f"plot: {me.plot}")
     return 0
+
+
+def plot_title(job_config: JobConfig, outcome: TraceOutcome, world_size: int) -> str:
+    m = job_config.model
+    return (
+        f"{m.name} {m.flavor}, {world_size} ranks ({degrees(outcome.setup.parallel_dims)}): "
+        f"traced memory per rank by phase, target {job_config.memory_estimation.target_device}"
+    )
+
+
+def check_plot(job_config: JobConfig) -> None:
+    """The plot draws the trace of mode estimate: refuse it where there is none, and check
+    for matplotlib before tracing."""
+    me = job_config.memory_estimation
+    if me.plot is None:
+        return
+    if me.mode != "estimate":
+        raise ConfigError(
+            f"memory_estimation.plot: only mode estimate draws it (from its trace), not mode "
+            f"{me.mode!r}"
+        )
+    if me.disable_fake_mode:
+        raise ConfigError(
+            "memory_estimation.plot: drawn from the trace on fake tensors; not with "
+            "memory_estimation.disable_fake_mode"
+        )
+    plot.require_matplotlib()
 
 
 def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int) -> list[str]:
@@ -212,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in _ENABLE_FLAGS]
     job_config = ConfigManager().parse_args(args)
+    check_plot(job_config)
     if job_config.memory_estimation.target_device == "cpu":
         # a CPU run on this machine computes in what the trainer would choose here
         precision = resolve_cpu_precision(job_config.training, "cpu")

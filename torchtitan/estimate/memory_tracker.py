@@ -2,7 +2,8 @@
 
 * a guard that ignores ops run under any fake mode other than the one active on entry
   (DTensor sharding propagation's scratch tensors, see ``emulation.private_propagation_fake_mode``);
-* the step phase and innermost module at each new peak, per-phase and per-module peaks;
+* the step phase and innermost module at each new peak, per-phase and per-module peaks, and
+  the category breakdown at each phase's peak;
 * the bytes that 512-byte block rounding adds (when ``emulation.cuda_block_rounding`` is on).
 """
 
@@ -52,6 +53,8 @@ class TrackerResult:
     place: PeakPlace
     phase_peaks: dict[tuple[int, str], int]
     modules: dict[str, ModuleStats] = field(default_factory=dict)
+    phase_breakdowns: dict[tuple[int, str], dict[str, int]] = field(default_factory=dict)
+    """Per (iteration, phase): the bytes per category when that phase's peak was set."""
 
 
 class _EstimationTrackerMixin:
@@ -63,6 +66,7 @@ class _EstimationTrackerMixin:
         self._fake_slot_on_entry: Any = None
         self._place = PeakPlace(0, "setup", None)
         self.phase_peaks: dict[tuple[int, str], int] = {}
+        self.phase_breakdowns: dict[tuple[int, str], dict[str, int]] = {}
         self.module_stats: dict[str, ModuleStats] = {}
         self._forward_start: dict[int, int] = {}
         self._hook_handles: list[Any] = []
@@ -113,6 +117,13 @@ class _EstimationTrackerMixin:
     def _current_total(self) -> int:
         return sum(snap[TOTAL] for snap in self._curr_mem_snap.values())
 
+    def _current_breakdown(self) -> dict[str, int]:
+        breakdown: dict[str, int] = {}
+        for snap in self._curr_mem_snap.values():
+            for category, nbytes in _category_bytes(snap).items():
+                breakdown[category] = breakdown.get(category, 0) + nbytes
+        return breakdown
+
     def _current_activations(self) -> int:
         return sum(snap.get(self._ref_class.ACT, 0) for snap in self._curr_mem_snap.values())
 
@@ -137,6 +148,7 @@ class _EstimationTrackerMixin:
         key = (self.iteration, self.phase)
         if total > self.phase_peaks.get(key, -1):
             self.phase_peaks[key] = total
+            self.phase_breakdowns[key] = self._current_breakdown()
         for fqn in self._mod_tracker.parents:
             stats = self.module_stats.get(fqn)
             if stats is not None and total > stats.peak:
@@ -170,19 +182,25 @@ class _EstimationTrackerMixin:
 
     def result(self) -> TrackerResult:
         device, snap = max(self._peak_mem_snap.items(), key=lambda kv: kv[1][TOTAL])
-        breakdown = {
-            (k.value if hasattr(k, "value") else str(k)): v
-            for k, v in snap.items()
-            if k not in (TOTAL, ROUNDING)
-        }
         return TrackerResult(
             peak_bytes=snap[TOTAL],
-            breakdown=breakdown,
+            breakdown=_category_bytes(snap),
             rounding_bytes=snap.get(ROUNDING, 0),
             place=self._place,
             phase_peaks=dict(self.phase_peaks),
             modules={_strip_root(k): v for k, v in self.module_stats.items() if "." in k},
+            phase_breakdowns=dict(self.phase_breakdowns),
         )
+
+
+def _category_bytes(snap: dict[Any, int]) -> dict[str, int]:
+    """A tracker snapshot's bytes by category name, without the total and the rounding tally
+    (which the categories already include)."""
+    return {
+        (k.value if hasattr(k, "value") else str(k)): v
+        for k, v in snap.items()
+        if k not in (TOTAL, ROUNDING)
+    }
 
 
 def _strip_root(fqn: str) -> str:

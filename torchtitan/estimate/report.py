@@ -103,11 +103,24 @@ def device_additions(
     return DeviceAdditions(items)
 
 
+def heading_of(category: str) -> str:
+    """The report heading of a tracker category (unknown ones count as buffers and inputs)."""
+    return _HEADINGS.get(category, "buffers and inputs")
+
+
+def heading_totals(breakdown: dict[str, int]) -> dict[str, int]:
+    """Bytes per report heading, every heading in report order."""
+    totals = dict.fromkeys(_HEADING_ORDER, 0)
+    for category, nbytes in breakdown.items():
+        totals[heading_of(category)] += nbytes
+    return totals
+
+
 def breakdown_lines(result: TrackerResult) -> list[str]:
     unit = unit_for(result.peak_bytes)
     groups: dict[str, dict[str, int]] = {}
     for category, nbytes in result.breakdown.items():
-        groups.setdefault(_HEADINGS.get(category, "buffers and inputs"), {})[category] = nbytes
+        groups.setdefault(heading_of(category), {})[category] = nbytes
     lines = [f"  breakdown at the peak                      {unit[0]:>10}"]
     for heading in _HEADING_ORDER:
         parts = groups.get(heading, {})
@@ -135,14 +148,23 @@ def where_line(result: TrackerResult) -> str:
     return f"  set in step {place.iteration}: {spot}"
 
 
+def step_phases(result: TrackerResult) -> list[str]:
+    """The phases of the peak's step in order, without setup, done and zero_grad."""
+    return [
+        phase
+        for iteration, phase in result.phase_peaks
+        if iteration == result.place.iteration and phase not in ("setup", "done", "zero_grad")
+    ]
+
+
 def phase_lines(result: TrackerResult) -> list[str]:
     unit = unit_for(result.peak_bytes)
     iteration = result.place.iteration
     lines = [f"  peak per phase of step {iteration}                   {unit[0]:>10}"]
-    for (it, phase), nbytes in result.phase_peaks.items():
-        if it == iteration and phase not in ("setup", "done", "zero_grad"):
-            marker = "   <- peak" if phase == result.place.phase else ""
-            lines.append(f"    {phase:<40}{_fmt(nbytes, unit):>9}{marker}")
+    for phase in step_phases(result):
+        nbytes = result.phase_peaks[iteration, phase]
+        marker = "   <- peak" if phase == result.place.phase else ""
+        lines.append(f"    {phase:<40}{_fmt(nbytes, unit):>9}{marker}")
     return lines
 
 
