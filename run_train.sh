@@ -8,9 +8,13 @@
 # Llama 3 debug config), DRY_RUN=1 (check the config, print the launch command, run
 # nothing), MAX_RESTARTS (default 0: how often torchrun restarts the ranks after a failure;
 # with checkpoint.enable a restart resumes from the newest complete checkpoint). Extra args
-# are CLI overrides.
+# are CLI overrides. Callable from any directory: that directory goes on PYTHONPATH (for
+# --experimental.custom_import) and a relative CONFIG_FILE is taken from it; everything
+# else (the default config, paths inside configs and flags) is relative to this repository.
 set -euo pipefail
+caller_dir=$PWD
 cd "$(dirname "$0")"
+export PYTHONPATH="$caller_dir${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
@@ -26,7 +30,11 @@ if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
   echo "error: MASTER_ADDR: set it to the address of node 0 for a run on NNODES=$NNODES nodes" >&2
   exit 2
 fi
-CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+if [ -z "${CONFIG_FILE:-}" ]; then
+  CONFIG_FILE=train_configs/debug_model.toml
+elif [[ $CONFIG_FILE != /* ]]; then
+  CONFIG_FILE=$caller_dir/$CONFIG_FILE
+fi
 
 # Validate the merged config, the parallel layout and the inputs (data, tokenizer,
 # checkpoint, converters, device features) once, in one process, so that bad input prints
@@ -64,7 +72,7 @@ launch=("$PYTHON" -m torchtitan.distributed.launch --nproc_per_node="$NGPU" "${r
         --local-ranks-filter "${local_log_ranks:-0}"
         -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  echo "LOG_RANK=$LOG_RANK OMP_NUM_THREADS=$OMP_NUM_THREADS ${launch[*]@Q}"
+  echo "LOG_RANK=$LOG_RANK OMP_NUM_THREADS=$OMP_NUM_THREADS PYTHONPATH=${PYTHONPATH@Q} ${launch[*]@Q}"
   exit 0
 fi
 exec "${launch[@]}"

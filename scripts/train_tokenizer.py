@@ -1,10 +1,11 @@
 """Train a byte-level BPE ``tokenizer.json`` on a registered dataset.
 
-    python scripts/train_tokenizer.py --out assets/tokenizer/stdlib_bpe --vocab_size 4096
+    python scripts/train_tokenizer.py [--out assets/tokenizer] [--vocab_size 4096]
 
 writes ``<out>/tokenizer.json`` (special tokens ``<|begin_of_text|>``, ``<|end_of_text|>``,
 ``<|pad|>`` take ids 0, 1, 2) and ``<out>/tokenizer_config.json`` naming them as
-bos/eos/pad, the layout ``model.tokenizer_path`` / ``HuggingFaceTokenizer`` reads.
+bos/eos/pad, the layout ``model.tokenizer_path`` / ``HuggingFaceTokenizer`` reads: from the
+repository root, ``./run_train.sh --model.tokenizer_path assets/tokenizer`` trains with it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torchtitan.datasets import load_documents
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]
 _MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the byte alphabet
+DEFAULT_OUT = "assets/tokenizer"  # the folder train_configs/debug_model.toml's comment names
 
 
 def _texts(dataset: str, dataset_path: str | None, max_docs: int | None) -> Iterator[str]:
@@ -71,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help="output directory (default: %(default)s)"
+    )
     parser.add_argument("--vocab_size", type=int, default=4096)
     parser.add_argument("--dataset", default="python_stdlib", help="a registered dataset name")
     parser.add_argument(

@@ -37,14 +37,18 @@ def run_torchrun(
 
 
 def run_command(
-    cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 300
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    cwd: Path = REPO_ROOT,
 ) -> subprocess.CompletedProcess:
-    """Run any command (run_train.sh, a script) from the repository root with the test
-    environment of ``start_torchrun``; stdout holds stdout and stderr. Never raises on a
-    non-zero exit."""
+    """Run any command (run_train.sh, a script) from ``cwd`` (the repository root unless
+    given) with the test environment of ``start_torchrun``; stdout holds stdout and stderr.
+    Never raises on a non-zero exit."""
     proc = subprocess.Popen(
         cmd,
-        cwd=REPO_ROOT,
+        cwd=cwd,
         env=_test_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
