@@ -109,6 +109,10 @@ def test_bad_toml_gives_one_clear_error(tmp_path, toml, message):
     "args, message",
     [
         (["--training.stepz", "3"], "did you mean --training.steps?"),
+        (
+            ["--training.step", "3"],
+            "did you mean --training.steps?",
+        ),  # not the first of tyro's list
         (["--training.steps", "x"], "--training.steps"),
         (["--optimizer.name", "SGD"], "--optimizer.name"),
         (["--job.config_file", "/nonexistent.toml"], "job.config_file: no such file"),

@@ -400,8 +400,15 @@ def _condense_tyro_error(text: str) -> str:
         )
     suggestion = next((p for p in paragraphs if p.startswith("Perhaps you meant:")), None)
     if suggestion:
-        message += f"; did you mean {suggestion.split()[3]}?"
+        candidates = _FLAG.findall(suggestion)
+        unknown = _FLAG.findall(message)
+        best = difflib.get_close_matches(unknown[0], candidates, n=1, cutoff=0) if unknown else []
+        if best or candidates:
+            message += f"; did you mean {(best or candidates)[0]}?"
     return message + " (see --help)"
+
+
+_FLAG = re.compile(r"--[A-Za-z0-9_.\-]+")
 
 
 COMMAND_LINE = "command line"
