@@ -303,7 +303,7 @@ def test_a_crash_loop_stops_with_one_line(tmp_path):
     assert result.returncode == 2, out[-6000:]
     assert out.count(ATTEMPT_MARK) == 2, out[-6000:]
     assert out.rstrip().splitlines()[-1] == (
-        "error: checkpoint.max_failures_at_same_step: the run failed 2 times at step 2, resuming "
-        "from the newest checkpoint each time; not restarting again (the tracebacks above show "
-        "the cause)"
+        "error: checkpoint.max_failures_at_same_step: the run failed 2 times at step 2 "
+        "(InjectedFault: debug.fail_at_step: injected fault at step 2 on rank 0); not restarting "
+        f"again (tracebacks in {tmp_path / 'tracebacks.log'})"
     ), out[-6000:]
