@@ -373,3 +373,43 @@ def test_pipeline_trace_reports_every_pipeline_rank(capsys):
     out = capsys.readouterr().out
     assert "peak per pipeline rank" in out
     assert "pp 0" in out and "pp 1" in out
+
+
+@pytest.mark.timeout(120)
+def test_plan_prints_its_progress(capsys):
+    """Before each long phase plan mode says on stderr what it does (how many layouts, the
+    analytic pass, each trace), and how long a trace took once it is done."""
+    import re
+
+    assert (
+        main(
+            TINY
+            + [
+                "--memory_estimation.mode",
+                "plan",
+                "--memory_estimation.world_size",
+                "1",
+                "--memory_estimation.device_memory_gib",
+                "4",
+                "--memory_estimation.plan_traced_layouts",
+                "1",
+                "--training.mixed_precision_param",
+                "float32",
+            ]
+        )
+        == 0
+    )
+    out, err = capsys.readouterr()
+    progress = [line for line in err.splitlines() if line.startswith("planning: ")]
+    assert len(progress) == 4, err
+    assert progress[0] == (
+        "planning: 2 layouts of 1 GPUs; analytic pass (peak memory and modelled throughput "
+        "of each) ..."
+    )
+    assert re.fullmatch(r"planning: 2 of 2 layouts fit \(analytic pass: \d+\.\d s\)", progress[1])
+    assert progress[2] == (
+        "planning: tracing layout 1 of 1 (#1 single device, AC none, local batch 4) on fake "
+        "tensors ..."
+    )
+    assert re.fullmatch(r"planning: traced layout 1 of 1 in \d+ s", progress[3])
+    assert "    traced #1: " in out

@@ -162,10 +162,15 @@ def step_seconds(req: PlanRequest, lay: Layout, local_batch: int, accum: int) ->
     return compute / (1 - bubble) + exposed + tp_comm + cp_comm
 
 
-def plan(req: PlanRequest) -> tuple[list[PlanEntry], int]:
-    """(fitting layouts ranked by modelled throughput, number of layouts enumerated)."""
+def candidate_layouts(req: PlanRequest) -> list[Layout]:
+    """Every layout of the request whose data-parallel degree divides the global batch."""
     _check_request(req)
     layouts = _layouts(req)
+    if not layouts:
+        raise PlanError(
+            f"no parallel layout of {req.world_size} GPUs suits this model and training.seq_len "
+            f"{req.seq_len} (tensor/context parallel must divide the heads and seq_len / 2)"
+        )
     valid = [lay for lay in layouts if req.global_batch % (lay.dp_replicate * lay.dp_shard) == 0]
     if not valid:
         raise PlanError(
@@ -173,13 +178,19 @@ def plan(req: PlanRequest) -> tuple[list[PlanEntry], int]:
             f"data-parallel degree of any layout of {req.world_size} GPUs; use a multiple of "
             f"{_smallest_dp(layouts)} (or more sequences)"
         )
-    entries = [e for e in (_best_batch(req, lay) for lay in valid) if e is not None]
+    return valid
+
+
+def fitting_entries(req: PlanRequest, layouts: list[Layout]) -> list[PlanEntry]:
+    """The analytic pass: each layout that fits at its largest local batch, ranked by
+    modelled throughput."""
+    entries = [e for e in (_best_batch(req, lay) for lay in layouts) if e is not None]
     entries.sort(key=lambda e: e.tokens_per_second_per_gpu, reverse=True)
-    return entries, len(valid)
+    return entries
 
 
 def _smallest_dp(layouts: list[Layout]) -> int:
-    return min(lay.dp_replicate * lay.dp_shard for lay in layouts) if layouts else 1
+    return min(lay.dp_replicate * lay.dp_shard for lay in layouts)
 
 
 def smallest_need(req: PlanRequest) -> tuple[int, Layout] | None:
@@ -198,8 +209,3 @@ def _check_request(req: PlanRequest) -> None:
         raise PlanError(f"memory_estimation.world_size must be >= 1, got {req.world_size}")
     if req.global_batch < 1:
         raise PlanError(f"training.global_batch_size must be >= 1, got {req.global_batch}")
-    if not _layouts(req):
-        raise PlanError(
-            f"no parallel layout of {req.world_size} GPUs suits this model and training.seq_len "
-            f"{req.seq_len} (tensor/context parallel must divide the heads and seq_len / 2)"
-        )

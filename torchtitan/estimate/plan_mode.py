@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
+from collections.abc import Iterator
 
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.checks import check_job_config
@@ -15,7 +17,38 @@ from torchtitan.estimate.trace import trace_training_memory
 from torchtitan.protocols import get_train_spec
 
 
+def progress(message: str) -> None:
+    """A progress line of the plan (stderr, flushed, like the log lines of a trace; the plan
+    itself goes to stdout)."""
+    print(f"planning: {message}", file=sys.stderr, flush=True)
+
+
 def run_plan(job_config: JobConfig) -> int:
+    me, training = job_config.memory_estimation, job_config.training
+    request = plan_request(job_config)
+    entries, enumerated = analytic_pass(request)
+    print(
+        f"plan: {job_config.model.name} {job_config.model.flavor}, seq_len {training.seq_len}, "
+        f"global batch {request.global_batch} sequences, {request.world_size} GPUs of "
+        f"{me.device_memory_gib:g} GiB ({me.gpus_per_node} per node)",
+        flush=True,
+    )
+    if not entries:
+        need, layout = layout_search.smallest_need(request)
+        print(
+            f"no layout fits in {me.device_memory_gib:g} GiB per GPU: the least any layout "
+            f"needs is {report.gib(need)} GiB ({layout.describe()}, local batch 1); "
+            "use more GPUs, a shorter training.seq_len or a smaller model",
+            file=sys.stderr,
+        )
+        return 1
+    for line in plan_lines(job_config, request, entries, enumerated):
+        print(line, flush=True)
+    return 0
+
+
+def plan_request(job_config: JobConfig) -> layout_search.PlanRequest:
+    """What to plan, from the config: the model's geometry, the batch, the GPUs."""
     me, training = job_config.memory_estimation, job_config.training
     world_size = resolve_world_size(job_config)
     if me.device_memory_gib is None:
@@ -41,7 +74,7 @@ def run_plan(job_config: JobConfig) -> int:
         + report.CUDA_CONTEXT_BYTES
         + (me.nccl_allowance_gib * 2**30 if world_size > 1 else 0)
     )
-    request = layout_search.PlanRequest(
+    return layout_search.PlanRequest(
         geometry=geometry,
         seq_len=training.seq_len,
         global_batch=global_batch,
@@ -52,26 +85,27 @@ def run_plan(job_config: JobConfig) -> int:
         overhead_bytes=overhead,
         reserved_margin=me.reserved_margin,
     )
+
+
+def analytic_pass(
+    request: layout_search.PlanRequest,
+) -> tuple[list[layout_search.PlanEntry], int]:
+    """(the layouts that fit, ranked; how many were enumerated), with progress lines."""
     try:
-        entries, enumerated = layout_search.plan(request)
+        layouts = layout_search.candidate_layouts(request)
+        progress(
+            f"{len(layouts)} layouts of {request.world_size} GPUs; analytic pass (peak memory "
+            "and modelled throughput of each) ..."
+        )
+        start = time.perf_counter()
+        entries = layout_search.fitting_entries(request, layouts)
     except layout_search.PlanError as e:
         raise ConfigError(str(e)) from None
-    print(
-        f"plan: {job_config.model.name} {job_config.model.flavor}, seq_len {training.seq_len}, "
-        f"global batch {global_batch} sequences, {world_size} GPUs of "
-        f"{me.device_memory_gib:g} GiB ({me.gpus_per_node} per node)"
+    progress(
+        f"{len(entries)} of {len(layouts)} layouts fit (analytic pass: "
+        f"{time.perf_counter() - start:.1f} s)"
     )
-    if not entries:
-        need, layout = layout_search.smallest_need(request)
-        print(
-            f"no layout fits in {me.device_memory_gib:g} GiB per GPU: the least any layout "
-            f"needs is {report.gib(need)} GiB ({layout.describe()}, local batch 1); "
-            "use more GPUs, a shorter training.seq_len or a smaller model",
-            file=sys.stderr,
-        )
-        return 1
-    print("\n".join(plan_lines(job_config, request, entries, enumerated)))
-    return 0
+    return entries, len(layouts)
 
 
 PLAN_ROWS = 10
@@ -80,29 +114,29 @@ OTHER_ROWS = 5
 
 def plan_lines(
     job_config: JobConfig, request: layout_search.PlanRequest, entries, enumerated: int
-) -> list[str]:
-    """The best layouts the trainer runs and the estimator traces (the first few traced),
-    then the best of the others (analytic figures only, with the reason)."""
+) -> Iterator[str]:
+    """The best layouts the trainer runs and the estimator traces (the first few traced,
+    each line as its trace ends), then the best of the others (analytic figures only, with
+    the reason)."""
     gaps = [layout_gap(layout_config(job_config, request, e), request.world_size) for e in entries]
     supported = [(i, e) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is None]
     others = [
         (i, e, gap) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is not None
     ]
-    lines = [
+    yield (
         f"  {len(entries)} of {enumerated} layouts fit "
         "(need = analytic peak x (1 + reserved_margin) + context, workspaces, NCCL), "
         "ranked by a throughput model (compute at 400 TFLOP/s per GPU, FSDP overlapped, "
-        "TP/CP exposed, pipeline bubble; NVLink 400 GB/s, network 50 GB/s per GPU)",
-        "",
-        "  layouts the trainer runs and the estimator traces:",
-        _plan_header(),
-    ]
-    lines += [_plan_row(i, e) for i, e in supported[:PLAN_ROWS]] or ["    (none)"]
-    lines += _traced_lines(job_config, request, supported)
+        "TP/CP exposed, pipeline bubble; NVLink 400 GB/s, network 50 GB/s per GPU)"
+    )
+    yield ""
+    yield "  layouts the trainer runs and the estimator traces:"
+    yield _plan_header()
+    yield from [_plan_row(i, e) for i, e in supported[:PLAN_ROWS]] or ["    (none)"]
+    yield from _traced_lines(job_config, request, supported)
     if others:
-        lines += ["", "  better-ranked or other layouts, analytic only:", _plan_header()]
-        lines += [_plan_row(i, e) + f"  {gap}" for i, e, gap in others[:OTHER_ROWS]]
-    return lines
+        yield from ["", "  better-ranked or other layouts, analytic only:", _plan_header()]
+        yield from [_plan_row(i, e) + f"  {gap}" for i, e, gap in others[:OTHER_ROWS]]
 
 
 def _plan_header() -> str:
@@ -122,27 +156,44 @@ def _plan_row(rank: int, entry: layout_search.PlanEntry) -> str:
 
 def _traced_lines(
     job_config: JobConfig, request: layout_search.PlanRequest, supported
-) -> list[str]:
-    budget = job_config.memory_estimation.plan_traced_layouts
-    lines = []
-    for rank, entry in supported[:budget]:
+) -> Iterator[str]:
+    chosen = supported[: job_config.memory_estimation.plan_traced_layouts]
+    to_trace = sum(entry.layout.pp == 1 for _, entry in chosen)
+    traced = 0
+    for rank, entry in chosen:
         if entry.layout.pp > 1:
-            lines.append(
+            yield (
                 f"    traced #{rank}: not traced here: a pipeline layout is traced per "
                 "pipeline rank through every micro-batch (long at this size); "
                 "run mode estimate for it"
             )
             continue
-        config = layout_config(job_config, request, entry)
-        outcome = trace_training_memory(
-            config, request.world_size, job_config.memory_estimation.target_device
-        )
-        peak = outcome.result.peak_bytes
-        lines.append(
-            f"    traced #{rank}: {report.gib(peak)} GiB allocated peak (analytic "
-            f"{(entry.peak_bytes - peak) / peak:+.2%}; traced in {outcome.seconds:.0f} s)"
-        )
-    return lines
+        traced += 1
+        yield _traced_line(job_config, request, rank, entry, f"{traced} of {to_trace}")
+
+
+def _traced_line(
+    job_config: JobConfig,
+    request: layout_search.PlanRequest,
+    rank: int,
+    entry: layout_search.PlanEntry,
+    count: str,
+) -> str:
+    progress(
+        f"tracing layout {count} (#{rank} {entry.layout.describe()}, local batch "
+        f"{entry.local_batch}) on fake tensors ..."
+    )
+    outcome = trace_training_memory(
+        layout_config(job_config, request, entry),
+        request.world_size,
+        job_config.memory_estimation.target_device,
+    )
+    progress(f"traced layout {count} in {outcome.seconds:.0f} s")
+    peak = outcome.result.peak_bytes
+    return (
+        f"    traced #{rank}: {report.gib(peak)} GiB allocated peak (analytic "
+        f"{(entry.peak_bytes - peak) / peak:+.2%}; traced in {outcome.seconds:.0f} s)"
+    )
 
 
 def layout_config(
