@@ -314,7 +314,13 @@ def check_config(check: Check, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def check_estimator(check: Check, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    args = [*check.args[1:], "--memory_estimation.mode", "analytic"]
+    args = list(check.args[1:])
+    if "--memory_estimation.plot" in args:  # the picture's command: traced as written (seconds)
+        args[args.index("--memory_estimation.plot") + 1] = str(tmp_path / "plot.png")
+        assert_exits_0(lambda: estimate_main(args))
+        assert (tmp_path / "plot.png").stat().st_size > 0
+        return
+    args += ["--memory_estimation.mode", "analytic"]
     if check.world_size > 1:  # launched by torchrun
         args += ["--memory_estimation.world_size", str(check.world_size)]
     if ConfigManager().parse_args(args).memory_estimation.device_memory_gib is None:
