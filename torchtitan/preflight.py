@@ -9,10 +9,18 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from torch._dynamo import list_backends
 
 from torchtitan.components.checkpoint import check_checkpoint_inputs
+from torchtitan.components.data_sources import (
+    MIXTURE,
+    TOKENS,
+    open_store,
+    source_configs,
+    uses_sources,
+)
 from torchtitan.components.quantization import check_quantization
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
@@ -207,16 +215,36 @@ def check_inputs(job_config: JobConfig, device_type: str) -> None:
     sections = [("training", job_config.training)]
     if job_config.validation.enable:
         sections.append(("validation", job_config.validation))
+    tokenizer = load_tokenizer(job_config)
     for name, section in sections:
-        try:
-            check_dataset_fields(section.dataset, section.dataset_path, name)
-        except (ValueError, OSError) as e:
-            raise ConfigError(str(e)) from None
-    load_tokenizer(job_config)
+        _check_data(section, name, tokenizer)
     check_converter_names(job_config.model.converters)
     check_checkpoint_inputs(job_config.checkpoint, job_config.job.dump_folder)
     check_fault_tolerance_inputs(job_config.fault_tolerance)
     _check_device_features(job_config, device_type)
+
+
+def _check_data(data: Any, section: str, tokenizer: BaseTokenizer | None) -> None:
+    """The data set (or every source of a mixture) exists; a token store is complete and was
+    made with this run's tokenizer."""
+    if not uses_sources(data.dataset):
+        sources = [(f"{section}", data.dataset, data.dataset_path)]
+    else:
+        sources = [
+            (_source_field(section, data, i), c.dataset, c.dataset_path)
+            for i, c in enumerate(source_configs(data))
+        ]
+    for field, dataset, path in sources:
+        try:
+            check_dataset_fields(dataset, path, field)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+        if dataset == TOKENS and tokenizer is not None:
+            open_store(path, tokenizer, f"{field}.dataset_path")
+
+
+def _source_field(section: str, data: Any, index: int) -> str:
+    return f"{section}.dataset_mixture[{index}]" if data.dataset == MIXTURE else section
 
 
 def _check_context_parallel(job_config, parallel_dims, model_args) -> None:

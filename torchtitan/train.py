@@ -306,9 +306,15 @@ class Trainer:
             extra={
                 "valid_tokens": int(valid_tokens.item()),
                 **moe_load_metrics(self.model_parts),  # no MoE metrics for dense models
+                **self._data_metrics(),
                 **(self.replicas.metrics(self.step) if self.replicas is not None else {}),
             },
         )
+
+    def _data_metrics(self) -> dict[str, float]:
+        """A mixture's tokens per source (a custom loader may have none)."""
+        metrics = getattr(self.dataloader, "metrics", None)
+        return metrics() if metrics is not None else {}
 
     def _before_optimizer_step(self, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> bool:
         # Under loss parallel a loss is a replicated DTensor: take the local value.

@@ -51,7 +51,7 @@ class Net(nn.Module):
 
 
 class Loader:
-    """A data loader whose state is mergeable per-shard cursors, like TextDataLoader's."""
+    """A data loader whose state is mergeable per-shard cursors, like SequenceDataLoader's."""
 
     def __init__(self) -> None:
         self.position = 0

@@ -155,13 +155,13 @@ def test_validation_loader_uses_validation_dataloader_options(monkeypatch) -> No
     from torchtitan.components import dataloader
 
     requested = []
-    built = dataloader.TextDataLoader.__init__
+    built = dataloader.SequenceDataLoader.__init__
 
     def recording_init(self, *args, pin_memory: bool = False, **kwargs) -> None:
         requested.append(pin_memory)
         built(self, *args, pin_memory=pin_memory, **kwargs)
 
-    monkeypatch.setattr(dataloader.TextDataLoader, "__init__", recording_init)
+    monkeypatch.setattr(dataloader.SequenceDataLoader, "__init__", recording_init)
     config = _config(
         "--validation.seq_len",
         "16",

@@ -86,7 +86,8 @@ def model() -> Transformer:
 
 def _reference_loss(model: Transformer, validator) -> tuple[float, int]:
     """Cross-entropy over every token of the split at once."""
-    batches = list(validator.dataloader)
+    (loader,) = validator.dataloaders.values()
+    batches = list(loader)
     inputs = torch.cat([b[0]["input"] for b in batches])
     labels = torch.cat([b[1] for b in batches])
     assert len(batches[-1][1]) < len(batches[0][1]), "the split should end with a smaller batch"

@@ -50,7 +50,7 @@ from torchtitan.components.safe_loading import (
     read_dcp_metadata,
 )
 from torchtitan.config import ConfigError
-from torchtitan.datasets.packing import merge_data_states
+from torchtitan.datasets.state import merge_data_states
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
@@ -693,12 +693,21 @@ class CheckpointManager:
             self.lr_schedulers.load_state_dict(states["lr_scheduler"])
             loaded.append("lr_scheduler")
         if "dataloader" in wanted and "dataloader" in states and self.dataloader is not None:
-            self.dataloader.load_state_dict(states["dataloader"])
+            try:
+                self.dataloader.load_state_dict(states["dataloader"])
+            except ValueError as e:  # a data state this run's data settings cannot continue
+                raise ConfigError(
+                    f"{e}; or start the data from the beginning with "
+                    "--checkpoint.exclude_from_loading dataloader"
+                ) from None
             data = states["dataloader"]
+            layout = (
+                f"{data['data_shards']} data shards" if "data_shards" in data else "the sources"
+            )
             logger.info(
                 f"data position restored for dp degree {self.parallel_dims.dp_degree} (saved under "
                 f"dp degree {manifest['dp_degree']}): next global sequence {data['next_position']} "
-                f"of {data['data_shards']} data shards"
+                f"of {layout}"
             )
             loaded.append("dataloader")
         for name, obj in self.states.items():

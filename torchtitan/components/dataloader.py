@@ -20,10 +20,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from torchtitan.components.data_sources import (
+    source_configs,
+    source_name,
+    training_dataset,
+    uses_sources,
+    validation_datasets,
+)
 from torchtitan.config.errors import ConfigError
-from torchtitan.datasets import DatasetConfig, ShardedTextDataset, load_documents
-from torchtitan.datasets.chat_template import ChatEncoder
-from torchtitan.datasets.packing import EncodedDocument, Encoder, PartitionItem, Sample
+from torchtitan.datasets import ShardedTextDataset, load_documents
+from torchtitan.datasets.encoding import encoding
+from torchtitan.datasets.mixture import MixedDataset
+from torchtitan.datasets.packing import PartitionItem, Sample
 from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 
@@ -43,9 +51,10 @@ def _collate(samples: list[Sample]) -> Batch:
     )
 
 
-class TextDataLoader:
-    """Batches of a ``ShardedTextDataset``, read in this process or in ``num_workers`` worker
-    processes; the same batches in the same order either way.
+class SequenceDataLoader:
+    """Batches of a dataset of packed sequences (a ``ShardedTextDataset``, a token store's or a
+    mixture's ``MixedDataset``), read in this process or, for text datasets, in
+    ``num_workers`` worker processes; the same batches in the same order either way.
 
     Workers each produce one part of the rank's stream (``ShardedTextDataset.iter_partition``)
     and samples are taken from them in turn; the state is that of the samples taken, so it is
@@ -62,8 +71,9 @@ class TextDataLoader:
 
     def __init__(
         self,
-        dataset: ShardedTextDataset,
+        dataset: ShardedTextDataset | MixedDataset,
         batch_size: int,
+        seq_len: int = 0,
         num_workers: int = 0,
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
@@ -71,6 +81,7 @@ class TextDataLoader:
     ) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
+        self.seq_len = seq_len
         self._num_workers = num_workers
         self._persistent_workers = persistent_workers
         self._prefetch_factor = prefetch_factor or 2
@@ -101,6 +112,14 @@ class TextDataLoader:
             position, shard, cursor, sample = item
             self.dataset.consume(position, shard, cursor)
             yield sample
+
+    def metrics(self) -> dict[str, float]:
+        """Per source of a mixture, the tokens the global batches so far took from it
+        (deterministic: no communication); nothing for one source."""
+        if not isinstance(self.dataset, MixedDataset) or len(self.dataset.sources) < 2:
+            return {}
+        samples = self.dataset.source_samples()
+        return {f"tokens/{name}": count * self.seq_len for name, count in samples.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return self.dataset.state_dict()
@@ -136,21 +155,6 @@ def _pinned(batch: Batch) -> Batch:
     return {key: tensor.pin_memory() for key, tensor in inputs.items()}, labels.pin_memory()
 
 
-def _encoding(
-    config: DatasetConfig, tokenizer: BaseTokenizer, section: str
-) -> tuple[Encoder, int | None]:
-    """(document encoder, pad id): chat samples are packed whole, padded with the tokenizer's pad
-    token, else its EOS (any id would do: padding is neither trained nor attended to)."""
-    if config.chat:
-        pad_id = next((i for i in (tokenizer.pad_id, tokenizer.eos_id) if i is not None), 0)
-        return ChatEncoder(tokenizer, section), pad_id
-
-    def encode_text(document: Any) -> EncodedDocument:
-        return EncodedDocument(tokenizer.encode(config.text_processor(document)))
-
-    return encode_text, None
-
-
 def _check_positive(section: str, **values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
@@ -172,13 +176,13 @@ def build_text_dataloader(
     num_workers: int = 0,
     section: str = "training",
     **loader_options: Any,
-) -> TextDataLoader:
+) -> SequenceDataLoader:
     """A loader over dp rank ``dp_rank``'s share of the global sequence stream.
 
     ``global_min`` (finite loaders) reduces an int with MIN over the dp group; the default is
     the identity, right for one process. ``section`` names the config section in errors.
     ``num_workers`` > 0 (infinite loaders only) must divide the data shards of a dp rank.
-    ``loader_options``: ``TextDataLoader``'s ``persistent_workers``, ``prefetch_factor``,
+    ``loader_options``: ``SequenceDataLoader``'s ``persistent_workers``, ``prefetch_factor``,
     ``pin_memory``.
     """
     _check_positive(
@@ -198,7 +202,7 @@ def build_text_dataloader(
             "batches are not pinned"
         )
     config, documents = load_documents(dataset, dataset_path, section)
-    encode, pad_id = _encoding(config, tokenizer, section)
+    encode, pad_id = encoding(config, tokenizer, section)
     text_dataset = ShardedTextDataset(
         name=dataset,
         documents=documents,
@@ -212,8 +216,12 @@ def build_text_dataloader(
         global_min=global_min,
         section=section,
     )
-    return TextDataLoader(
-        text_dataset, batch_size=local_batch_size, num_workers=num_workers, **loader_options
+    return SequenceDataLoader(
+        text_dataset,
+        batch_size=local_batch_size,
+        seq_len=seq_len,
+        num_workers=num_workers,
+        **loader_options,
     )
 
 
@@ -257,41 +265,117 @@ def build_dataloader(
     parallel_dims: ParallelDims | None,
     tokenizer: BaseTokenizer,
     split: str = "train",
-) -> TextDataLoader:
+) -> SequenceDataLoader:
     """The train loader (infinite, from ``[training]``) or the validation loader (finite, from
-    ``[validation]``): ``data`` is that section.
+    ``[validation]``; one source): ``data`` is that section.
 
     Each uses its section's ``dataloader`` options; the finite validation loader reads in the
     training process (``num_workers`` 0). Bad data or data fields raise ``ConfigError``.
     """
-    dp_rank, dp_degree, mesh = _dp_layout(parallel_dims)
-    if split == "train":
-        section, config = "training", data
-        infinite, global_min = True, None
-        if parallel_dims is not None:
-            dp_rank, dp_degree = parallel_dims.data_layout()
-    elif split == "validation":
-        section, config = "validation", data
-        infinite, global_min = False, None if mesh is None else _mesh_global_min(mesh)
-    else:
+    if split not in ("train", "validation"):
         raise ValueError(f"unknown data split {split!r}; expected 'train' or 'validation'")
+    if split == "validation":
+        loaders = build_validation_dataloaders(data, parallel_dims, tokenizer)
+        if len(loaders) != 1:
+            raise ValueError("build_dataloader: a validation mixture has one loader per source")
+        return next(iter(loaders.values()))
+    dp_rank, dp_degree = parallel_dims.data_layout() if parallel_dims is not None else (0, 1)
     try:
-        return build_text_dataloader(
-            dataset=config.dataset,
-            dataset_path=config.dataset_path,
-            tokenizer=tokenizer,
-            seq_len=config.seq_len,
-            local_batch_size=config.local_batch_size,
-            dp_rank=dp_rank,
-            dp_degree=dp_degree,
-            data_shards=config.data_shards,
-            infinite=infinite,
-            global_min=global_min,
-            section=section,
-            num_workers=config.dataloader.num_workers,
-            persistent_workers=config.dataloader.persistent_workers,
-            prefetch_factor=config.dataloader.prefetch_factor,
-            pin_memory=config.dataloader.pin_memory,
+        if uses_sources(data.dataset):
+            return _sources_dataloader(data, tokenizer, dp_rank, dp_degree)
+        return _text_dataloader(
+            data, data.dataset, data.dataset_path, tokenizer, dp_rank, dp_degree
         )
     except (ValueError, FileNotFoundError, ConnectionError) as e:
         raise ConfigError(str(e)) from None
+
+
+def build_validation_dataloaders(
+    data: ValidationConfig, parallel_dims: ParallelDims | None, tokenizer: BaseTokenizer
+) -> dict[str, SequenceDataLoader]:
+    """One finite loader per validation source (one entry without a mixture), each reading
+    the same sequences under every dp layout."""
+    dp_rank, dp_degree, mesh = _dp_layout(parallel_dims)
+    global_min = None if mesh is None else _mesh_global_min(mesh)
+    try:
+        if not uses_sources(data.dataset):
+            loader = _text_dataloader(
+                data,
+                data.dataset,
+                data.dataset_path,
+                tokenizer,
+                dp_rank,
+                dp_degree,
+                global_min=global_min,
+                training=False,
+            )
+            return {data.dataset: loader}
+        stores = validation_datasets(data, tokenizer, dp_rank, dp_degree)
+        loaders = {}
+        for config in source_configs(data):
+            name = source_name(config)
+            if name in stores:
+                loaders[name] = SequenceDataLoader(
+                    stores[name], data.local_batch_size, data.seq_len
+                )
+            else:
+                loaders[name] = _text_dataloader(
+                    data,
+                    config.dataset,
+                    config.dataset_path,
+                    tokenizer,
+                    dp_rank,
+                    dp_degree,
+                    global_min,
+                    training=False,
+                )
+        return loaders
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _text_dataloader(
+    data: TrainingConfig | ValidationConfig,
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer: BaseTokenizer,
+    dp_rank: int,
+    dp_degree: int,
+    global_min: Callable[[int], int] | None = None,
+    training: bool = True,
+) -> SequenceDataLoader:
+    """The text path: the train loader (infinite) or a validation loader (finite)."""
+    return build_text_dataloader(
+        dataset=dataset,
+        dataset_path=dataset_path,
+        tokenizer=tokenizer,
+        seq_len=data.seq_len,
+        local_batch_size=data.local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        data_shards=data.data_shards,
+        infinite=training,
+        global_min=global_min,
+        section="training" if training else "validation",
+        num_workers=data.dataloader.num_workers,
+        persistent_workers=data.dataloader.persistent_workers,
+        prefetch_factor=data.dataloader.prefetch_factor,
+        pin_memory=data.dataloader.pin_memory,
+    )
+
+
+def _sources_dataloader(
+    data: TrainingConfig, tokenizer: BaseTokenizer, dp_rank: int, dp_degree: int
+) -> SequenceDataLoader:
+    if data.dataloader.num_workers:
+        raise ConfigError(
+            "training.dataloader.num_workers: token stores and mixtures are read in the training "
+            "process (a store is a memory map; a text source is one stream); leave it at 0"
+        )
+    global_batch = (
+        data.global_batch_size if data.global_batch_size > 0 else data.local_batch_size * dp_degree
+    )
+    dataset = training_dataset(data, tokenizer, dp_rank, dp_degree, global_batch)
+    return SequenceDataLoader(
+        dataset, data.local_batch_size, data.seq_len, pin_memory=data.dataloader.pin_memory
+    )

@@ -209,10 +209,16 @@ class MetricsProcessor:
         records of earlier steps (a resumed run continues the file, a fresh one starts it
         over), as metrics.jsonl does."""
         step = record["step"]
+        sources = {
+            f"validation/{key.removeprefix('validation_')}": value
+            for key, value in record.items()
+            if key.startswith("validation_loss/")
+        }
         self._log_scalars(
             {
                 "validation/loss": record["validation_loss"],
                 "validation/perplexity": record["validation_perplexity"],
+                **sources,
             },
             step,
         )

@@ -7,6 +7,7 @@ the one it ships (``chat_template.jinja``, else ``chat_template`` in ``tokenizer
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -159,6 +160,11 @@ class HuggingFaceTokenizer(BaseTokenizer):
     def special_tokens(self) -> dict[str, str]:
         ids = {"bos_token": self._bos, "eos_token": self._eos, "pad_token": self._pad}
         return {name: self._tokenizer.id_to_token(i) for name, i in ids.items() if i is not None}
+
+    def fingerprint(self) -> str:
+        """sha256 over the whole tokenizer (vocabulary, merges, added tokens) and BOS/EOS/PAD."""
+        specials = json.dumps([self._bos, self._eos, self._pad])
+        return hashlib.sha256((self._tokenizer.to_str() + specials).encode()).hexdigest()
 
     @property
     def vocab_size(self) -> int:

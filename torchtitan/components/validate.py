@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.batch import MicroBatch, model_inputs
-from torchtitan.components.dataloader import build_dataloader
+from torchtitan.components.dataloader import build_validation_dataloaders
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.distributed import ParallelDims
 from torchtitan.layers.loss import GlobalTokenMeanLoss, LossFn, valid_tokens
@@ -49,13 +49,14 @@ class PipelineEval:
 
 
 class Validator:
-    """Runs the model parts over the validation loader; see the module docstring. Reads
-    the ``cp``, ``dp_cp`` and ``pp`` views of ``parallel_dims.world_mesh`` itself."""
+    """Runs the model parts over the validation loaders (one per source of a mixture, else
+    one); see the module docstring. Reads the ``cp``, ``dp_cp`` and ``pp`` views of
+    ``parallel_dims.world_mesh`` itself."""
 
     def __init__(
         self,
         *,
-        dataloader: Iterable[Batch],
+        dataloaders: dict[str, Iterable[Batch]],
         loss_fn: LossFn,
         train_context: Callable[[], AbstractContextManager],
         freq: int,
@@ -65,7 +66,7 @@ class Validator:
         metrics_processor: MetricsProcessor | None = None,
         reset_positions: bool = False,
     ) -> None:
-        self.dataloader = dataloader
+        self.dataloaders = dataloaders
         self.reset_positions = reset_positions
         self.loss_fn = loss_fn
         self.train_context = train_context
@@ -79,29 +80,38 @@ class Validator:
         return step % self.freq == 0
 
     def validate(self, model_parts: list[nn.Module], step: int) -> dict[str, float]:
-        """One pass over the split; returns the record logged for ``step``."""
+        """One pass over the split (over each source's); returns the record logged for
+        ``step``: the token-weighted mean loss, and with several sources each one's."""
         for part in model_parts:
             part.eval()
         try:
-            loss_sum, tokens = self._loss_sum_and_tokens(model_parts)
+            totals = {
+                name: self._loss_sum_and_tokens(model_parts, loader)
+                for name, loader in self.dataloaders.items()
+            }
         finally:
             for part in model_parts:
                 _reshard(part)
                 part.train()
+        loss_sum = sum(loss for loss, _ in totals.values())
+        tokens = sum(count for _, count in totals.values())
         loss = (loss_sum / tokens).item()
         record = {"step": step, "validation_loss": loss, "validation_perplexity": _perplexity(loss)}
+        if len(totals) > 1:
+            for name, (source_sum, source_tokens) in totals.items():
+                record[f"validation_loss/{name}"] = (source_sum / source_tokens).item()
         self._log(record, int(tokens.item()))
         return record
 
     @torch.no_grad()
     def _loss_sum_and_tokens(
-        self, model_parts: list[nn.Module]
+        self, model_parts: list[nn.Module], dataloader: Iterable[Batch]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, valid tokens), summed over the ranks that hold different data
         (``dp_cp``) and, under PP, brought from the last stage to every stage."""
         device = _buffer_device(model_parts[0])
         totals = torch.zeros(2, dtype=torch.float64, device=device)
-        for index, (input_dict, labels) in enumerate(self.dataloader):
+        for index, (input_dict, labels) in enumerate(dataloader):
             if index == self.steps:
                 break
             inputs, labels = input_dict["input"].to(device), labels.to(device)
@@ -159,9 +169,14 @@ class Validator:
             record["validation_loss"],
             record["validation_perplexity"],
         )
+        sources = "".join(
+            f"  {key.removeprefix('validation_loss/')} {value:.4f}"
+            for key, value in record.items()
+            if key.startswith("validation_loss/")
+        )
         logger.info(
             f"validation step {step}: loss {loss:.4f}  perplexity {perplexity:.4f}  "
-            f"({tokens:,} tokens)"
+            f"({tokens:,} tokens){sources}"
         )
         if self.metrics_processor is not None:
             self.metrics_processor.log_validation(record)
@@ -208,7 +223,7 @@ def build_validator(
             "build_validator: pipeline parallel needs the trainer's schedule (pipeline=...)"
         )
     return Validator(
-        dataloader=build_dataloader(validation, parallel_dims, tokenizer, split="validation"),
+        dataloaders=build_validation_dataloaders(validation, parallel_dims, tokenizer),
         loss_fn=loss_fn,
         train_context=train_context,
         freq=validation.freq,

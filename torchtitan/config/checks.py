@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torchtitan.config.errors import ConfigError
@@ -175,6 +176,8 @@ def check_job_config(config: Any) -> None:
             "the overlapped collectives)"
         )
     _check_checkpoint(config.checkpoint)
+    for section in ("training", "validation"):
+        _check_data_sources(getattr(config, section), section)
     _check_fault_tolerance(config.fault_tolerance, config.parallelism)
     _check_quantize(config.model.converters, config.quantize)
     _check_attention(config.model, config.training)
@@ -325,6 +328,54 @@ def _check_checkpoint(ckpt: Any) -> None:
         raise ConfigError(
             "checkpoint.preemption_signals: unknown signal(s) "
             f"{', '.join(map(repr, unknown))}; use names such as SIGTERM or SIGUSR1"
+        )
+
+
+_RANDOM_ACCESS = ("tokens", "mixture")
+
+
+def _check_data_sources(data: Any, section: str) -> None:
+    """A mixture and its sources, and a shuffle, which needs token stores."""
+    mixture = data.dataset_mixture
+    if (data.dataset == "mixture") != bool(mixture):
+        raise ConfigError(
+            f'{section}.dataset_mixture: a mixture is {section}.dataset = "mixture" with its '
+            f"[[{section}.dataset_mixture]] sources; set both or neither"
+        )
+    names = []
+    for index, source in enumerate(mixture):
+        field = f"{section}.dataset_mixture[{index}]"
+        if not source.weight > 0:
+            raise ConfigError(f"{field}.weight: must be > 0, got {source.weight!r}")
+        if source.max_epochs is not None and not source.max_epochs > 0:
+            raise ConfigError(
+                f"{field}.max_epochs: must be > 0 (unset = no cap), got {source.max_epochs!r}"
+            )
+        if source.dataset == "mixture":
+            raise ConfigError(f"{field}.dataset: a source cannot be a mixture itself")
+        names.append(
+            source.name
+            or (Path(source.dataset_path).name if source.dataset_path else source.dataset)
+        )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{section}.dataset_mixture: two sources are named {repeated[0]!r}; give each a "
+            "distinct name"
+        )
+    if section == "training" and data.shuffle_window < 0:
+        raise ConfigError(
+            f"training.shuffle_window: must be >= 0 (0 = a whole pass), got {data.shuffle_window}"
+        )
+    if (
+        section == "training"
+        and data.shuffle_seed is not None
+        and data.dataset not in _RANDOM_ACCESS
+    ):
+        raise ConfigError(
+            f"training.shuffle_seed: shuffling reads sequences out of order, which needs a token "
+            f"store; prepare {data.dataset!r} once (python scripts/data/prepare.py) and train with "
+            "--training.dataset tokens"
         )
 
 

@@ -184,9 +184,33 @@ class DataLoaderConfig:
 
 
 @dataclass
+class DataSourceConfig:
+    """One source of a data mixture (a ``[[training.dataset_mixture]]`` table)."""
+
+    dataset: str = "tokens"
+    """A registered dataset: tokens (a token store, by random access) or a text dataset (read
+    in full by every rank: fine for small sources)."""
+
+    dataset_path: str | None = None
+    """The store folder (tokens) or the text dataset's files."""
+
+    weight: float = 1.0
+    """Share of every global batch (normalised over the sources)."""
+
+    max_epochs: float | None = None
+    """Stop taking from this source after this many passes over it; unset = never."""
+
+    name: str | None = None
+    """Name in metrics and validation results; unset = the folder name of dataset_path, else
+    the dataset name."""
+
+
+@dataclass
 class TrainingConfig:
     dataset: str = "python_stdlib"
-    """Registered dataset; python_stdlib is embedded (needs no download)."""
+    """Registered dataset; python_stdlib is embedded (needs no download); tokens reads a token
+    store made by scripts/data/prepare.py; mixture blends the sources of
+    dataset_mixture."""
 
     dataset_path: str | None = None
     """Local path for file datasets (json, jsonl, parquet, txt) or an override."""
@@ -242,6 +266,19 @@ class TrainingConfig:
     next step instead of going back to the OS, which would fault it in and zero it again
     (benchmark preset, 1 process: ~8% more tokens/s, half the system time); the peak RSS
     is higher (+15% there). No effect on CUDA."""
+
+    dataset_mixture: list[DataSourceConfig] = field(default_factory=list)
+    """With dataset = "mixture": the sources (TOML only: [[training.dataset_mixture]] tables)
+    and their weights; every global batch takes from each source as close to its weight as
+    whole samples allow, the same under every data-parallel layout."""
+
+    shuffle_seed: int | None = None
+    """Shuffle the order of the packed sequences with this seed (token stores only: the
+    permutation needs random access); unset = data order."""
+
+    shuffle_window: int = 0
+    """Sequences shuffled among each other: consecutive blocks of this many; 0 = a whole pass
+    over each store."""
 
     cpu_low_precision: Literal["auto", "force"] = "auto"
     """Training on the CPU: "auto" computes in bfloat16 / float16 (mixed_precision_param,
@@ -685,6 +722,10 @@ class ValidationConfig:
     data_shards: int = 8
     """Data shards of the validation split (the data-parallel degree must divide it). The
     split ends where its shortest shard ends, so fewer shards keep more of it."""
+
+    dataset_mixture: list[DataSourceConfig] = field(default_factory=list)
+    """With dataset = "mixture": sources validated one by one (a loss per source, and their
+    token-weighted mean); weights and max_epochs are not used here."""
 
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """Data loader keyword arguments of the validation loader."""

@@ -3,13 +3,14 @@ HuggingFace-backed datasets, and dp-layout-independent packing/sharding.
 
 Built-in datasets: ``python_stdlib`` / ``python_stdlib_validation`` (embedded, no download),
 ``c4`` / ``c4_validation`` (needs internet), ``json``, ``jsonl``, ``parquet``, ``txt`` (local
-files at ``dataset_path``), ``sft`` / ``chat`` (chat fine-tuning samples in local jsonl).
+files at ``dataset_path``), ``sft`` / ``chat`` (chat fine-tuning samples in local jsonl),
+``tokens`` (a token store at ``dataset_path``, made by ``scripts/data/prepare.py``).
 """
 
 from functools import partial
 
 from torchtitan.datasets import hf, sft, stdlib
-from torchtitan.datasets.packing import ShardCursor, ShardedTextDataset, merge_data_states
+from torchtitan.datasets.packing import ShardCursor, ShardedTextDataset
 from torchtitan.datasets.registry import (
     DatasetConfig,
     Documents,
@@ -18,6 +19,7 @@ from torchtitan.datasets.registry import (
     register_dataset,
     registered_datasets,
 )
+from torchtitan.datasets.state import merge_data_states
 from torchtitan.datasets.stdlib import corpus_fingerprint
 
 __all__ = [
@@ -32,6 +34,10 @@ __all__ = [
     "register_dataset",
     "registered_datasets",
 ]
+
+
+def _read_as_a_store(path: str | None) -> Documents:
+    raise ValueError("the tokens dataset is a token store, read by position, not as documents")
 
 
 def _register_builtins() -> None:
@@ -50,6 +56,7 @@ def _register_builtins() -> None:
     parquet = partial(hf.load_table_files, kind="parquet")
     register_dataset("parquet", DatasetConfig("parquet", parquet, hf.row_text, True))
     register_dataset("txt", DatasetConfig("txt", hf.load_text_files, hf.row_text, True))
+    register_dataset("tokens", DatasetConfig("tokens", _read_as_a_store, uses_path=True))
     for name in ("sft", "chat"):
         register_dataset(name, DatasetConfig(name, sft.load_sft_files, uses_path=True, chat=True))
 

@@ -194,8 +194,9 @@ class ShardReader:
         self._documents.seek(self.shard, self.cursor.epoch, 0)
 
 
-def merge_data_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """Combine the data states of all dp ranks into one state that loads under any dp degree.
+def merge_shard_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """``merge_data_states`` of a text dataset: the data states of all dp ranks combined into
+    one state that loads under any dp degree.
 
     Shard cursors are united (each shard belongs to one rank); the next position is the
     smallest over the ranks, i.e. the start of the first global batch not fully consumed.
@@ -383,6 +384,12 @@ class ShardedTextDataset(IterableDataset):
                 f"{self._section}.seq_len"
             )
         return end
+
+    def windows_per_epoch(self) -> int:
+        """Whole windows one epoch of this rank's shards gives (tokenizes them once)."""
+        if self._shard_windows is None:
+            self._shard_windows = self._count_windows()
+        return sum(self._shard_windows.values())
 
     def _epoch_lengths(self) -> dict[int, list[int]]:
         """Per shard of this rank: the token counts of one epoch's documents."""

@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
+
+_PROBE_TEXT = (
+    "The quick brown fox; def f(x):\n\treturn x ** 2  # Grüße, 東京, émigré, naïve, 🙂 0123456789"
+)
 
 
 class BaseTokenizer(ABC):
@@ -47,6 +53,20 @@ class BaseTokenizer(ABC):
         """The text of the special tokens a chat template refers to (``bos_token``,
         ``eos_token``)."""
         return {}
+
+    def fingerprint(self) -> str:
+        """Identifies what this tokenizer encodes to (a token store records it and refuses a
+        run whose tokenizer differs): sha256 over the vocabulary size, the special ids and the
+        ids of a probe text of ASCII, code, accents, CJK and an emoji. Tokenizers that can
+        hash their whole vocabulary override it."""
+        identity = [
+            self.vocab_size,
+            self.bos_id,
+            self.eos_id,
+            self.pad_id,
+            self.encode(_PROBE_TEXT),
+        ]
+        return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
 
     def encode_rendered(self, text: str) -> list[int]:
         """Ids of text a chat template rendered: special-token texts in it become their ids;
