@@ -60,9 +60,11 @@ DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "benchmarks").glob("*.md")
 DEFAULT_CONFIG = "train_configs/debug_model.toml"  # run_train.sh's
 GPU_CAPABILITY = (10, 0)
 SHORTENED = {"scripts/train_tokenizer.py": ["--max_docs", "20"]}
+PREPARE = "scripts/data/prepare.py"
 SCRIPT_KINDS = {
     "scripts/estimate/estimation.py": "estimator",
     "scripts/bench/benchmark.py": "benchmark",
+    PREPARE: "prepare",
     **dict.fromkeys(SHORTENED, "shortened"),
 }
 USER_PACKAGES = ("my_models", "scripts")  # what the commands' custom imports load
@@ -258,8 +260,14 @@ def needs_gpu(config: JobConfig) -> bool:
 
 def check_trainer(check: Check, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``DRY_RUN=1 ./run_train.sh`` runs before it prints the launch command (``python -m
-    torchtitan.preflight --world-size N``), for a new user's empty dump folder."""
-    args = [*check.args, "--job.dump_folder", str(tmp_path / "outputs")]
+    torchtitan.preflight --world-size N``), for a new user's empty dump folder; a token store
+    the README prepares (``stores/...``) is the one the ``readme_stores`` fixture made."""
+    stores = STORES[0]
+    args = [
+        str(stores / a.removeprefix("stores/")) if a.startswith("stores/") else a
+        for a in check.args
+    ]
+    args = [*args, "--job.dump_folder", str(tmp_path / "outputs")]
     if needs_gpu(ConfigManager().parse_args(args)):
         monkeypatch.setattr(preflight, "default_device_type", lambda: "cuda")
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: GPU_CAPABILITY)
@@ -332,6 +340,18 @@ def _run_main(path: str) -> None:
     runpy.run_path(str(REPO_ROOT / path), run_name="__main__")
 
 
+def check_prepare(check: Check, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store of a registered dataset is made for real (seconds), into an empty folder; one of
+    the user's own files is ``--help``."""
+    args = list(check.args[1:])
+    if "--dataset" not in args:
+        return check_script(Check("script", check.args), tmp_path, monkeypatch)
+    args[args.index("--out") + 1] = str(tmp_path / "store")
+    monkeypatch.setattr(sys, "argv", [PREPARE, *args])
+    assert_exits_0(lambda: _run_main(PREPARE))
+    assert (tmp_path / "store" / "manifest.json").exists()
+
+
 def check_script(check: Check, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--help``; a script cheap enough to run shortened runs, in an empty directory."""
     path, args = check.args[0], check.args[1:]
@@ -371,6 +391,7 @@ CHECKS = {
     "benchmark": check_benchmark,
     "config": check_config,
     "estimator": check_estimator,
+    "prepare": check_prepare,
     "script": check_script,
     "shortened": check_script,
     "shell": check_shell,
@@ -413,6 +434,31 @@ def users_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[N
             del sys.modules[name]
 
 
+STORES: list[Path] = []
+"""The ``readme_stores`` folder of the running test (check_trainer reads it)."""
+
+
+@pytest.fixture(scope="module")
+def readme_stores(tmp_path_factory) -> Path:
+    """The store README's ``scripts/data/prepare.py --dataset python_stdlib`` makes, for the
+    commands that train on it (``stores/stdlib``)."""
+    root = tmp_path_factory.mktemp("stores")
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / PREPARE),
+            "--dataset",
+            "python_stdlib",
+            "--out",
+            str(root / "stdlib"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return root
+
+
 @pytest.mark.parametrize("command, check", [_param(command) for command in COMMANDS])
 def test_command_works_as_written(
     command: Command,
@@ -420,7 +466,9 @@ def test_command_works_as_written(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     users_project: None,
+    readme_stores: Path,
 ):
+    monkeypatch.setattr(sys.modules[__name__], "STORES", [readme_stores])
     for name, value in command.env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(fault_tolerance, "check_lighthouse", lambda *_: None)

@@ -38,6 +38,11 @@ BEFORE_LAUNCH = {
         "checkpoint.initial_load_path",
     ),
     "unknown converter": (["--model.converters", "nosuch"], "model.converters"),
+    "missing token store": (
+        ["--training.dataset", "tokens", "--training.dataset_path", "/no/such/store"],
+        "training.dataset_path",
+    ),
+    "shuffled text": (["--training.shuffle_seed", "3"], "training.shuffle_seed"),
     "no lighthouse": (
         ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"],
         "fault_tolerance.enable",
