@@ -155,3 +155,48 @@ def test_writes_validation_jsonl_and_tensorboard(model, tmp_path) -> None:
         ("validation/loss", 4),
         ("validation/perplexity", 4),
     ]
+
+
+register_dataset(
+    "test_validation_other_docs",
+    DatasetConfig("test_validation_other_docs", lambda path: [d.upper() for d in _documents()]),
+)
+
+
+def test_a_mixture_is_validated_per_source_and_as_their_token_weighted_mean(model, tmp_path):
+    config = _job_config(tmp_path).validation
+    single = {}
+    for dataset in ("test_validation_docs", "test_validation_other_docs"):
+        config.dataset = dataset
+        validator = _validator(tmp_path)
+        validator.dataloaders = build_validator(
+            validation=config,
+            reset_positions=False,
+            parallel_dims=single_process_dims(),
+            tokenizer=ByteTokenizer(),
+            loss_fn=cross_entropy_sum,
+            train_context=contextlib.nullcontext,
+        ).dataloaders
+        single[dataset] = _reference_loss(model, validator)
+    toml = tmp_path / "mixture.toml"
+    toml.write_text(
+        '[validation]\ndataset = "mixture"\n'
+        '[[validation.dataset_mixture]]\ndataset = "test_validation_docs"\nname = "lower"\n'
+        '[[validation.dataset_mixture]]\ndataset = "test_validation_other_docs"\nname = "upper"\n'
+    )
+    mixture = ConfigManager().parse_args(["--job.config_file", str(toml)]).validation
+    for field in ("seq_len", "local_batch_size", "data_shards"):
+        setattr(mixture, field, getattr(config, field))
+    record = build_validator(
+        validation=mixture,
+        reset_positions=False,
+        parallel_dims=single_process_dims(),
+        tokenizer=ByteTokenizer(),
+        loss_fn=cross_entropy_sum,
+        train_context=contextlib.nullcontext,
+    ).validate([model], step=2)
+    (lower, lower_tokens), (upper, upper_tokens) = single.values()
+    assert record["validation_loss/lower"] == pytest.approx(lower, rel=1e-6)
+    assert record["validation_loss/upper"] == pytest.approx(upper, rel=1e-6)
+    mean = (lower * lower_tokens + upper * upper_tokens) / (lower_tokens + upper_tokens)
+    assert record["validation_loss"] == pytest.approx(mean, rel=1e-6)
