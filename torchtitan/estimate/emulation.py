@@ -7,7 +7,7 @@
 * emulation of CUDA kernels whose saved-for-backward tensors differ from the CPU kernels'
   (the fused rms_norm saves the input and an fp32 rstd; the CPU decomposition saves fp32 copies);
 * MoE routing without values: perfectly balanced token counts, the routing the estimate
-  assumes, and the grouped_mm capability probe on real tensors.
+  assumes, and the grouped_mm capability probe on real tensors (and on the meta kernel).
 """
 
 from __future__ import annotations
@@ -150,6 +150,19 @@ def balanced_host_counts(counts: torch.Tensor, rows: int) -> list:
     return row if counts.dim() == 1 else [list(row) for _ in range(counts.shape[0])]
 
 
+def _fake_grouped_mm_accepts(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch's meta kernel for ``_grouped_mm`` takes bf16 only, while the CPU kernel also
+    runs fp32: a trace in fp32 then counts the expert loop instead, whose saved tensors are
+    the same per token."""
+    x = torch.zeros(4, 8, device=device, dtype=dtype)
+    w = torch.zeros(2, 8, 8, device=device, dtype=dtype)
+    try:
+        torch._grouped_mm(x, w, offs=torch.tensor([2, 4], device=device, dtype=torch.int32))
+    except RuntimeError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def balanced_moe_routing() -> Iterator[None]:
     """MoE layers traced on fake tensors: token counts read on the host (the expert loop's
@@ -159,9 +172,10 @@ def balanced_moe_routing() -> Iterator[None]:
 
     host_counts, probe = moe.host_counts, moe.grouped_mm_works
 
-    def probe_on_real_tensors(*args: Any) -> bool:
+    def probe_on_real_tensors(device: torch.device, dtype: torch.dtype, *shape: int) -> bool:
         with unset_fake_temporarily():
-            return probe(*args)
+            works = probe(device, dtype, *shape)
+        return works and _fake_grouped_mm_accepts(device, dtype)
 
     moe.host_counts, moe.grouped_mm_works = balanced_host_counts, probe_on_real_tensors
     try:
