@@ -1,18 +1,20 @@
 """Token stores (scripts/data/prepare.py, torchtitan/datasets/token_store.py): byte-identical
 whatever the worker count and after a kill, the same sequence stream as the text dataset they
-were made from, memory-mapped reading, and one clear line for bad input."""
+were made from, reading at random with a flat RSS, and one clear line for bad input."""
 
 from __future__ import annotations
 
 import gzip
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +22,13 @@ from tests.launcher import REPO_ROOT
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.tokenizer import ByteTokenizer
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.datasets.token_store import TokenStore
+from torchtitan.datasets.token_store import (
+    DOCUMENT_DTYPE,
+    DOCUMENTS,
+    Manifest,
+    TokenStore,
+    shard_name,
+)
 
 PREPARE = REPO_ROOT / "scripts" / "data" / "prepare.py"
 
@@ -153,10 +161,48 @@ def test_a_store_gives_the_text_datasets_sequences(stdlib_store, shards):
     assert _windows_digest(store, 12) == _windows_digest(text, 12)
 
 
-def test_a_store_is_memory_mapped(stdlib_store):
-    store = TokenStore(stdlib_store)
-    assert all(isinstance(shard, __import__("numpy").memmap) for shard in store._shards)
-    assert store.tokens(1_999_990, 2_000_010).shape == (20,)  # across a shard boundary
+def _random_store(folder: Path, shards: int, shard_tokens: int) -> TokenStore:
+    """A store of random tokens in documents of 1,000 tokens, written directly and dropped
+    from the page cache (the kernel maps more around a cold read than a cached one)."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for index in range(shards):
+        tokens = rng.integers(0, 2000, shard_tokens, dtype=np.uint16)
+        with open(folder / shard_name(index), "wb") as shard:
+            shard.write(tokens.tobytes())
+            shard.flush()
+            os.fsync(shard.fileno())  # then out of the page cache: reads come cold, as in a run
+            os.posix_fadvise(shard.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    total = shards * shard_tokens
+    np.arange(0, total, 1000, dtype=DOCUMENT_DTYPE).tofile(folder / DOCUMENTS)
+    Manifest(
+        dtype="<u2",
+        shard_tokens=shard_tokens,
+        tokenizer={"fingerprint": "random", "vocab_size": 2000, "path": ""},
+        shards=[
+            {"file": shard_name(i), "tokens": shard_tokens, "sha256": ""} for i in range(shards)
+        ],
+        documents=-(-total // 1000),
+        tokens=total,
+        sources=[],
+    ).write(folder)
+    return TokenStore(folder)
+
+
+def _rss_kib() -> int:
+    status = Path("/proc/self/status").read_text().splitlines()
+    return sum(int(line.split()[1]) for line in status if line.startswith(("RssAnon", "RssFile")))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc/self/status")
+def test_reading_a_store_at_random_keeps_rss_flat(tmp_path):
+    store = _random_store(tmp_path / "random", shards=4, shard_tokens=1 << 25)  # 256 MiB
+    starts = np.random.default_rng(1).integers(0, store.num_tokens - 2049, 16_384)
+    assert store.tokens(2 * (1 << 25) - 10, 2 * (1 << 25) + 10).shape == (20,)  # across shards
+    before = _rss_kib()
+    read = sum(store.tokens(int(start), int(start) + 2049).nbytes for start in starts)
+    growth = _rss_kib() - before
+    assert read > 64 * 2**20 and growth < 16 * 1024, f"{read:,} bytes read, RSS +{growth:,} KiB"
 
 
 def test_bad_input_is_one_line(stdlib_store, corpus, tmp_path):

@@ -1,6 +1,6 @@
 """A pre-tokenized token store: written once by ``scripts/data/prepare.py``,
-read through ``numpy.memmap`` (nothing is copied into memory; RSS stays flat however large the
-store is).
+read by positioned reads (``os.pread``) of just the tokens a sequence needs, so a rank's RSS
+stays flat however large the store is and however much of it is read.
 
 Layout of a store folder:
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,11 +96,14 @@ class TokenStore:
             raise StoreError(f"{self.folder}: no such token-store folder")
         self.manifest = Manifest.read(self.folder)
         self.dtype = np.dtype(self.manifest.dtype)
-        self._shards = [self._map_shard(entry) for entry in self.manifest.shards]
-        self._shard_starts = np.cumsum([0] + [len(s) for s in self._shards])
+        self._shard_files: list[int] = []
+        weakref.finalize(self, _close_all, self._shard_files)  # also those opened before an error
+        self._shard_files.extend(self._open_shard(entry) for entry in self.manifest.shards)
+        self._shard_tokens = [entry["tokens"] for entry in self.manifest.shards]
+        self._shard_starts = np.cumsum([0] + self._shard_tokens)
         self.starts = self._map_documents()
 
-    def _map_shard(self, entry: dict[str, Any]) -> np.ndarray:
+    def _open_shard(self, entry: dict[str, Any]) -> int:
         path = self.folder / entry["file"]
         expected = entry["tokens"] * self.dtype.itemsize
         size = path.stat().st_size if path.is_file() else None
@@ -108,9 +113,7 @@ class TokenStore:
                 f"{path}: {found}, the manifest says {expected:,} bytes (truncated or "
                 "replaced); prepare the store again"
             )
-        if entry["tokens"] == 0:
-            return np.zeros(0, dtype=self.dtype)
-        return np.memmap(path, dtype=self.dtype, mode="r")
+        return os.open(path, os.O_RDONLY)
 
     def _map_documents(self) -> np.ndarray:
         path = self.folder / DOCUMENTS
@@ -139,32 +142,43 @@ class TokenStore:
             self.starts[np.minimum(following, self.num_documents - 1)].astype(np.int64),
             self.num_tokens,
         )
-        _release(self.starts, 0, len(self.starts))
+        _release(self.starts)
         return starts, ends
 
     def tokens(self, start: int, end: int) -> np.ndarray:
-        """A copy of global tokens ``[start, end)``. The pages read are unmapped again at
-        once (``MADV_DONTNEED``; they stay in the kernel's page cache), so reading a store of
-        any size keeps the process's RSS flat: the kernel would otherwise keep whole large
-        folios mapped, about 1 MiB per random read."""
+        """Global tokens ``[start, end)``, read with ``os.pread``: the bytes pass through the
+        kernel's page cache and nothing stays mapped in the process. (A memory map kept RSS
+        growing by about twice the bytes read even with ``MADV_DONTNEED`` after each read:
+        the kernel maps neighbouring pages on each fault, which the advice does not cover.)"""
         first = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
         pieces = []
         while start < end:
             offset = start - int(self._shard_starts[first])
-            take = min(end - start, len(self._shards[first]) - offset)
-            pieces.append(np.array(self._shards[first][offset : offset + take]))
-            _release(self._shards[first], offset, take)
+            take = min(end - start, self._shard_tokens[first] - offset)
+            pieces.append(self._read(first, offset, take))
             start, first = start + take, first + 1
         if len(pieces) == 1:
             return pieces[0]
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=self.dtype)
 
+    def _read(self, shard: int, offset: int, count: int) -> np.ndarray:
+        size = count * self.dtype.itemsize
+        data = os.pread(self._shard_files[shard], size, offset * self.dtype.itemsize)
+        if len(data) != size:
+            raise StoreError(
+                f"{self.folder / self.manifest.shards[shard]['file']}: shorter than its "
+                "manifest says (truncated while in use); prepare the store again"
+            )
+        return np.frombuffer(bytearray(data), dtype=self.dtype)
 
-def _release(shard: np.ndarray, offset: int, count: int) -> None:
-    """Unmap the whole pages holding ``shard[offset : offset + count]``."""
-    mapping = getattr(shard, "_mmap", None)
-    if mapping is None:
-        return
-    first = offset * shard.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
-    end = -(-(offset + count) * shard.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
-    mapping.madvise(mmap.MADV_DONTNEED, first, min(end, len(mapping)) - first)
+
+def _release(mapped: np.ndarray) -> None:
+    """Unmap every page of ``mapped`` the process touched (they stay in the page cache)."""
+    mapping = getattr(mapped, "_mmap", None)
+    if mapping is not None:
+        mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def _close_all(descriptors: list[int]) -> None:
+    for descriptor in descriptors:
+        os.close(descriptor)
