@@ -42,6 +42,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fault_tolerance import ReplicaGroups
 from torchtitan.distributed.pipeline import BuiltPipeline
 from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.layers.init import clean_fqn
 from torchtitan.layers.loss import GlobalTokenMeanLoss, valid_tokens
 from torchtitan.layers.moe import moe_layers
 from torchtitan.protocols import ModelConvertersContainer, TrainSpec
@@ -203,6 +204,7 @@ def build_meta_model(
     set_moe_aux_loss_scale(model, accum)
     loss_fn = build_loss_fn(spec, job_config.compile)
     settings = parallelize_settings(job_config)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     pipeline = None
     if parallel_dims.pp_enabled:
         pipeline = spec.pipelining_fn(
@@ -217,9 +219,19 @@ def build_meta_model(
         parts = pipeline.model_parts
     else:
         parts = [spec.parallelize_fn(model, parallel_dims, **settings)]
+    keep_frozen(parts, frozen)
     return MetaModel(
         spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token
     )
+
+
+def keep_frozen(parts: list[nn.Module], frozen: set[str]) -> None:
+    """Freeze again the parameters (by FQN) that were frozen before parallelisation: some
+    of torch's tensor-parallel styles (SequenceParallel) rebuild parameters trainable."""
+    for part in parts:
+        for name, param in part.named_parameters():
+            if clean_fqn(name) in frozen:
+                param.requires_grad_(False)
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

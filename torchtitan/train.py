@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.lora import LORA
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.validate import PipelineEval, Validator
 from torchtitan.config import ConfigManager, JobConfig, save_config_file
@@ -171,6 +172,7 @@ class Trainer:
             states={"train_state": self},
             parallel_dims=parallel_dims,
             state_dict_adapter=spec.hf_adapter(model_args, job_config.model.hf_assets_path),
+            lora=job_config.lora if LORA in job_config.model.converters else None,
         )
         self.replicas = self._build_replica_groups()
         self.validator = self._build_validator(spec)

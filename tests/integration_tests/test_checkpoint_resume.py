@@ -259,6 +259,35 @@ def test_seed_checkpoint_gives_every_layout_the_same_start(straight, seed_folder
     assert not math.isclose(unseeded, losses["1proc"], rel_tol=1e-3), "the seed was not loaded"
 
 
+LORA = ["--model.converters", "lora", "--lora.target_modules", "attention,mlp", "--lora.rank", "4"]
+
+
+def tensor_elements(folder: Path) -> int:
+    """Elements of the model and optimizer tensors of a DCP checkpoint."""
+    entries = read_dcp_metadata(folder).state_dict_metadata.items()
+    return sum(math.prod(v.size) for k, v in entries if hasattr(v, "size") and "rng." not in k)
+
+
+def test_lora_adapters_only_checkpoint_resumes_exactly(straight, seed_folder, tmp_path):
+    """FSDP 2 LoRA on the seed as frozen base: the step-10 checkpoint holds adapters and
+    their optimizer state only; the resume loads the base, then the adapters, and steps
+    11-20 are bitwise those of the uninterrupted run."""
+    base = ["--checkpoint.initial_load_path", str(seed_folder / "checkpoint" / "step-0")]
+    straight_lora, _ = run("fsdp2", tmp_path / "straight", CKPT + LORA + base)
+    unseeded = straight("1proc")[1][0]["loss"]  # the same init, no base loaded: B = 0 at step 1
+    assert not math.isclose(straight_lora[0]["loss"], unseeded, rel_tol=1e-3), "base not loaded"
+    stop_after_step_10("fsdp2", tmp_path / "resumed", LORA + base)
+    step10 = tmp_path / "resumed" / "checkpoint" / f"step-{RESUME_AT}"
+    keys = [k for k in read_dcp_metadata(step10).state_dict_metadata if not k.startswith("rng.")]
+    assert keys and all(k.endswith(("lora_a", "lora_b")) or ".lora_" in k for k in keys), keys
+    assert any(k.startswith("optimizer.state.") for k in keys)
+    full = tensor_elements(straight("1proc")[0] / "checkpoint" / f"step-{RESUME_AT}")
+    assert tensor_elements(step10) < full / 10, (tensor_elements(step10), full)
+    resumed, out = run("fsdp2", tmp_path / "resumed", CKPT + LORA + base)
+    assert out.index("step-0 (step 0; model)") < out.index(f"step-{RESUME_AT} (step {RESUME_AT};")
+    assert_bitwise_equal_after_10(straight_lora, resumed)
+
+
 # ------------------------------------------------------------------ automatic restart
 ATTEMPT_MARK = " steps (starting at step "  # the trainer logs it once per attempt
 

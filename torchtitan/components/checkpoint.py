@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from torchtitan.components.hf_checkpoint import HFCheckpointError, load_hf_weights, save_hf_weights
+from torchtitan.components.peft_adapters import load_peft_adapter, save_peft_adapter
 from torchtitan.components.safe_loading import (
     MANIFEST_FILE,
     LoadError,
@@ -52,10 +54,11 @@ from torchtitan.components.safe_loading import (
 from torchtitan.config import ConfigError
 from torchtitan.datasets.state import merge_data_states
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
+from torchtitan.layers.lora import is_lora_param
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
-    from torchtitan.config import CheckpointConfig
+    from torchtitan.config import CheckpointConfig, LoRAConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols import StateDictAdapter
 
@@ -234,6 +237,7 @@ class _LoadChoice:
     model_only: bool = False
     error: str | None = None
     hf: bool = False  # a folder of Hugging Face safetensors
+    base: bool = False  # the configured initial weights (not a checkpoint of this run)
 
 
 @dataclass
@@ -249,7 +253,10 @@ class CheckpointManager:
 
     ``states`` holds extra Stateful objects whose state_dict() is plain JSON data (the
     trainer's ``{"step": N}``). ``state_dict_adapter``: the model's Hugging Face mapping, for
-    ``initial_load_in_hf`` and ``last_save_in_hf`` (None: the model has none). Coordination
+    ``initial_load_in_hf`` and ``last_save_in_hf`` (None: the model has none). ``lora``: the
+    run trains LoRA adapters on a frozen base (None: it does not); base weights then load
+    without adapters, and with ``lora.save_adapters_only`` checkpoints hold the adapters
+    and the run state only, the base loading first at every start. Coordination
     uses a dedicated gloo group, so that async saves never interleave with training
     collectives; the data-loader state is gathered over ``parallel_dims.world_mesh["dp"]``.
     """
@@ -266,8 +273,11 @@ class CheckpointManager:
         states: dict[str, Any],
         parallel_dims: ParallelDims,
         state_dict_adapter: StateDictAdapter | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         self.config = checkpoint
+        self.lora = lora
+        self.adapters_only = lora is not None and lora.save_adapters_only
         self.state_dict_adapter = state_dict_adapter
         self.enable = self.config.enable
         self.dataloader = dataloader
@@ -383,7 +393,8 @@ class CheckpointManager:
         self._pending = _PendingSave(staging, upload, finish)
 
     def _tensor_state(self, model_only: bool, dtype: str | None) -> dict[str, Any]:
-        tensors: dict[str, Any] = self._model_state_dict()
+        keys = "adapters" if self.adapters_only else "all"
+        tensors: dict[str, Any] = self._model_state_dict(keys)
         if dtype is not None:
             tensors = {k: v.to(TORCH_DTYPES[dtype]) for k, v in tensors.items()}
         if model_only:
@@ -392,11 +403,15 @@ class CheckpointManager:
         tensors["rng"] = {f"rank{self.rank}": self._rng_state()}
         return tensors
 
-    def _model_state_dict(self) -> dict[str, Any]:
+    def _model_state_dict(self, keys: str) -> dict[str, Any]:
+        """The model's state dict: ``all`` entries, only the LoRA ``adapters`` or only the
+        ``base`` (everything but the adapters)."""
         merged: dict[str, Any] = {}
         for part in self.model_parts:
             merged.update(get_model_state_dict(part))
-        return merged
+        if keys == "all":
+            return merged
+        return {k: v for k, v in merged.items() if is_lora_param(k) == (keys == "adapters")}
 
     @staticmethod
     def _rng_state() -> dict[str, torch.Tensor]:
@@ -417,6 +432,7 @@ class CheckpointManager:
             "dtype": dtype,
             "world_size": self.world_size,
             "dp_degree": self.parallel_dims.dp_degree,
+            "adapters_only": self.adapters_only,
             "rng": [] if model_only else sorted(tensors["rng"][f"rank{self.rank}"]),
             "states": {},
         }
@@ -482,24 +498,66 @@ class CheckpointManager:
     # ------------------------------------------------------------------ loading
     def load(self, step: int = -1) -> bool:
         """Restore the state from ``step`` (-1: the newest complete checkpoint, preferring
-        full ones over model-only exports, else checkpoint.initial_load_path); return whether
-        anything was loaded."""
+        full ones over model-only exports, else checkpoint.initial_load_path), then, unless
+        a checkpoint of this run was resumed, the adapters of lora.peft_adapter_path; return
+        whether anything was loaded."""
         if not self.enable:
             return False
-        choice = self._choose(step) if self.rank == 0 else None
-        objects = [choice]
-        dist.broadcast_object_list(objects, src=0, group=self._group)
-        choice = objects[0]
-        if choice.error:
-            raise ConfigError(choice.error)
+        choice = self._decided(lambda: self._choose(step))
         if choice.path is None:
             logger.info(f"no checkpoint in {self.root}; starting from scratch")
-            return False
+        else:
+            if choice.manifest and choice.manifest.get("adapters_only"):
+                self._load_base()
+            self._load_choice(choice)
+        resumed = choice.path is not None and not choice.base
+        if self.lora is not None and self.lora.peft_adapter_path and not resumed:
+            field = "lora.peft_adapter_path"
+            load_peft_adapter(
+                self.model_parts, self.lora.peft_adapter_path, self._adapter(field), self.lora
+            )
+            return True
+        return choice.path is not None
+
+    def _decided(self, choose: Callable[[], _LoadChoice]) -> _LoadChoice:
+        """Rank 0's choice on every rank; its error raised on every rank."""
+        objects = [choose() if self.rank == 0 else None]
+        dist.broadcast_object_list(objects, src=0, group=self._group)
+        if objects[0].error:
+            raise ConfigError(objects[0].error)
+        return objects[0]
+
+    def _load_choice(self, choice: _LoadChoice) -> None:
         if choice.hf:
             self._load_hf(Path(choice.path))
+            return
+        keys = "all"
+        if choice.manifest and choice.manifest.get("adapters_only"):
+            keys = "adapters"
+        elif choice.base and self.lora is not None:
+            keys = "base"
+        self._load(Path(choice.path), choice.manifest, choice.model_only, keys)
+
+    def _load_base(self) -> None:
+        """Before an adapters-only checkpoint: the frozen base from the initial weights."""
+        choice = self._decided(self._choose_base)
+        if choice.path is None:
+            logger.info(
+                "lora: no checkpoint.initial_load_path; the frozen base is this run's seeded "
+                "initialisation"
+            )
+            return
+        self._load_choice(choice)
+
+    def _choose_base(self) -> _LoadChoice:
+        if self.config.initial_load_in_hf:
+            choice = self._choose_hf()
+        elif self.config.initial_load_path:
+            choice = self._choose_initial(Path(self.config.initial_load_path))
         else:
-            self._load(Path(choice.path), choice.manifest, choice.model_only)
-        return True
+            return _LoadChoice()
+        choice.base = True
+        return choice
 
     def _adapter(self, field: str) -> StateDictAdapter:
         if self.state_dict_adapter is None:
@@ -514,6 +572,9 @@ class CheckpointManager:
             raise ConfigError(str(e)) from None
 
     def _save_hf(self, step: int) -> None:
+        if self.lora is not None:
+            adapter = self._adapter("checkpoint.last_save_in_hf")
+            save_peft_adapter(self.model_parts, self.root / f"step-{step}-peft", adapter, self.lora)
         folder = self.root / f"step-{step}-hf"
         dtype = TORCH_DTYPES[self.config.export_dtype]
         try:
@@ -562,11 +623,7 @@ class CheckpointManager:
                 model_only_choice = _LoadChoice(str(folders[candidate]), manifest, True)
         if model_only_choice is not None:
             return model_only_choice
-        if self.config.initial_load_in_hf:
-            return self._choose_hf()
-        if self.config.initial_load_path:
-            return self._choose_initial(Path(self.config.initial_load_path))
-        return _LoadChoice()
+        return self._choose_base()
 
     def _choose_explicit(self, step: int, folders: dict[int, Path]) -> _LoadChoice:
         if step not in folders:
@@ -623,7 +680,9 @@ class CheckpointManager:
             )
         return _LoadChoice(str(path), manifest, model_only)
 
-    def _load(self, path: Path, manifest: dict[str, Any] | None, model_only: bool) -> None:
+    def _load(
+        self, path: Path, manifest: dict[str, Any] | None, model_only: bool, keys: str
+    ) -> None:
         start = time.perf_counter()
         wanted = (
             {"model"} if model_only else set(_BUILTIN_STATES) | set(self.states)
@@ -631,7 +690,7 @@ class CheckpointManager:
         rng_kinds = self._rng_kinds(manifest) if "rng" in wanted else []
         tensors: dict[str, Any] = {}
         if "model" in wanted:
-            tensors.update(self._model_state_dict())
+            tensors.update(self._model_state_dict(keys))
         if "optimizer" in wanted:
             tensors["optimizer"] = self.optimizers.state_dict()
         if rng_kinds:
@@ -639,7 +698,7 @@ class CheckpointManager:
             tensors["rng"] = {f"rank{self.rank}": {k: current[k] for k in rng_kinds}}
         if tensors:
             self._dcp_load(tensors, path)
-        self._apply_tensors(tensors)
+        self._apply_tensors(tensors, strict=keys == "all")
         loaded = [name for name in ("model", "optimizer") if name in wanted]
         loaded += ["rng"] if rng_kinds else []
         loaded += self._apply_json_states(manifest["states"] if manifest else {}, wanted, manifest)
@@ -674,10 +733,10 @@ class CheckpointManager:
             return []
         return [kind for kind in manifest["rng"] if kind in self._rng_state()]
 
-    def _apply_tensors(self, tensors: dict[str, Any]) -> None:
+    def _apply_tensors(self, tensors: dict[str, Any], strict: bool) -> None:
         model_keys = {k: v for k, v in tensors.items() if k not in ("optimizer", "rng")}
         if model_keys:
-            options = StateDictOptions(strict=len(self.model_parts) == 1)
+            options = StateDictOptions(strict=strict and len(self.model_parts) == 1)
             for part in self.model_parts:
                 set_model_state_dict(part, model_keys, options=options)
         if "optimizer" in tensors:

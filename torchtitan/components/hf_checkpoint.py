@@ -33,6 +33,7 @@ from torchtitan.components.safe_loading import (
 )
 from torchtitan.config.errors import UserInputError
 from torchtitan.layers.init import clean_fqn
+from torchtitan.layers.lora import has_lora, is_lora_param, merged_weight
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.logging import logger
 
@@ -50,7 +51,8 @@ def _model_tensors(model_parts: list[nn.Module]) -> tuple[dict[str, torch.Tensor
     buffers: set[str] = set()
     for part in model_parts:
         for name, param in part.named_parameters():
-            tensors[clean_fqn(name)] = param
+            if not is_lora_param(name):  # adapters: merged on export, never in a base
+                tensors[clean_fqn(name)] = param
         for prefix, module in part.named_modules():
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer is None or name in module._non_persistent_buffers_set:
@@ -171,10 +173,10 @@ def _load_hf_folder(
                 f"{field}: {_describe(hf_keys)} is {value.dtype} for {fqn}, "
                 f"the model has {tensor.dtype}"
             )
-        _copy_full_into(tensor, value)
+        copy_full_into(tensor, value)
 
 
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     if isinstance(param, DTensor):
         local = distribute_tensor(
             full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None
@@ -182,6 +184,20 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.to_local().copy_(local)
     else:
         param.copy_(full)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _adapted_linears(model_parts: list[nn.Module]) -> dict[str, nn.Module]:
+    """Linears with LoRA adapters, by the FQN of their base weight."""
+    return {
+        f"{clean_fqn(prefix)}.weight": module
+        for part in model_parts
+        for prefix, module in part.named_modules()
+        if has_lora(module)
+    }
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -202,9 +218,9 @@ def save_hf_weights(
     parallel_dims: Any,
     field: str = "checkpoint.last_save_in_hf",
 ) -> None:
-    """Write consolidated Hugging Face safetensors + config.json into ``folder``; a model
-    with no Hugging Face equivalent raises HFCheckpointError on every rank before any
-    collective."""
+    """Write consolidated Hugging Face safetensors + config.json into ``folder`` (LoRA
+    adapters merged into their base weights); a model with no Hugging Face equivalent
+    raises HFCheckpointError on every rank before any collective."""
     folder = Path(folder)
     try:
         config = adapter.hf_config()  # on every rank, before any collective
@@ -215,8 +231,12 @@ def save_hf_weights(
     world = dist.get_world_size() if dist.is_initialized() else 1
     tensors = {}
     model_tensors, buffers = _model_tensors(model_parts)
+    adapted = _adapted_linears(model_parts)
     for fqn, tensor in model_tensors.items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = _full(tensor)
+        if fqn in adapted:
+            a, b = _full(adapted[fqn].lora_a), _full(adapted[fqn].lora_b)
+            full = merged_weight(full, a, b, adapted[fqn].lora_scaling)
         if writer:
             dtype = (
                 tensor.dtype if fqn in buffers or not tensor.is_floating_point() else export_dtype

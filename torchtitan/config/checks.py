@@ -62,6 +62,9 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("validation.freq", lambda v: v >= 1, "must be >= 1"),
     ("validation.data_shards", lambda v: v >= 1, "must be >= 1"),
     ("validation.steps", lambda v: v == -1 or v >= 1, "must be -1 (whole split) or >= 1"),
+    ("lora.rank", lambda v: v >= 1, "must be >= 1"),
+    ("lora.alpha", lambda v: v > 0, "must be > 0"),
+    ("lora.dropout", lambda v: 0 <= v < 1, "must be in [0, 1)"),
     ("comm.init_timeout_seconds", lambda v: v >= 1, "must be >= 1"),
     ("comm.train_timeout_seconds", lambda v: v >= 1, "must be >= 1"),
     ("memory_estimation.world_size", lambda v: v is None or v >= 1, "must be >= 1"),
@@ -175,7 +178,7 @@ def check_job_config(config: Any) -> None:
             "parallelism.enable_async_tensor_parallel: needs compile.enable (inductor fuses "
             "the overlapped collectives)"
         )
-    _check_checkpoint(config.checkpoint)
+    _check_checkpoint(config.checkpoint, config.lora)
     for section in ("training", "validation"):
         _check_data_sources(getattr(config, section), section)
     _check_fault_tolerance(config.fault_tolerance, config.parallelism)
@@ -309,7 +312,7 @@ def check_ac_config(mode: str, selective_option: str) -> str | None:
 _CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")
 
 
-def _check_checkpoint(ckpt: Any) -> None:
+def _check_checkpoint(ckpt: Any, lora: Any) -> None:
     unknown = [n for n in ckpt.exclude_from_loading if n not in _CHECKPOINT_STATES]
     if unknown:
         raise ConfigError(
@@ -319,6 +322,8 @@ def _check_checkpoint(ckpt: Any) -> None:
     for name in ("initial_load_in_hf", "last_save_in_hf", "initial_load_path"):
         if getattr(ckpt, name) and not ckpt.enable:
             raise ConfigError(f"checkpoint.{name}: needs checkpoint.enable")
+    if lora.peft_adapter_path and not ckpt.enable:
+        raise ConfigError("lora.peft_adapter_path: needs checkpoint.enable")
     unknown = [
         n
         for n in ckpt.preemption_signals

@@ -588,6 +588,33 @@ class QuantizeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (converter ``lora``): the base model is frozen, only adapters train."""
+
+    rank: int = 8
+    """Rank r of each adapter (lora_a is [r, in], lora_b is [out, r])."""
+
+    alpha: float = 16.0
+    """The adapter's output is scaled by alpha / rank (PEFT's lora_alpha)."""
+
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training (PEFT's lora_dropout)."""
+
+    target_modules: list[str] = field(default_factory=lambda: ["attention"])
+    """Linears that get adapters (comma-separated): presets attention (q/k/v/o), mlp (the
+    dense feed-forward) and output, or FQN globs (layers.*.attention.wq) or last names (wq)."""
+
+    save_adapters_only: bool = True
+    """Checkpoints hold the adapters, their optimizer state and the run state, not the
+    frozen base, which loads from checkpoint.initial_load_path at every start."""
+
+    peft_adapter_path: str | None = None
+    """A Hugging Face PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to
+    start the adapters from (a checkpoint of this run wins). With checkpoint.last_save_in_hf
+    the run also writes its adapters as a PEFT folder, step-N-peft."""
+
+
+@dataclass
 class CommConfig:
     init_timeout_seconds: int = 300
     """Collective timeout during initialisation and the first step."""
@@ -793,6 +820,8 @@ class JobConfig:
     """torch.compile."""
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     """Low-precision training."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapter fine-tuning (with model.converters = ["lora"])."""
     comm: CommConfig = field(default_factory=CommConfig)
     """Communication timeouts and tracing."""
     memory_estimation: MemoryEstimationConfig = field(default_factory=MemoryEstimationConfig)

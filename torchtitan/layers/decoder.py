@@ -170,9 +170,19 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, MoE):
                 module.reset_buffers()
+        own_rules = self._module_init_fns()
         for name, param in self.named_parameters():
             fqn = clean_fqn(name)
-            init_param_(param, fqn, seed, self._init_fn(fqn))
+            init_param_(param, fqn, seed, own_rules.get(fqn) or self._init_fn(fqn))
+
+    def _module_init_fns(self) -> dict[str, InitFn]:
+        """Init rules that modules carry for parameters added to them after construction
+        (``param_init_fns``: local name -> InitFn; e.g. LoRA adapters), by FQN."""
+        rules: dict[str, InitFn] = {}
+        for prefix, module in self.named_modules():
+            for name, fn in getattr(module, "param_init_fns", {}).items():
+                rules[clean_fqn(f"{prefix}.{name}" if prefix else name)] = fn
+        return rules
 
     def _init_fn(self, fqn: str) -> InitFn:
         output_init = trunc_normal_init(self.model_args.dim**-0.5, cutoff_stds=3.0)

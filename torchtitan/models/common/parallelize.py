@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.components.lora import with_lora_styles
 from torchtitan.components.quantization import float8_tensorwise_tp, with_float8_styles
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac, keeps_attention_output
@@ -121,10 +122,11 @@ def apply_tp(
 ) -> None:
     """Megatron-style TP with sequence parallel: activations between blocks are sharded on
     the sequence dim; each block by ``block_plan``; tied embeddings tied again.
-    ``float8_styles``: Float8Linear targets take torchao's float8 styles."""
+    ``float8_styles``: Float8Linear targets take torchao's float8 styles; linears with LoRA
+    adapters take adapter-aware styles."""
 
     def styled(module: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-        return with_float8_styles(module, plan) if float8_styles else plan
+        return with_lora_styles(module, with_float8_styles(module, plan) if float8_styles else plan)
 
     present = {
         k: v for k, v in root_tp_plan(loss_parallel).items() if getattr(model, k, None) is not None
