@@ -1,7 +1,8 @@
 """LoRA fine-tuning trains like one process on every layout: per-step loss and grad norm
 (1e-4) with adapters on attention, the dense MLP and the output layer (so column-wise,
-row-wise and loss-parallel adapter placements all run), under FSDP 2, TP 2, FSDP 2 x TP 2,
-PP 2 and CP 2, and with expert parallel on the DeepSeek-V3 MoE."""
+row-wise and loss-parallel adapter placements all run), under FSDP 2 (with full activation
+checkpointing), TP 2, FSDP 2 x TP 2, PP 2 and CP 2, and with expert parallel on the
+DeepSeek-V3 MoE."""
 
 import pytest
 
@@ -23,7 +24,7 @@ TP = "--parallelism.tensor_parallel_degree"
 
 # name: (processes, data-parallel degree, overrides)
 CASES = {
-    "fsdp2": (2, 2, []),
+    "fsdp2_ac": (2, 2, ["--activation_checkpoint.mode", "full"]),
     "tp2": (2, 1, [TP, "2"]),
     "fsdp2_tp2": (4, 2, [TP, "2"]),
     "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2"]),

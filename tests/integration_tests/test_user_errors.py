@@ -43,6 +43,11 @@ BEFORE_LAUNCH = {
         "training.dataset_path",
     ),
     "shuffled text": (["--training.shuffle_seed", "3"], "training.shuffle_seed"),
+    "lora rank": (["--model.converters", "lora", "--lora.rank", "0"], "lora.rank"),
+    "lora targets": (
+        ["--model.converters", "lora", "--lora.target_modules", "wz"],
+        "lora.target_modules",
+    ),
     "no lighthouse": (
         ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"],
         "fault_tolerance.enable",

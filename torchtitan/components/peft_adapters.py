@@ -1,6 +1,6 @@
 """LoRA adapters in and out in Hugging Face PEFT's folder format (``adapter_config.json`` +
-``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` loads onto the
-transformers model.
+``adapter_model.safetensors``), which PEFT's ``PeftModel`` loads onto the transformers
+model. The adapter tensors are read through ``safe_loading`` (safetensors only).
 
 PEFT names an adapter after the Hugging Face module it adapts
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), so the names come from

@@ -32,12 +32,16 @@ def resolve_world_size(job_config: JobConfig) -> int:
 
 
 def converters_gap(job_config: JobConfig) -> str | None:
-    if job_config.model.converters:
-        return (
-            f"model.converters={job_config.model.converters}: low-precision training "
-            "(float8 / MX weights and all-gather buffers)"
-        )
-    return None
+    converters = job_config.model.converters
+    if not converters:
+        return None
+    kinds = {
+        "LoRA adapters on a frozen base"
+        if name == "lora"
+        else "low-precision training (float8 / MX weights and all-gather buffers)"
+        for name in converters
+    }
+    return f"model.converters={converters}: {' and '.join(sorted(kinds))}"
 
 
 def coverage_gap(job_config: JobConfig, parallel_dims: ParallelDims) -> str | None:
