@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch._dynamo import list_backends
 
 from torchtitan.components.checkpoint import check_checkpoint_inputs
@@ -21,6 +22,7 @@ from torchtitan.components.data_sources import (
     source_configs,
     uses_sources,
 )
+from torchtitan.components.lora import LORA, select_targets
 from torchtitan.components.quantization import check_quantization
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
@@ -55,8 +57,18 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
         job_config.model, job_config.quantize, parallel_dims, model_args, device_type
     )
     _check_hf_export(job_config, spec, model_args)
+    _check_lora_targets(job_config, spec, model_args)
     _check_run(job_config, parallel_dims, world_size, device_type)
     return parallel_dims
+
+
+def _check_lora_targets(job_config: JobConfig, spec: TrainSpec, model_args: BaseModelArgs) -> None:
+    """``lora.target_modules`` selects linears of this model (on the meta device: no memory)."""
+    if LORA not in job_config.model.converters:
+        return
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    select_targets(model, job_config.lora.target_modules)
 
 
 def _check_layout(
