@@ -189,6 +189,7 @@ DCP_ENTRY_POINTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_rank_env")
 @pytest.mark.parametrize("entry", DCP_ENTRY_POINTS)
 @pytest.mark.parametrize("case", DCP_CASES)
@@ -218,6 +219,7 @@ def convert_from_hf(folder: Path, tmp_path: Path) -> int:
 HF_ENTRY_POINTS = {"initial_load_in_hf": initial_load_in_hf, "convert_from_hf": convert_from_hf}
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_rank_env")
 @pytest.mark.parametrize("entry", HF_ENTRY_POINTS)
 @pytest.mark.parametrize("case", HF_CASES)

@@ -56,6 +56,8 @@ from torchtitan.estimate.cli import main as estimate_main
 from torchtitan.models import BUILTIN_MODELS
 from torchtitan.protocols import get_train_spec, train_spec
 
+pytestmark = pytest.mark.slow  # each command costs a config load or a dry run: seconds
+
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "benchmarks").glob("*.md"))]
 DEFAULT_CONFIG = "train_configs/debug_model.toml"  # run_train.sh's
 GPU_CAPABILITY = (10, 0)

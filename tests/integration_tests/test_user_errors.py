@@ -122,6 +122,7 @@ def _error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", BEFORE_LAUNCH)
 def test_bad_input_is_the_only_output_line(runs, case):
     result, field = runs[case], BEFORE_LAUNCH[case][1]
@@ -130,6 +131,7 @@ def test_bad_input_is_the_only_output_line(runs, case):
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}"), result.stdout
 
 
+@pytest.mark.multiprocess
 def test_error_on_one_rank_is_printed_once_without_tracebacks(runs):
     """Rank 1 (whose output run_train.sh filters) finds bad input; rank 0 then fails in its
     next collective: one line, exit 2, no traceback and no torchrun log or report."""
@@ -183,6 +185,7 @@ def test_every_cli_choice_error_names_the_flag_and_valid_values(monkeypatch):
 
 
 # ------------------------------------------------------------------------ launching
+@pytest.mark.multiprocess
 def test_slurm_node_runs_torchrun_on_the_named_rendezvous(runs):
     result = runs["slurm"]
     assert result.returncode == 0, result.stdout
@@ -199,6 +202,7 @@ def test_slurm_node_runs_torchrun_on_the_named_rendezvous(runs):
     assert "--standalone" not in command and "'-m' 'torchtitan.train'" in command, command
 
 
+@pytest.mark.multiprocess
 def test_one_node_uses_a_standalone_rendezvous(runs):
     result = runs["one node"]
     assert result.returncode == 0, result.stdout
@@ -237,6 +241,7 @@ def test_several_nodes_need_the_rendezvous_address():
     )
 
 
+@pytest.mark.multiprocess
 def test_run_train_sh_leaves_warnings_to_the_trainer(tmp_path):
     """The one-process check before launch prints warnings (here: a deprecated alias) only on a
     dry run; otherwise the trainer prints them (a stand-in launcher here), so they show once."""

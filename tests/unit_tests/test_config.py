@@ -211,6 +211,7 @@ def _run_cli(*args, module: str = "torchtitan.config"):
     )
 
 
+@pytest.mark.slow
 def test_cli_prints_merged_config_and_exit_codes():
     ok = _run_cli("--job.config_file", DEBUG_TOML, "--training.steps", "7")
     assert ok.returncode == 0 and "steps = 7" in ok.stdout

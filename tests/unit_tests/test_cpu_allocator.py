@@ -42,6 +42,7 @@ def faults_of_the_second_tensor(mode: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
     pages = SECOND_BYTES // os.sysconf("SC_PAGE_SIZE")
     kept, default = faults_of_the_second_tensor("keep"), faults_of_the_second_tensor("default")

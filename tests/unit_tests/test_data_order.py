@@ -273,6 +273,7 @@ def _finite_run(dp: int) -> list[torch.Tensor]:
     return [_assemble([results[rank][step] for rank in range(dp)]) for step in range(steps.pop())]
 
 
+@pytest.mark.slow
 def test_finite_loader_is_layout_independent_and_restartable():
     one = _finite_run(1)
     assert (
@@ -285,6 +286,7 @@ def test_finite_loader_is_layout_independent_and_restartable():
     assert same_batches(first, one) and same_batches(second, one)
 
 
+@pytest.mark.slow
 def test_finite_loader_resumes_mid_iteration():
     loader = rank_loaders(1, **FINITE)[0]
     full = [_windows(b) for b in loader]

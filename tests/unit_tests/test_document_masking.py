@@ -128,6 +128,7 @@ def test_reference_check_fails_when_the_mask_is_off_by_one_token():
     assert not torch.allclose(packed, alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_flex_kernel_matches_the_block_kernel_without_grad():
     """The compiled FlexAttention kernel (inference on CPU) and the block kernel agree."""
     model = _tiny_model("block_causal").float()
@@ -193,6 +194,7 @@ def test_model_inputs_carry_document_ids_and_per_document_positions():
     assert "positions" not in plain
 
 
+@pytest.mark.multiprocess
 def test_block_causal_with_sdpa_stops_run_train_with_one_line():
     result = run_command(
         ["./run_train.sh", "--model.attn_mask_type", "block_causal", "--training.steps", "1"],

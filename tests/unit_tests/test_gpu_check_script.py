@@ -11,6 +11,7 @@ import torch
 from tests.launcher import REPO_ROOT
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_gpu_check_fails_fast_without_a_cuda_device(tmp_path):
     result = subprocess.run(

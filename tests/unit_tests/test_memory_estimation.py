@@ -32,6 +32,7 @@ def _config(*overrides: str):
     return ConfigManager().parse_args(TINY + list(overrides))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("world_size", "overrides"),
@@ -86,6 +87,7 @@ def _pp(schedule: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 @pytest.mark.parametrize(
@@ -118,6 +120,7 @@ def test_analytic_matches_trace(target, world_size, overrides, rtol):
     assert abs(error) < rtol, error
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "ac", [["full"], ["selective", "--activation_checkpoint.selective_ac_option", "2"]]
@@ -167,6 +170,7 @@ def _analytic_error(config, world_size: int, target: str) -> float:
     return closed_form / traced - 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config_file", ["qwen3_moe_debug.toml", "deepseek_v3_debug.toml"])
 def test_analytic_matches_trace_of_moe_models(config_file):
@@ -184,6 +188,7 @@ def test_analytic_matches_trace_of_moe_models(config_file):
     assert abs(error) < 0.03, error
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cuda_target_keeps_what_the_fused_rms_norm_keeps():
     """Per token, CUDA's fused rms_norm keeps its bf16 output and an fp32 rstd; the CPU
@@ -200,6 +205,7 @@ def test_cuda_target_keeps_what_the_fused_rms_norm_keeps():
     assert kept["cpu"] == tokens * (4 * dim + 4 * dim + 2 * dim + 4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_llama3_8b_fsdp8_matches_h200_reference():
     """69.55 GiB was measured on an H200 (max_memory_allocated) for this configuration
@@ -349,6 +355,7 @@ def test_fake_routing_counts_are_balanced():
         assert host_counts(torch.zeros(2, 4, dtype=torch.int64), 10) == [[3, 3, 2, 2]] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_pipeline_trace_reports_every_pipeline_rank(capsys):
     """PP 2 (1F1B): each pipeline rank is traced (the second in a fresh process); the

@@ -101,6 +101,7 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_PROJECT", "tt-test")
 
 
+@pytest.mark.slow
 def test_offline_run_holds_the_tensorboard_scalars_and_the_config(offline, tmp_path):
     processor = _processor(tmp_path, owns_loss=True)
     tensorboard = []

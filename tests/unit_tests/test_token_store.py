@@ -74,6 +74,7 @@ def stdlib_store(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_store_is_the_same_whatever_the_worker_count(corpus, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     for out, workers in ((one, "1"), (two, "2")):
@@ -100,6 +101,7 @@ def test_the_store_is_the_same_whatever_the_worker_count(corpus, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_a_killed_prepare_finishes_to_the_same_store(stdlib_store, tmp_path):
     out = tmp_path / "killed"
     args = [
@@ -152,6 +154,7 @@ def _windows_digest(loader, batches: int) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shards", ["1", "8"])
 def test_a_store_gives_the_text_datasets_sequences(stdlib_store, shards):
     text = _loader([], shards)
@@ -194,6 +197,7 @@ def _rss_kib() -> int:
     return sum(int(line.split()[1]) for line in status if line.startswith(("RssAnon", "RssFile")))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc/self/status")
 def test_reading_a_store_at_random_keeps_rss_flat(tmp_path):
     store = _random_store(tmp_path / "random", shards=4, shard_tokens=1 << 25)  # 256 MiB
@@ -205,6 +209,7 @@ def test_reading_a_store_at_random_keeps_rss_flat(tmp_path):
     assert read > 64 * 2**20 and growth < 16 * 1024, f"{read:,} bytes read, RSS +{growth:,} KiB"
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line(stdlib_store, corpus, tmp_path):
     def error(result: subprocess.CompletedProcess) -> str:
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr

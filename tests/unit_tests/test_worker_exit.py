@@ -37,6 +37,7 @@ def run_worker(body: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "body, status, stderr",
     [
@@ -54,6 +55,7 @@ def test_exit_status_as_sys_exit_would_give_it_without_finalization(body, status
     assert result.stderr == stderr
 
 
+@pytest.mark.slow
 def test_an_uncaught_exception_keeps_its_traceback():
     result = run_worker("raise ValueError('broken')")
     assert result.returncode == 1
