@@ -66,8 +66,10 @@ def prepare_throughput(root: Path, workers: int) -> tuple[float, int, str]:
     return manifest.tokens / seconds, manifest.tokens, digest.hexdigest()[:16]
 
 
-def loader_throughput(dataset_args: list[str], batches: int) -> float:
-    config = ConfigManager().parse_args(
+def loader_config(dataset_args: list[str]):
+    """The job config of one rank's loader: ``dataset_args`` with the benchmark's tokenizer,
+    sequence length, batch and data shards."""
+    return ConfigManager().parse_args(
         [
             *dataset_args,
             "--model.tokenizer_path",
@@ -80,6 +82,10 @@ def loader_throughput(dataset_args: list[str], batches: int) -> float:
             "8",
         ]
     )
+
+
+def loader_throughput(dataset_args: list[str], batches: int) -> float:
+    config = loader_config(dataset_args)
     loader = iter(build_dataloader(config.training, None, _tokenizer()))
     next(loader)  # first batch: opening files, first documents
     start = time.perf_counter()
@@ -124,23 +130,9 @@ def memory_kib() -> dict[str, int]:
 
 def read_large_store(folder: Path, batches: int) -> tuple[list[tuple[int, dict[str, int]]], float]:
     """RSS samples while reading ``batches`` shuffled batches, and the tokens/s of the read."""
-    config = ConfigManager().parse_args(
-        [
-            "--training.dataset",
-            "tokens",
-            "--training.dataset_path",
-            str(folder),
-            "--model.tokenizer_path",
-            str(TOKENIZER),
-            "--training.seq_len",
-            str(SEQ_LEN),
-            "--training.local_batch_size",
-            str(BATCH),
-            "--training.data_shards",
-            "8",
-            "--training.shuffle_seed",
-            "1",
-        ]
+    config = loader_config(
+        ["--training.dataset", "tokens", "--training.dataset_path", str(folder)]
+        + ["--training.shuffle_seed", "1"]
     )
     loader = iter(build_dataloader(config.training, None, _tokenizer()))
     samples, start = [], time.perf_counter()

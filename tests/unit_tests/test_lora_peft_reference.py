@@ -15,15 +15,16 @@ peft = pytest.importorskip("peft")
 
 from tests.unit_tests import test_llama3_hf_reference as llama_ref  # noqa: E402
 from tests.unit_tests import test_qwen3_hf_reference as qwen_ref  # noqa: E402
+from torchtitan.components.hf_checkpoint import load_hf_weights, save_hf_weights  # noqa: E402
 from torchtitan.components.lora import LoRAConverter  # noqa: E402
 from torchtitan.components.peft_adapters import (  # noqa: E402
     ADAPTER_CONFIG,
-    adapted_linears,
     load_peft_adapter,
     peft_tensors,
     save_peft_adapter,
 )
 from torchtitan.config import ConfigError, LoRAConfig  # noqa: E402
+from torchtitan.layers.lora import adapted_linears  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
 from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
     Llama3StateDictAdapter,
@@ -148,6 +149,24 @@ def test_exported_adapter_loads_in_peft_with_our_logits(pair, tmp_path):
     with torch.no_grad():
         error = (ours(batch) - loaded(batch).logits).abs().max().item()
     assert error < TOLERANCE
+
+
+def test_merged_hf_export_computes_the_adapted_model(pair, tmp_path):
+    family, ours, _, adapter = pair
+    save_hf_weights([ours], tmp_path, adapter, torch.float32, None)
+    _, args, _, model_cls = hf_base(family)
+    with torch.device("meta"):
+        plain = model_cls(args)
+    plain.to_empty(device="cpu")
+    plain.init_weights(seed=1)  # the RoPE table; every weight comes from the export
+    load_hf_weights([plain], tmp_path, adapter)
+    batch = tokens()
+    with torch.no_grad():
+        error = (ours(batch) - plain.eval()(batch)).abs().max().item()
+        with pair[2].disable_adapter():  # PEFT's base model alone
+            unmerged = (ours(batch) - pair[2](batch).logits).abs().max().item()
+    assert error < 1e-4  # W + s B A summed once in fp32: other rounding than the two paths
+    assert unmerged > 100 * error  # the adapters matter: an export without them would fail
 
 
 def test_planted_scaling_error_fails_the_comparison(pair):

@@ -33,7 +33,7 @@ from torchtitan.components.safe_loading import (
 )
 from torchtitan.config.errors import UserInputError
 from torchtitan.layers.init import clean_fqn
-from torchtitan.layers.lora import has_lora, is_lora_param, merged_weight
+from torchtitan.layers.lora import adapted_linears, is_lora_param, merged_weight
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.logging import logger
 
@@ -190,16 +190,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _adapted_linears(model_parts: list[nn.Module]) -> dict[str, nn.Module]:
-    """Linears with LoRA adapters, by the FQN of their base weight."""
-    return {
-        f"{clean_fqn(prefix)}.weight": module
-        for part in model_parts
-        for prefix, module in part.named_modules()
-        if has_lora(module)
-    }
-
-
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous tensor that owns its whole storage (safetensors refuses
     tensors sharing memory, e.g. the per-expert views of one fused parameter)."""
@@ -231,7 +221,7 @@ def save_hf_weights(
     world = dist.get_world_size() if dist.is_initialized() else 1
     tensors = {}
     model_tensors, buffers = _model_tensors(model_parts)
-    adapted = _adapted_linears(model_parts)
+    adapted = {f"{fqn}.weight": m for fqn, m in adapted_linears(model_parts).items()}
     for fqn, tensor in model_tensors.items():
         full = _full(tensor)
         if fqn in adapted:

@@ -24,8 +24,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.hf_checkpoint import copy_full_into
 from torchtitan.components.safe_loading import LoadError, open_safetensors
 from torchtitan.config.errors import ConfigError
-from torchtitan.layers.init import clean_fqn
-from torchtitan.layers.lora import has_lora
+from torchtitan.layers.lora import adapted_linears
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
@@ -36,16 +35,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 FIELD = "lora.peft_adapter_path"
-
-
-def adapted_linears(model_parts: list[nn.Module]) -> dict[str, nn.Module]:
-    """This rank's linears with adapters, by FQN."""
-    return {
-        clean_fqn(prefix): module
-        for part in model_parts
-        for prefix, module in part.named_modules()
-        if has_lora(module)
-    }
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

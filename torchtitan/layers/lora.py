@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.layers.init import InitFn
+from torchtitan.layers.init import InitFn, clean_fqn
 
 LORA_PARAMS = ("lora_a", "lora_b")
 
@@ -78,3 +78,13 @@ def has_lora(module: nn.Module) -> bool:
 
 def is_lora_param(fqn: str) -> bool:
     return fqn.rsplit(".", 1)[-1] in LORA_PARAMS
+
+
+def adapted_linears(model_parts: list[nn.Module]) -> dict[str, nn.Module]:
+    """The linears with adapters in ``model_parts``, by their unwrapped FQN."""
+    return {
+        clean_fqn(prefix): module
+        for part in model_parts
+        for prefix, module in part.named_modules()
+        if has_lora(module)
+    }
