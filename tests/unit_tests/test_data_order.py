@@ -4,6 +4,7 @@ Ranks are simulated in one process: one loader per (dp_rank, dp_degree). A globa
 assembled in position order (rank r's i-th sequence of a step is position r + dp * i of it).
 """
 
+import multiprocessing
 import random
 import threading
 from collections import Counter
@@ -169,6 +170,9 @@ def test_worker_processes_keep_the_order_and_the_exact_state(reference, options)
     resumed = rank_loaders(1, num_workers=2)
     resumed[0].load_state_dict(merged)
     assert same_batches(global_batches(resumed, 3), reference[3:6])
+    for loader in [*loaders, *resumed]:
+        loader.close()
+    assert not multiprocessing.active_children()  # close() stopped every worker
 
 
 class _Streamed:
@@ -186,7 +190,9 @@ register_dataset(
 def test_worker_processes_over_a_streamed_dataset():
     streamed = dict(dataset="test_streamed_docs", seq_len=32)
     expected = global_batches(rank_loaders(1, **streamed), 4)
-    assert same_batches(global_batches(rank_loaders(1, num_workers=2, **streamed), 4), expected)
+    loaders = rank_loaders(1, num_workers=2, **streamed)
+    assert same_batches(global_batches(loaders, 4), expected)
+    loaders[0].close()
 
 
 def test_unmerged_state_of_another_layout_is_refused():

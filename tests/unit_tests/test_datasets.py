@@ -92,6 +92,27 @@ def test_stdlib_corpus_excludes_tests_and_splits_disjointly():
     assert "argparse.py" in everything
 
 
+def test_stdlib_walk_prunes_exactly_what_the_definition_excludes(tmp_path, monkeypatch):
+    """The pruning walk lists what a full ``rglob("*.py")`` filtered by the rules lists (on a
+    made-up tree: walking the real one cold costs minutes on a slow disk)."""
+    for relative in [
+        "a.py", "b.txt", "test_a.py", "pkg/x.py", "pkg/tests/y.py", "pkg/sub/z.py",
+        "site-packages/big/m.py", "test/t.py", "idlelib/idle_test/i.py", "dir.py/inner.py",
+    ]:  # fmt: skip
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text("x = 1\n")
+    (tmp_path / "linked.py").symlink_to(tmp_path / "a.py")
+    monkeypatch.setattr(stdlib, "stdlib_root", lambda: tmp_path)
+    stdlib._all_files.cache_clear()
+    try:
+        listed = stdlib._all_files()
+    finally:
+        stdlib._all_files.cache_clear()
+    every_py = (p.relative_to(tmp_path) for p in tmp_path.rglob("*.py") if p.is_file())
+    assert list(listed) == sorted(r.as_posix() for r in every_py if stdlib._is_corpus_file(r))
+    assert listed == ("a.py", "dir.py/inner.py", "linked.py", "pkg/sub/z.py", "pkg/x.py")
+
+
 def test_stdlib_documents_and_fingerprint(caplog):
     stdlib._log_corpus.cache_clear()
     with caplog.at_level(logging.INFO, logger="torchtitan"):

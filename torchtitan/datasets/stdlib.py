@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,9 +41,19 @@ def _is_corpus_file(relative: Path) -> bool:
 
 @functools.cache
 def _all_files() -> tuple[str, ...]:
+    """The corpus files, sorted. Excluded directories are pruned while walking: the stdlib
+    folder of a pyenv or system Python often holds a site-packages ten times its size."""
     root = stdlib_root()
-    relative = (p.relative_to(root) for p in root.rglob("*.py") if p.is_file())
-    return tuple(sorted(r.as_posix() for r in relative if _is_corpus_file(r)))
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _TEST_DIRS and d not in _INSTALL_DIRS]
+        for name in files:
+            path = Path(folder, name)
+            if name.endswith(".py") and path.is_file():
+                relative = path.relative_to(root)
+                if _is_corpus_file(relative):
+                    found.append(relative.as_posix())
+    return tuple(sorted(found))
 
 
 def _check_split(split: str) -> None:
