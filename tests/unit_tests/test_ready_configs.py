@@ -25,6 +25,7 @@ CONFIG_DIR = REPO_ROOT / "train_configs"
 READY = sorted(p for p in CONFIG_DIR.glob("*.toml") if "debug" not in p.name)
 EXPECTED = {
     "llama3_8b",
+    "llama3_8b_lora",
     "llama3_70b",
     "llama3_405b",
     "qwen3_8b",
@@ -59,8 +60,10 @@ def test_ready_config_fits_the_gpus_it_states(path: Path):
     assert me.world_size is not None and me.device_memory_gib is not None, (
         f"{path.name}: state [memory_estimation] world_size and device_memory_gib"
     )
-    stated = re.search(r"(\d+) GPUs of (\d+) GB", _header(path))
-    assert stated is not None, f"{path.name}: the header must say 'N GPUs of M GB'"
+    stated = re.search(r"(\d+) GPUs? of (\d+) GB", _header(path))
+    assert stated is not None, (
+        f"{path.name}: the header must say 'N GPUs of M GB' (or '1 GPU of M GB')"
+    )
     assert (int(stated[1]), float(stated[2])) == (me.world_size, me.device_memory_gib)
     fit = analytic_fit(config)
     assert fit.parallel_dims.world_size == me.world_size

@@ -41,7 +41,8 @@ PRESETS = {
 }
 
 
-def _matches(pattern: str, fqn: str) -> bool:
+def matches_target(pattern: str, fqn: str) -> bool:
+    """Whether ``pattern`` (a preset, an FQN glob or a last name) selects ``fqn``."""
     if pattern in PRESETS:
         return PRESETS[pattern].fullmatch(fqn) is not None
     return fnmatch.fnmatchcase(fqn, pattern) or fqn.rsplit(".", 1)[-1] == pattern
@@ -52,7 +53,9 @@ def select_targets(model: nn.Module, patterns: list[str]) -> dict[str, nn.Linear
     ``lora.target_modules`` for a pattern that selects nothing or selects MoE experts."""
     targets: dict[str, nn.Linear] = {}
     for pattern in patterns:
-        hits = [(fqn, m) for fqn, m in model.named_modules() if fqn and _matches(pattern, fqn)]
+        hits = [
+            (fqn, m) for fqn, m in model.named_modules() if fqn and matches_target(pattern, fqn)
+        ]
         if any(isinstance(m, GroupedExperts) for _, m in hits):
             raise ConfigError(
                 f"lora.target_modules: {pattern!r} selects MoE routed experts, which take no "

@@ -12,9 +12,12 @@ the layers' backward or the optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from torchtitan.components.lora import LORA, matches_target
+from torchtitan.config import ConfigError
 from torchtitan.distributed.activation_checkpoint import keeps_attention_output
 
 GiB = 2**30
@@ -163,6 +166,21 @@ class Run:
     cp_rotate: str = "allgather"  # ParallelDims.cp_rotate_method
     cp_headtail: bool = True  # ParallelDims.cp_load_balancer == "headtail"
     ac_keeps_attention: bool = False  # distributed.activation_checkpoint.keeps_attention_output
+    lora: LoRA | None = None  # adapters on a frozen base (converter lora)
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """Rank-``rank`` adapters on the linears named in ``adapted`` (leaf names, the same in
+    every block, and "output") of a frozen base: only adapters get gradients and optimizer
+    states, a frozen linear keeps no input for backward, an adapter keeps its [tokens, rank]
+    middle (dropout 0). Dense decoders only (no MoE, no latent attention)."""
+
+    rank: int
+    adapted: frozenset[str]
+
+    def keeps_input(self, names: tuple[str, ...]) -> bool:
+        return bool(self.adapted.intersection(names))
 
 
 @dataclass
@@ -181,11 +199,52 @@ def _attention_shapes(g: Geometry) -> list[Shape]:
     rowwise cols, rep is replicated."""
     if g.mla is not None:
         return _latent_attention_shapes(g, g.mla)
-    q, kv = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
-    shapes = [(q, g.dim, "col"), (kv, g.dim, "col"), (kv, g.dim, "col"), (g.dim, q, "row")]
+    linears = _dense_linears(g)
+    shapes = [linears[name] for name in ("wq", "wk", "wv", "wo")]
     if g.qk_norm:
         shapes += [(g.head_dim, 1, "rep"), (g.head_dim, 1, "rep")]
     return shapes
+
+
+def _dense_linears(g: Geometry) -> dict[str, Shape]:
+    """The linears of a block with grouped-query attention and a dense SwiGLU, by leaf name."""
+    q, kv = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
+    return {
+        "wq": (q, g.dim, "col"),
+        "wk": (kv, g.dim, "col"),
+        "wv": (kv, g.dim, "col"),
+        "wo": (g.dim, q, "row"),
+        "w1": (g.ffn_dim, g.dim, "col"),
+        "w3": (g.ffn_dim, g.dim, "col"),
+        "w2": (g.dim, g.ffn_dim, "row"),
+    }
+
+
+def _adapter_shapes(shape: Shape, rank: int) -> list[Shape]:
+    """lora_a [rank, in] and lora_b [out, rank] as tensor parallel places them: for a
+    rowwise base A is sharded like its input and B replicated, otherwise A is replicated and
+    B sharded like its output."""
+    rows, cols, style = shape
+    if style == "row":
+        return [(rank, cols, "row"), (rows, rank, "rep")]
+    return [(rank, cols, "rep"), (rows, rank, style)]
+
+
+def _block_adapter_shapes(g: Geometry, lora: LoRA | None) -> list[Shape]:
+    if lora is None:
+        return []
+    linears = _dense_linears(g)
+    return [
+        s
+        for n in sorted(lora.adapted & linears.keys())
+        for s in _adapter_shapes(linears[n], lora.rank)
+    ]
+
+
+def _root_adapter_shapes(g: Geometry, lora: LoRA | None, last: bool) -> list[Shape]:
+    if lora is None or not last or "output" not in lora.adapted:
+        return []
+    return _adapter_shapes((g.vocab_size, g.dim, "col"), lora.rank)
 
 
 def _latent_attention_shapes(g: Geometry, mla: LatentAttention) -> list[Shape]:
@@ -211,7 +270,8 @@ def _ffn_shapes(g: Geometry, moe: bool) -> list[Shape]:
     """A dense SwiGLU, or a router, the routed experts (``exp``: split over expert parallel,
     their hidden size over expert tensor parallel) and the shared experts."""
     if not moe:
-        return [(g.ffn_dim, g.dim, "col"), (g.ffn_dim, g.dim, "col"), (g.dim, g.ffn_dim, "row")]
+        linears = _dense_linears(g)
+        return [linears[name] for name in ("w1", "w3", "w2")]
     e = g.experts
     routed = e.num_experts * e.hidden_dim
     shapes = [(e.num_experts, g.dim, "rep")] + [(routed, g.dim, "exp")] * 3
@@ -327,14 +387,16 @@ def _projection_kept_per_token(g: Geometry, lay: Layout, target: str, a: int) ->
     return 0.0
 
 
-def _ffn_kept_per_token(g: Geometry, lay: Layout, a: int, moe: bool) -> float:
-    """A dense SwiGLU keeps w1, w3, silu and their product. A MoE layer keeps the router's
+def _ffn_kept_per_token(g: Geometry, lay: Layout, a: int, moe: bool, lora: LoRA | None) -> float:
+    """A dense SwiGLU keeps w1, w3, silu and their product (saved by w2: not by a frozen
+    w2 without an adapter). A MoE layer keeps the router's
     fp32 input copy, scores and routing weights, three int64 index vectors (gather,
     dispatch, combine) and, per routed token (top_k per token; balanced routing), the
     dispatched input, the SwiGLU's four hidden tensors and the fp32 expert output that its
     routing weight scales; plus the shared experts' SwiGLU."""
     if not moe:
-        return 4 * a * g.ffn_dim / lay.tp
+        product = lora is None or lora.keeps_input(("w2",))
+        return (3 + product) * a * g.ffn_dim / lay.tp
     e = g.experts
     router = 4 * (g.dim + e.num_experts + e.top_k) + 3 * 8 * e.top_k
     routed = e.top_k * (a * (g.dim + 4 * e.hidden_dim / lay.etp) + 4 * g.dim)
@@ -355,12 +417,21 @@ def _layer_activation_bytes(g: Geometry, lay: Layout, run: Run, a: int, tokens: 
     t = lay.tp
     sp = t  # sequence parallel shards the residual stream when TP is on
     moe_share = g.moe_layers / g.n_layers
-    ffn = (1 - moe_share) * _ffn_kept_per_token(g, lay, a, False) + moe_share * (
-        _ffn_kept_per_token(g, lay, a, True) if g.experts else 0
+    lora = run.lora
+    ffn = (1 - moe_share) * _ffn_kept_per_token(g, lay, a, False, lora) + moe_share * (
+        _ffn_kept_per_token(g, lay, a, True, lora) if g.experts else 0
     )
+    # the norm outputs (all-gathered under SP), saved by the projections that take them
+    norm_outputs = (
+        2
+        if lora is None
+        else (lora.keeps_input(("wq", "wk", "wv")) + lora.keeps_input(("w1", "w3")))
+    )
+    adapters = 0 if lora is None else len(lora.adapted - {"output"})
     per_token = (
         2 * _norm_kept_bytes(a, g.dim, run.target) / sp  # attention_norm, ffn_norm
-        + 2 * a * g.dim  # norm outputs (all-gathered under SP) saved by the projections
+        + norm_outputs * a * g.dim
+        + adapters * a * (lora.rank if lora else 0)  # each adapter's [tokens, rank] middle
         + _attention_kept_per_token(g, lay, run, a)
         + _projection_kept_per_token(g, lay, run.target, a)
         + 4 * g.n_heads / t  # logsumexp
@@ -383,12 +454,16 @@ class _Stage:
     """Per-rank byte counts of one pipeline stage."""
 
     weights: float  # sharded fp32 parameters (full ones without FSDP)
+    grads: float  # sharded fp32 gradients (of the trainable parameters)
     opt: float  # Adam states
     u_layer: float  # one block's gathered low-precision parameters
     u_root: float  # embedding/norm/output gathered (or autocast copies without FSDP)
     root_local: float  # TP-local numel of the root parameters on this stage
     layer_local: float  # TP-local numel of one block
     layer_sharded: float  # its FSDP shard
+    trained_layer_local: float  # one block's trainable numel (all of it without LoRA)
+    trained_layer_sharded: float
+    trained_stage_local: float  # the stage's trainable numel, TP-local
     layers: int
     tokens: float  # per micro-batch on this rank
     a_in: float  # one block's input (all that full AC keeps)
@@ -406,12 +481,32 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
     layer_local, layer_sharded, largest_layer = _mean_block_numel(g, lay)
     root_local, root_sharded = _local_numel(_root_shapes(g, first, last), lay)
     params_sharded = layers * layer_sharded + root_sharded
+    trained = (layer_local, layer_sharded, layers * layer_local + root_local, params_sharded)
+    if run.lora is not None:
+        adapter_local, adapter_sharded = _local_numel(_block_adapter_shapes(g, run.lora), lay)
+        out_local, out_sharded = _local_numel(_root_adapter_shapes(g, run.lora, last), lay)
+        layer_local, largest_layer = layer_local + adapter_local, largest_layer + adapter_local
+        root_local += out_local
+        params_sharded += layers * adapter_sharded + out_sharded
+        trained = (
+            adapter_local,
+            adapter_sharded,
+            layers * adapter_local + out_local,
+            layers * adapter_sharded + out_sharded,
+        )
+    base_layer_local = layer_local - (trained[0] if run.lora is not None else 0)
+    frozen_copies = 0.0  # per block: low-precision copies of frozen weights kept for backward
     if lay.fsdp:
         u_layer, u_root = a * largest_layer, a * root_local
-    else:  # autocast keeps low-precision copies of the matmul weights for backward
-        u_layer, u_root = 0, (layers * layer_local + root_local) * a if a < 4 else 0
+    elif a == 4:
+        u_layer, u_root = 0, 0
+    elif run.lora is None:  # autocast caches low-precision copies of the weights for the step
+        u_layer, u_root = 0, (layers * layer_local + root_local) * a
+    else:  # it caches only trainable weights; a frozen linear's backward keeps its own copy
+        u_layer, u_root = 0, a * trained[2] + (a * g.vocab_size * g.dim / lay.tp if last else 0)
+        frozen_copies = a * base_layer_local
     a_in = a * tokens * g.dim / lay.tp
-    a_layer = _layer_activation_bytes(g, lay, run, a, tokens)
+    a_layer = _layer_activation_bytes(g, lay, run, a, tokens) + frozen_copies
     kept, recompute = a_layer, 0.0
     # the attention output and its fp32 log-sum-exp, kept by a recomputed block (not rebuilt)
     attention_kept = (
@@ -429,12 +524,16 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         )
     return _Stage(
         4 * params_sharded,
-        8 * params_sharded,
+        4 * trained[3],
+        8 * trained[3],
         u_layer,
         u_root,
         root_local,
         layer_local,
         layer_sharded,
+        trained[0],
+        trained[1],
+        trained[2],
         layers,
         tokens,
         a_in,
@@ -460,7 +559,7 @@ def _mean_block_numel(g: Geometry, lay: Layout) -> tuple[float, float, int]:
 def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> AnalyticEstimate:
     st = _stage_sizes(g, lay, run, first, last)
     a = run.param_bytes
-    grads = st.weights
+    grads = st.grads
     micro = max(1, run.local_batch // run.pp_microbatch)
     in_flight = 1
     if lay.pp > 1:  # 1F1B: pp - stage warm-up forwards
@@ -477,7 +576,11 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
         vocab_local = g.vocab_size / lay.tp if run.loss_parallel else g.vocab_size
         loss_k = 3 if (lay.tp > 1 and run.loss_parallel) else 2  # fp32 gradient buffers
         log_probs = 4 * st.tokens * vocab_local
-        final_norm = st.tokens * (_norm_kept_bytes(a, g.dim, run.target) / lay.tp + a * g.dim)
+        # the final norm's output is kept by a trained output layer; an adapter keeps its middle
+        output_kept = a * g.dim
+        if run.lora is not None:
+            output_kept = (a * (g.dim + run.lora.rank)) if "output" in run.lora.adapted else 0
+        final_norm = st.tokens * (_norm_kept_bytes(a, g.dim, run.target) / lay.tp + output_kept)
         accum_grads = grads if run.grad_accum > 1 else 0
         if lay.pp > 1:  # later micro-batches: the stage's gradients and gathered parameters exist,
             # and every in-flight micro-batch keeps its logits (torch's stage) and log-probabilities
@@ -519,7 +622,7 @@ def _pipeline_held(
     (non-last stages). Returns (gathered parameters, gradients, receive buffers)."""
     stage_local = st.layers * st.layer_local + st.root_local
     a = run.param_bytes
-    params, grads = (a * stage_local, 4 * stage_local) if lay.fsdp else (0.0, st.weights)
+    params, grads = (a * stage_local, 4 * st.trained_stage_local) if lay.fsdp else (0.0, st.grads)
     boundary = (a if lay.fsdp else 4) * st.a_in / a  # a micro-batch's block output
     micro = max(1, run.local_batch // run.pp_microbatch)
     buffers = micro * boundary * ((not first) + (not last))
@@ -540,7 +643,7 @@ def _pipeline_backward(
     activations, the stage's held gradients, gathered parameters and buffers, the block's
     recomputation under AC and its gradient temporaries."""
     a = run.param_bytes
-    temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim) + (a + 4) * st.layer_local
+    temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim) + (a + 4) * st.trained_layer_local
     return (
         base + sum(_pipeline_held(st, lay, run, first, last)) + activations + st.recompute + temps
     )
@@ -553,10 +656,10 @@ def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -
     gradients and fp32 reduce-scatter input. Linear in the block index, so the maximum is
     at the first or the last block."""
     mlp_temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim)
-    temps = max(mlp_temps, st.ring_backward) + (a + 4) * st.layer_local
+    temps = max(mlp_temps, st.ring_backward) + (a + 4) * st.trained_layer_local
     current = base + 2 * st.u_layer + st.kept + st.recompute + temps
     top_block = current + (st.layers - 1) * st.kept
-    bottom_block = current + (st.layers - 1) * 4 * st.layer_sharded
+    bottom_block = current + (st.layers - 1) * 4 * st.trained_layer_sharded
     return max(top_block, bottom_block)
 
 
@@ -593,4 +696,42 @@ def from_job_config(
         cp_headtail=parallel_dims.cp_load_balancer == "headtail",
         ac_keeps_attention=keeps_attention_output(ac, parallel_dims.ring_cp),
     )
-    return Geometry.from_model_args(model_args), layout, run
+    geometry = Geometry.from_model_args(model_args)
+    if geometry is not None and LORA in job_config.model.converters:
+        run = dataclasses.replace(run, lora=lora_from_config(job_config, geometry))
+    return geometry, layout, run
+
+
+_BLOCK_MODULE = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention"}
+
+
+def lora_from_config(job_config, g: Geometry) -> LoRA:
+    """The linears that ``lora.target_modules`` adapts, matched as the converter matches them
+    against this geometry's FQNs; ConfigError where the closed form cannot follow."""
+    if g.experts is not None or g.mla is not None:
+        raise ConfigError(
+            f"model.converters=['lora'] on {job_config.model.name!r}: the closed form covers "
+            "LoRA on dense decoders only; use --memory_estimation.mode estimate"
+        )
+    patterns = job_config.lora.target_modules
+
+    def adapted_in(layer: int) -> frozenset[str]:
+        return frozenset(
+            name
+            for name in _dense_linears(g)
+            if any(
+                matches_target(
+                    p, f"layers.{layer}.{_BLOCK_MODULE.get(name, 'feed_forward')}.{name}"
+                )
+                for p in patterns
+            )
+        )
+
+    per_block = {adapted_in(layer) for layer in range(g.n_layers)}
+    if len(per_block) > 1:
+        raise ConfigError(
+            "lora.target_modules: adapts different linears in different blocks, which the "
+            "closed form does not model; use --memory_estimation.mode estimate"
+        )
+    output = {"output"} if any(matches_target(p, "output") for p in patterns) else set()
+    return LoRA(job_config.lora.rank, per_block.pop() | output)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -218,6 +218,25 @@ class EstimationMemTracker(_EstimationTrackerMixin, MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._init_estimation_state()
+
+    def _track_module_params_and_buffers(
+        self, module: nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        """torch's version hooks every parameter's gradient, which a frozen parameter (a
+        LoRA base) refuses: here only trainable parameters get the hooks."""
+        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if not install_grad_hooks:
+            return sizes
+        for param in module.parameters():
+            if param.requires_grad and param not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(self._track_grad),
+                    param.register_post_accumulate_grad_hook(lambda p: self._track_grad(p.grad)),
+                )
+        return sizes
+
+    def _track_grad(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
 
 class EstimationFSDPMemTracker(_EstimationTrackerMixin, FSDPMemTracker):

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from torchtitan.components.lora import LORA
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.checks import check_job_config
 from torchtitan.estimate import analytic, layout_search, report
@@ -55,6 +56,11 @@ def plan_request(job_config: JobConfig) -> layout_search.PlanRequest:
         raise ConfigError(
             "memory_estimation.device_memory_gib: mode plan needs the memory per GPU in GiB, "
             "e.g. --memory_estimation.device_memory_gib 80"
+        )
+    if LORA in job_config.model.converters:
+        raise ConfigError(
+            "model.converters: the planner does not model LoRA yet; use --memory_estimation.mode "
+            "analytic (one layout, instant) or estimate"
         )
     spec = get_train_spec(job_config.model.name)
     model_args = estimation_model_args(job_config, spec)
