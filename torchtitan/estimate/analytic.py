@@ -389,11 +389,11 @@ def _projection_kept_per_token(g: Geometry, lay: Layout, target: str, a: int) ->
 
 def _ffn_kept_per_token(g: Geometry, lay: Layout, a: int, moe: bool, lora: LoRA | None) -> float:
     """A dense SwiGLU keeps w1, w3, silu and their product (saved by w2: not by a frozen
-    w2 without an adapter). A MoE layer keeps the router's
-    fp32 input copy, scores and routing weights, three int64 index vectors (gather,
-    dispatch, combine) and, per routed token (top_k per token; balanced routing), the
-    dispatched input, the SwiGLU's four hidden tensors and the fp32 expert output that its
-    routing weight scales; plus the shared experts' SwiGLU."""
+    w2 without an adapter). A MoE layer keeps the router's fp32 input copy, scores and
+    routing weights, three int64 index vectors (gather, dispatch, combine) and, per routed
+    token (top_k per token; balanced routing), the dispatched input, the SwiGLU's four hidden
+    tensors and the fp32 expert output that its routing weight scales; plus the shared
+    experts' SwiGLU."""
     if not moe:
         product = lora is None or lora.keeps_input(("w2",))
         return (3 + product) * a * g.ffn_dim / lay.tp
@@ -481,20 +481,19 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
     layer_local, layer_sharded, largest_layer = _mean_block_numel(g, lay)
     root_local, root_sharded = _local_numel(_root_shapes(g, first, last), lay)
     params_sharded = layers * layer_sharded + root_sharded
-    trained = (layer_local, layer_sharded, layers * layer_local + root_local, params_sharded)
+    # (TP-local, FSDP-sharded) numel of what trains: everything, or under LoRA the adapters
+    trained_layer, trained_root = (layer_local, layer_sharded), (root_local, root_sharded)
     if run.lora is not None:
-        adapter_local, adapter_sharded = _local_numel(_block_adapter_shapes(g, run.lora), lay)
-        out_local, out_sharded = _local_numel(_root_adapter_shapes(g, run.lora, last), lay)
-        layer_local, largest_layer = layer_local + adapter_local, largest_layer + adapter_local
-        root_local += out_local
-        params_sharded += layers * adapter_sharded + out_sharded
-        trained = (
-            adapter_local,
-            adapter_sharded,
-            layers * adapter_local + out_local,
-            layers * adapter_sharded + out_sharded,
+        trained_layer = _local_numel(_block_adapter_shapes(g, run.lora), lay)
+        trained_root = _local_numel(_root_adapter_shapes(g, run.lora, last), lay)
+        layer_local, largest_layer = (
+            layer_local + trained_layer[0],
+            largest_layer + trained_layer[0],
         )
-    base_layer_local = layer_local - (trained[0] if run.lora is not None else 0)
+        root_local += trained_root[0]
+        params_sharded += layers * trained_layer[1] + trained_root[1]
+    trained_stage_local = layers * trained_layer[0] + trained_root[0]
+    trained_sharded = layers * trained_layer[1] + trained_root[1]
     frozen_copies = 0.0  # per block: low-precision copies of frozen weights kept for backward
     if lay.fsdp:
         u_layer, u_root = a * largest_layer, a * root_local
@@ -503,8 +502,9 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
     elif run.lora is None:  # autocast caches low-precision copies of the weights for the step
         u_layer, u_root = 0, (layers * layer_local + root_local) * a
     else:  # it caches only trainable weights; a frozen linear's backward keeps its own copy
-        u_layer, u_root = 0, a * trained[2] + (a * g.vocab_size * g.dim / lay.tp if last else 0)
-        frozen_copies = a * base_layer_local
+        u_layer = 0
+        u_root = a * trained_stage_local + (a * g.vocab_size * g.dim / lay.tp if last else 0)
+        frozen_copies = a * (layer_local - trained_layer[0])
     a_in = a * tokens * g.dim / lay.tp
     a_layer = _layer_activation_bytes(g, lay, run, a, tokens) + frozen_copies
     kept, recompute = a_layer, 0.0
@@ -524,16 +524,16 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         )
     return _Stage(
         4 * params_sharded,
-        4 * trained[3],
-        8 * trained[3],
+        4 * trained_sharded,
+        8 * trained_sharded,
         u_layer,
         u_root,
         root_local,
         layer_local,
         layer_sharded,
-        trained[0],
-        trained[1],
-        trained[2],
+        trained_layer[0],
+        trained_layer[1],
+        trained_stage_local,
         layers,
         tokens,
         a_in,
