@@ -23,6 +23,8 @@ from torchtitan.components.data_sources import (
     uses_sources,
 )
 from torchtitan.components.lora import LORA, select_targets
+from torchtitan.components.qlora import FIELD as QLORA_FIELD
+from torchtitan.components.qlora import LOW_PRECISION_CONVERTERS, check_qlora, uses_nf4
 from torchtitan.components.quantization import check_quantization
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
@@ -57,18 +59,31 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
         job_config.model, job_config.quantize, parallel_dims, model_args, device_type
     )
     _check_hf_export(job_config, spec, model_args)
-    _check_lora_targets(job_config, spec, model_args)
+    _check_lora(job_config, spec, model_args, parallel_dims)
     _check_run(job_config, parallel_dims, world_size, device_type)
     return parallel_dims
 
 
-def _check_lora_targets(job_config: JobConfig, spec: TrainSpec, model_args: BaseModelArgs) -> None:
-    """``lora.target_modules`` selects linears of this model (on the meta device: no memory)."""
+def _check_lora(
+    job_config: JobConfig, spec: TrainSpec, model_args: BaseModelArgs, parallel_dims: ParallelDims
+) -> None:
+    """``lora.target_modules`` selects linears of this model (on the meta device: no memory)
+    and an NF4 base suits them and the layout."""
     if LORA not in job_config.model.converters:
+        if uses_nf4(job_config):
+            raise ConfigError(f'{QLORA_FIELD}: "nf4" needs "lora" in model.converters')
         return
+    converters = job_config.model.converters
+    later = [c for c in converters[converters.index(LORA) + 1 :] if c in LOW_PRECISION_CONVERTERS]
+    if later:
+        ordered = later + [c for c in converters if c not in later]
+        raise ConfigError(
+            f"model.converters: {later[0]!r} after 'lora' would replace the adapted linears and "
+            f"drop their adapters; list it first: {ordered}"
+        )
     with torch.device("meta"):
         model = spec.model_cls(model_args)
-    select_targets(model, job_config.lora.target_modules)
+    check_qlora(job_config, parallel_dims, select_targets(model, job_config.lora.target_modules))
 
 
 def _check_layout(

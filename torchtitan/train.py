@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lora import LORA
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.qlora import quantize_base, uses_nf4
 from torchtitan.components.validate import PipelineEval, Validator
 from torchtitan.config import ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error
@@ -361,6 +362,8 @@ class Trainer:
             self.checkpointer.create_seed_checkpoint()
             return
         self.checkpointer.load(step=job_config.checkpoint.load_step)
+        if uses_nf4(job_config):
+            quantize_base(self.model_parts)
         if self.data_position is not None:
             self.data_position.load_newer(self.step, self.dataloader)
         if self.replicas is not None and self.replicas.per_step:

@@ -1,6 +1,6 @@
 """The memory estimator on LoRA runs: the trace follows the trainer's recipe (frozen base,
-adapters only in the optimizer), the closed form models the same savings, and the ready LoRA
-config fits the GPU it states."""
+adapters only in the optimizer), the closed form models the same savings and QLoRA's NF4
+bases, and the ready LoRA config fits the GPU it states."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import pytest
 from tests.launcher import REPO_ROOT
 from tests.unit_tests.test_memory_estimation import TINY
 from torchtitan.components.lora import select_targets, trainable_summary
+from torchtitan.components.qlora import NF4_BYTES_PER_VALUE
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.estimate import analytic
 from torchtitan.estimate.cli import analytic_fit
 from torchtitan.estimate.trace import trace_training_memory
+from torchtitan.models.llama3.flavors import llama3_flavors
 
 # the tiny Llama 3 of the closed-form checks in test_memory_estimation.py
 DEBUG = TINY[:-4] + ["--training.seq_len", "256", "--training.local_batch_size", "8"]
@@ -143,3 +145,34 @@ def test_lora_needs_less_than_full_fine_tuning_on_the_same_gpu():
     full_fit, lora_fit = analytic_fit(full), analytic_fit(lora)
     assert full_fit.verdict.startswith("verdict: does NOT fit")
     assert lora_fit.peak.peak_bytes < full_fit.peak.peak_bytes / 2
+
+
+LLAMA3_70B_QLORA = ["--job.config_file", str(REPO_ROOT / "train_configs" / "llama3_70b_qlora.toml")]
+
+
+def test_closed_form_stores_nf4_bases_and_peaks_at_their_load():
+    """QLoRA (70B, FSDP 4): the parameters hold NF4 bytes for the adapted bases (0.52 B per
+    value) and fp32 for the rest; the peak is the start, when the fp32 base is loaded and
+    quantized weight by weight; plain LoRA does not fit the same 4 GPUs, nor QLoRA 2."""
+    qlora = analytic_fit(_parse(*LLAMA3_70B_QLORA))
+    g = analytic.Geometry.from_model_args(llama3_flavors["70B"])
+    block = sum(r * c for r, c, _ in analytic._dense_linears(g).values())
+    adapters = sum(16 * (r + c) for r, c, _ in analytic._dense_linears(g).values())
+    rest = 2 * g.vocab_size * g.dim + (2 * g.dim + adapters) * g.n_layers + g.dim
+    params = qlora.peak.items["parameters (sharded fp32; NF4 bases)"]
+    expected = (4 * rest + NF4_BYTES_PER_VALUE * block * g.n_layers) / 4
+    assert params == pytest.approx(expected, rel=1e-6)
+    assert qlora.peak.phase == "base load (before NF4)"
+    assert qlora.verdict.startswith("verdict: fits")
+    training = max(v for k, v in qlora.peak.phases.items() if k != "base load (before NF4)")
+    lora = analytic_fit(_parse(*LLAMA3_70B_QLORA, "--lora.base_quantization", "none"))
+    assert lora.verdict.startswith("verdict: does NOT fit")
+    assert training < lora.peak.peak_bytes / 2
+    two = analytic_fit(_parse(*LLAMA3_70B_QLORA, "--memory_estimation.world_size", "2"))
+    assert two.verdict.startswith("verdict: does NOT fit")
+
+
+def test_traced_estimates_refuse_nf4_in_one_line():
+    config = _parse(*LLAMA3_70B_QLORA, "--memory_estimation.mode", "estimate")
+    with pytest.raises(ConfigError, match=r"^lora.base_quantization=nf4 in a traced estimate"):
+        trace_training_memory(config, 4, "cuda")

@@ -27,6 +27,7 @@ EXPECTED = {
     "llama3_8b",
     "llama3_8b_lora",
     "llama3_70b",
+    "llama3_70b_qlora",
     "llama3_405b",
     "qwen3_8b",
     "qwen3_30b_a3b",

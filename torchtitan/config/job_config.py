@@ -604,6 +604,11 @@ class LoRAConfig:
     """Linears that get adapters (comma-separated): presets attention (q/k/v/o), mlp (the
     dense feed-forward) and output, or FQN globs (layers.*.attention.wq) or last names (wq)."""
 
+    base_quantization: Literal["none", "nf4"] = "none"
+    """QLoRA: "nf4" stores the frozen base weight of every adapted linear as a torchao NF4
+    tensor (about 0.52 bytes per value), dequantized inside each matmul; FSDP/HSDP, PP and CP
+    compose with it, tensor parallel and the float8/mx converters do not."""
+
     save_adapters_only: bool = True
     """Checkpoints hold the adapters, their optimizer state and the run state, not the
     frozen base, which loads from checkpoint.initial_load_path at every start."""

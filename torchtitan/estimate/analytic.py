@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from torchtitan.components.lora import LORA, matches_target
+from torchtitan.components.qlora import NF4_BYTES_PER_VALUE, uses_nf4
 from torchtitan.config import ConfigError
 from torchtitan.distributed.activation_checkpoint import keeps_attention_output
 
@@ -174,10 +175,12 @@ class LoRA:
     """Rank-``rank`` adapters on the linears named in ``adapted`` (leaf names, the same in
     every block, and "output") of a frozen base: only adapters get gradients and optimizer
     states, a frozen linear keeps no input for backward, an adapter keeps its [tokens, rank]
-    middle (dropout 0). Dense decoders only (no MoE, no latent attention)."""
+    middle (dropout 0). Dense decoders only (no MoE, no latent attention). ``nf4``: the
+    adapted linears' base weights are stored as NF4 (QLoRA)."""
 
     rank: int
     adapted: frozenset[str]
+    nf4: bool = False
 
     def keeps_input(self, names: tuple[str, ...]) -> bool:
         return bool(self.adapted.intersection(names))
@@ -245,6 +248,50 @@ def _root_adapter_shapes(g: Geometry, lora: LoRA | None, last: bool) -> list[Sha
     if lora is None or not last or "output" not in lora.adapted:
         return []
     return _adapter_shapes((g.vocab_size, g.dim, "col"), lora.rank)
+
+
+@dataclass(frozen=True)
+class _NF4Bases:
+    """QLoRA's NF4 base weights on a stage (all 0 without): TP-local numel per block and of
+    the root, the stage's FSDP-sharded numel, and the largest one (dequantized one at a time)."""
+
+    layer_local: float = 0
+    root_local: float = 0
+    stage_sharded: float = 0
+    largest: float = 0
+
+
+def _nf4_bases(g: Geometry, lay: Layout, run: Run, layers: int, last: bool) -> _NF4Bases:
+    """The base weights of the adapted linears, stored as NF4 under QLoRA."""
+    if run.lora is None or not run.lora.nf4:
+        return _NF4Bases()
+    linears = _dense_linears(g)
+    block = [linears[n] for n in sorted(run.lora.adapted & linears.keys())]
+    root = [(g.vocab_size, g.dim, "col")] if last and "output" in run.lora.adapted else []
+    (layer_local, layer_sharded), (root_local, root_sharded) = (
+        _local_numel(block, lay),
+        _local_numel(root, lay),
+    )
+    largest = max((_local_numel([s], lay)[0] for s in block + root), default=0)
+    return _NF4Bases(layer_local, root_local, layers * layer_sharded + root_sharded, largest)
+
+
+def _ac_kept(
+    g: Geometry, lay: Layout, run: Run, tokens: float, a_in: float, a_layer: float
+) -> tuple[float, float]:
+    """(what one block keeps under the configured AC, what its recompute rebuilds)."""
+    # the attention output and its fp32 log-sum-exp, kept by a recomputed block (not rebuilt)
+    attention_kept = (
+        tokens * (run.param_bytes * g.n_heads * g.head_dim + 4 * g.n_heads) / lay.tp
+        if run.ac_keeps_attention
+        else 0
+    )
+    if lay.ac == "full":
+        return a_in + attention_kept, a_layer - attention_kept
+    if lay.ac.startswith("selective:"):
+        every = int(lay.ac.split(":")[1])
+        return (a_layer * (every - 1) + a_in + attention_kept) / every, a_layer - attention_kept
+    return a_layer, 0.0
 
 
 def _latent_attention_shapes(g: Geometry, mla: LatentAttention) -> list[Shape]:
@@ -471,6 +518,7 @@ class _Stage:
     kept: float  # what one block keeps under the configured AC (mean over blocks)
     recompute: float  # what a recomputed block rebuilds in its backward (0 without AC)
     ring_backward: float  # CP ring attention's backward temporaries
+    base_load: float  # QLoRA: the unquantized base and one weight being quantized (0 without)
 
 
 def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> _Stage:
@@ -494,36 +542,28 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         params_sharded += layers * trained_layer[1] + trained_root[1]
     trained_stage_local = layers * trained_layer[0] + trained_root[0]
     trained_sharded = layers * trained_layer[1] + trained_root[1]
+    # QLoRA: NF4 bases, each dequantized to one low-precision weight inside its matmul
+    nf4 = _nf4_bases(g, lay, run, layers, last)
+    dequantized, nf4_saving = a * nf4.largest, a - NF4_BYTES_PER_VALUE
     frozen_copies = 0.0  # per block: low-precision copies of frozen weights kept for backward
     if lay.fsdp:
-        u_layer, u_root = a * largest_layer, a * root_local
+        u_layer = a * largest_layer - nf4_saving * nf4.layer_local + dequantized
+        u_root = a * root_local - nf4_saving * nf4.root_local
     elif a == 4:
-        u_layer, u_root = 0, 0
+        u_layer, u_root = dequantized, 0
     elif run.lora is None:  # autocast caches low-precision copies of the weights for the step
         u_layer, u_root = 0, (layers * layer_local + root_local) * a
     else:  # it caches only trainable weights; a frozen linear's backward keeps its own copy
-        u_layer = 0
-        u_root = a * trained_stage_local + (a * g.vocab_size * g.dim / lay.tp if last else 0)
-        frozen_copies = a * (layer_local - trained_layer[0])
+        # (an NF4 base keeps itself: it is dequantized again in backward)
+        u_layer = dequantized
+        output_copy = 0 if nf4.root_local else a * g.vocab_size * g.dim / lay.tp
+        u_root = a * trained_stage_local + (output_copy if last else 0)
+        frozen_copies = a * (layer_local - trained_layer[0] - nf4.layer_local)
     a_in = a * tokens * g.dim / lay.tp
     a_layer = _layer_activation_bytes(g, lay, run, a, tokens) + frozen_copies
-    kept, recompute = a_layer, 0.0
-    # the attention output and its fp32 log-sum-exp, kept by a recomputed block (not rebuilt)
-    attention_kept = (
-        tokens * (a * g.n_heads * g.head_dim + 4 * g.n_heads) / lay.tp
-        if run.ac_keeps_attention
-        else 0
-    )
-    if lay.ac == "full":
-        kept, recompute = a_in + attention_kept, a_layer - attention_kept
-    elif lay.ac.startswith("selective:"):
-        every = int(lay.ac.split(":")[1])
-        kept, recompute = (
-            (a_layer * (every - 1) + a_in + attention_kept) / every,
-            a_layer - attention_kept,
-        )
+    kept, recompute = _ac_kept(g, lay, run, tokens, a_in, a_layer)
     return _Stage(
-        4 * params_sharded,
+        4 * params_sharded - (4 - NF4_BYTES_PER_VALUE) * nf4.stage_sharded,
         4 * trained_sharded,
         8 * trained_sharded,
         u_layer,
@@ -541,6 +581,8 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         kept,
         recompute,
         _ring_backward_bytes(g, lay, run, batch, tokens),
+        # QLoRA's start: the fp32 base, and one weight being quantized
+        4 * params_sharded + (4 + NF4_BYTES_PER_VALUE) * nf4.largest if nf4.largest else 0,
     )
 
 
@@ -596,9 +638,11 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
         phases["pipeline backward"] = _pipeline_backward(
             st, g, lay, run, base, activations, first, last
         )
+    if st.base_load:
+        phases["base load (before NF4)"] = st.base_load
     phase = max(phases, key=phases.get)
     items = {
-        "parameters (sharded fp32)": st.weights,
+        "parameters (sharded fp32; NF4 bases)": st.weights,
         "gathered root parameters": st.u_root,
         "optimizer states": st.opt,
         "activations kept for backward": activations,
@@ -734,4 +778,4 @@ def lora_from_config(job_config, g: Geometry) -> LoRA:
             "closed form does not model; use --memory_estimation.mode estimate"
         )
     output = {"output"} if any(matches_target(p, "output") for p in patterns) else set()
-    return LoRA(job_config.lora.rank, per_block.pop() | output)
+    return LoRA(job_config.lora.rank, per_block.pop() | output, uses_nf4(job_config))

@@ -186,7 +186,7 @@ def analytic_fit(job_config: JobConfig) -> AnalyticFit:
             "in GiB, e.g. --memory_estimation.device_memory_gib 80"
         )
     world_size = resolve_world_size(job_config)
-    parallel_dims = check_covered(job_config, world_size)
+    parallel_dims = check_covered(job_config, world_size, traced=False)
     model_args = estimation_model_args(job_config, get_train_spec(job_config.model.name))
     accum = grad_accumulation_steps(job_config.training, parallel_dims)
     geometry, layout, run = analytic.from_job_config(
