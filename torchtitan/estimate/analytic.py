@@ -195,6 +195,13 @@ class AnalyticEstimate:
 
 
 Shape = tuple[int, int, str]
+BASE_LOAD = "base load (before NF4)"  # QLoRA's start: the phase no trace covers
+
+
+def training_peak(estimate: AnalyticEstimate) -> tuple[int, str]:
+    """(bytes, phase) of the largest phase of the training step itself."""
+    phase = max((p for p in estimate.phases if p != BASE_LOAD), key=estimate.phases.get)
+    return estimate.phases[phase], phase
 
 
 def _attention_shapes(g: Geometry) -> list[Shape]:
@@ -639,7 +646,7 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
             st, g, lay, run, base, activations, first, last
         )
     if st.base_load:
-        phases["base load (before NF4)"] = st.base_load
+        phases[BASE_LOAD] = st.base_load
     phase = max(phases, key=phases.get)
     items = {
         "parameters (sharded fp32; NF4 bases)": st.weights,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan.components.qlora import quantize_base, uses_nf4
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.preflight import preflight
@@ -44,8 +45,24 @@ def build_estimation_meta_model(
     )
 
 
+def materialize_as_trained(
+    meta: MetaModel,
+    job_config: JobConfig,
+    parallel_dims: ParallelDims,
+    device: torch.device,
+    *,
+    seed: int | None,
+) -> Recipe:
+    """The recipe as its first step sees it: under QLoRA with the base quantized to NF4 (the
+    trainer does so after loading the base, which the estimator skips)."""
+    recipe = materialize(meta, job_config, parallel_dims, device, seed=seed)
+    if uses_nf4(job_config):
+        quantize_base(recipe.model_parts)
+    return recipe
+
+
 def build_estimation_recipe(
     job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device, *, seed: int | None
 ) -> Recipe:
     meta = build_estimation_meta_model(job_config, parallel_dims, device)
-    return materialize(meta, job_config, parallel_dims, device, seed=seed)
+    return materialize_as_trained(meta, job_config, parallel_dims, device, seed=seed)

@@ -4,6 +4,7 @@ measure a real run beside the estimate (``measure_mode``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -27,20 +28,46 @@ from torchtitan.tools.logging import init_logger
 _ENABLE_FLAGS = ("--memory_estimation.enable", "--memory_estimation.enabled")
 
 
-def analytic_lines(job_config: JobConfig, outcome: TraceOutcome, target: str) -> list[str]:
+def closed_form_of(
+    job_config: JobConfig, outcome: TraceOutcome, target: str
+) -> analytic.AnalyticEstimate | str:
+    """The closed form of the traced run, or why there is none."""
     setup = outcome.setup
     geometry, layout, run = analytic.from_job_config(
         job_config, setup.model_args, setup.parallel_dims, setup.grad_accum_steps, target
     )
     if geometry is None:
-        return [
+        return (
             "analytic estimate: not available (the model args are not a Llama, Qwen3 or "
             "DeepSeek-V3 decoder)"
-        ]
+        )
     closed_form = analytic.estimate(geometry, layout, run)
     if closed_form is None:
-        return ["analytic estimate: not available for op-level selective activation checkpointing"]
-    return report.analytic_lines(outcome.result.peak_bytes, closed_form)
+        return "analytic estimate: not available for op-level selective activation checkpointing"
+    return closed_form
+
+
+def analytic_lines(closed_form: analytic.AnalyticEstimate | str, traced: int) -> list[str]:
+    """The closed form beside the trace; under QLoRA the training phases beside the trace,
+    and the start (the fp32 base before NF4), which only the closed form models."""
+    if isinstance(closed_form, str):
+        return [closed_form]
+    load = closed_form.phases.get(analytic.BASE_LOAD)
+    if load is None:
+        return report.analytic_lines(traced, closed_form)
+    peak, phase = analytic.training_peak(closed_form)
+    training = dataclasses.replace(closed_form, peak_bytes=peak, phase=phase)
+    return report.analytic_lines(traced, training) + [
+        f"QLoRA start (closed form; not traced): the fp32 base before NF4 quantization needs "
+        f"{report.size(load)} per rank"
+    ]
+
+
+def start_peak(closed_form: analytic.AnalyticEstimate | str) -> int:
+    """QLoRA's start peak (0 without): the allocations before the first step."""
+    if isinstance(closed_form, str):
+        return 0
+    return int(closed_form.phases.get(analytic.BASE_LOAD, 0))
 
 
 def degrees(parallel_dims: ParallelDims) -> str:
@@ -157,15 +184,15 @@ def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int
     lines += (
         report.breakdown_lines(result) + report.phase_lines(result) + report.module_lines(result)
     )
-    lines += [""] + analytic_lines(job_config, outcome, me.target_device) + [""]
+    closed_form = closed_form_of(job_config, outcome, me.target_device)
+    lines += [""] + analytic_lines(closed_form, result.peak_bytes) + [""]
     if me.target_device == "cpu":
         return lines + [
             "target cpu: no device additions (the figure is what the CPU allocator is asked for)"
         ]
-    additions = report.device_additions(
-        result.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib
-    )
-    return lines + report.additions_lines(result.peak_bytes, additions, me.device_memory_gib)
+    peak = max(result.peak_bytes, start_peak(closed_form))
+    additions = report.device_additions(peak, world_size, me.reserved_margin, me.nccl_allowance_gib)
+    return lines + report.additions_lines(peak, additions, me.device_memory_gib)
 
 
 @dataclass
@@ -186,7 +213,7 @@ def analytic_fit(job_config: JobConfig) -> AnalyticFit:
             "in GiB, e.g. --memory_estimation.device_memory_gib 80"
         )
     world_size = resolve_world_size(job_config)
-    parallel_dims = check_covered(job_config, world_size, traced=False)
+    parallel_dims = check_covered(job_config, world_size)
     model_args = estimation_model_args(job_config, get_train_spec(job_config.model.name))
     accum = grad_accumulation_steps(job_config.training, parallel_dims)
     geometry, layout, run = analytic.from_job_config(

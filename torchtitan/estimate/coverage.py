@@ -6,7 +6,6 @@ import copy
 import os
 
 from torchtitan.components.lora import LORA
-from torchtitan.components.qlora import uses_nf4
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimate.build import build_parallel_dims
@@ -18,7 +17,7 @@ COVERED = (
     "FSDP, HSDP, DDP, tensor parallel (with sequence and loss parallel), context parallel, "
     "pipeline parallel (1F1B, GPipe, Interleaved1F1B, LoopedBFS), expert parallel "
     "(balanced routing), activation checkpointing, LoRA (mode plan: not yet), QLoRA (mode "
-    "analytic)"
+    "plan: not yet)"
 )
 
 
@@ -63,15 +62,9 @@ def coverage_gap(job_config: JobConfig, parallel_dims: ParallelDims) -> str | No
     return None
 
 
-def check_covered(job_config: JobConfig, world_size: int, traced: bool = True) -> ParallelDims:
-    """The ParallelDims of a config the estimator covers (``traced``: by tracing it)."""
+def check_covered(job_config: JobConfig, world_size: int) -> ParallelDims:
     # converters first: the preflight's float8 hardware checks would judge this CPU, not the target
     gap = converters_gap(job_config)
-    if traced and uses_nf4(job_config):
-        gap = (
-            "lora.base_quantization=nf4 in a traced estimate "
-            "(use --memory_estimation.mode analytic)"
-        )
     parallel_dims = None if gap else build_parallel_dims(job_config, world_size, "cpu")
     gap = gap or coverage_gap(job_config, parallel_dims)
     if gap is not None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtitan.config import JobConfig
 from torchtitan.estimate.build import build_estimation_recipe, build_parallel_dims
@@ -91,10 +92,18 @@ def live_storage_bytes(
     ]
     storages = {}
     for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        for plain in _plain_tensors(t.to_local() if hasattr(t, "to_local") else t):
+            storage = plain.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t``, or the inner tensors that hold the bytes of a wrapper subclass (an NF4 base)."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [plain for name in names for plain in _plain_tensors(getattr(t, name))]
 
 
 def _allocator_peak(prof: profile) -> int:

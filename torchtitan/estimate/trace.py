@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, config_to_toml
-from torchtitan.estimate.build import build_estimation_meta_model
+from torchtitan.estimate.build import build_estimation_meta_model, materialize_as_trained
 from torchtitan.estimate.coverage import check_covered
 from torchtitan.estimate.emulation import (
     balanced_moe_routing,
@@ -28,7 +29,7 @@ from torchtitan.estimate.emulation import (
 )
 from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
 from torchtitan.estimate.steps import run_training_steps
-from torchtitan.recipe import Recipe, materialize
+from torchtitan.recipe import Recipe
 
 T = TypeVar("T")
 
@@ -115,10 +116,12 @@ def _trace_rank(
         parallel_dims.world_mesh  # noqa: B018  (meshes are built outside fake mode)
         meta = build_estimation_meta_model(job_config, parallel_dims, device)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            setup = materialize(meta, job_config, parallel_dims, device, seed=None)
+            setup = materialize_as_trained(meta, job_config, parallel_dims, device, seed=None)
             tracker = build_tracker(setup.model_parts, list(setup.optimizers))
             try:
-                with target_device_context(target), tracker:
+                with target_device_context(target), tracker, warnings.catch_warnings():
+                    # torchao's NF4 all-gather compares storage pointers, of fake tensors here
+                    warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
                     run_training_steps(setup, tracker, replay_pipeline=True)
             except DataDependentOutputException as e:
                 raise ConfigError(
