@@ -15,6 +15,7 @@ from torchtitan.components.lora import LoRAConverter
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.qlora import NF4_BYTES_PER_VALUE, quantize_base
 from torchtitan.config import ConfigError, ConfigManager, LoRAConfig
+from torchtitan.layers.lora import merged_weight
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.preflight import preflight
@@ -49,6 +50,8 @@ def test_nf4_base_computes_the_dequantized_weight_and_stays_frozen():
     dequantized = wq.weight.to(torch.float32)
     adapters = (x @ wq.lora_a.T @ wq.lora_b.T) * wq.lora_scaling
     torch.testing.assert_close(wq(x), x @ dequantized.T + adapters)
+    merged = merged_weight(wq.weight, wq.lora_a, wq.lora_b, wq.lora_scaling)  # the HF export
+    torch.testing.assert_close(x @ merged.T, wq(x))
     error = (dequantized - plain["layers.0.attention.wq.weight"]).abs().max()
     assert 0 < error < 0.2 * plain["layers.0.attention.wq.weight"].abs().max()  # a 4-bit step
 

@@ -67,9 +67,10 @@ def _adapter_dtype(weight: torch.Tensor) -> torch.dtype:
 def merged_weight(
     weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """The plain weight that computes what ``weight`` with these adapters computes."""
+    """The plain weight that computes what ``weight`` with these adapters computes (an NF4
+    base dequantized: ``to(dtype)`` is how NF4 tensors turn plain)."""
     delta = (lora_b.float() @ lora_a.float()) * scaling
-    return (weight.float() + delta).to(weight.dtype)
+    return (weight.to(torch.float32) + delta).to(weight.dtype)
 
 
 def has_lora(module: nn.Module) -> bool:
