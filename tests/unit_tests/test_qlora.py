@@ -9,11 +9,18 @@ import builtins
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
 from torchao.quantization import NF4Tensor, to_nf4
 
 from torchtitan.components.lora import LoRAConverter
 from torchtitan.components.optimizer import build_optimizers
-from torchtitan.components.qlora import NF4_BYTES_PER_VALUE, quantize_base
+from torchtitan.components.qlora import (
+    NF4_BYTES_PER_VALUE,
+    QUANTIZE_BYTES_PER_VALUE,
+    QUANTIZE_SCRATCH_BYTES,
+    quantize_base,
+)
 from torchtitan.config import ConfigError, ConfigManager, LoRAConfig
 from torchtitan.layers.lora import merged_weight
 from torchtitan.models.llama3.flavors import llama3_flavors
@@ -83,6 +90,22 @@ def test_nf4_bytes_per_value():
         for t in (weight.quantized_data, weight.quantized_scalers, weight.quantization_factor)
     )
     assert stored == pytest.approx(weight.numel() * NF4_BYTES_PER_VALUE)
+
+
+@pytest.mark.parametrize("shape", [(28672, 8192), (14336, 4096), (1024, 4096)])
+def test_quantizing_one_weight_needs_what_the_estimator_assumes(shape):
+    """The closed form's QLoRA start: what to_nf4 of an fp32 weight (70B's w1, 8B's, 8B's
+    wk) holds at its peak, traced on fake tensors; the model may overstate it by 5 %, never
+    understate it."""
+    with FakeTensorMode():
+        weight = torch.empty(*shape)
+        tracker = MemTracker()
+        tracker.track_external(weight)
+        with tracker:
+            to_nf4(weight, 64, 256)
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    modelled = QUANTIZE_BYTES_PER_VALUE * weight.numel() + QUANTIZE_SCRATCH_BYTES
+    assert peak <= modelled <= 1.05 * peak, (peak, modelled)
 
 
 def check(args: list[str], world_size: int = 1, flavor: str = "debugmodel"):

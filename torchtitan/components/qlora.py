@@ -34,6 +34,11 @@ SCALER_BLOCK = 256  # block scales per double-quantization group
 BLOCK_VALUES = BLOCK * SCALER_BLOCK  # the smallest unit a weight can be split into
 # Bytes per stored value: 4 bits, an int8 scale per block, an fp32 factor per scale group.
 NF4_BYTES_PER_VALUE = 0.5 + 1 / BLOCK + 4 / BLOCK_VALUES
+# What torchao's to_nf4 holds at once for an fp32 weight of a million values or more: the
+# weight, its scaled copy, a byte per value and the packed halves (9.6 bytes per value),
+# and a chunk's distances to the 16 levels (128 MiB). Checked on fake tensors in test_qlora.py.
+QUANTIZE_BYTES_PER_VALUE = 9.6
+QUANTIZE_SCRATCH_BYTES = 128 * 2**20
 LOW_PRECISION_CONVERTERS = ("float8", "quantize.linear.float8", "mx", "quantize.linear.mx")
 
 

@@ -17,7 +17,12 @@ import math
 from dataclasses import dataclass
 
 from torchtitan.components.lora import LORA, matches_target
-from torchtitan.components.qlora import NF4_BYTES_PER_VALUE, uses_nf4
+from torchtitan.components.qlora import (
+    NF4_BYTES_PER_VALUE,
+    QUANTIZE_BYTES_PER_VALUE,
+    QUANTIZE_SCRATCH_BYTES,
+    uses_nf4,
+)
 from torchtitan.config import ConfigError
 from torchtitan.distributed.activation_checkpoint import keeps_attention_output
 
@@ -588,8 +593,10 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         kept,
         recompute,
         _ring_backward_bytes(g, lay, run, batch, tokens),
-        # QLoRA's start: the fp32 base, and one weight being quantized
-        4 * params_sharded + (4 + NF4_BYTES_PER_VALUE) * nf4.largest if nf4.largest else 0,
+        # QLoRA's start: the fp32 base, and one gathered weight being quantized
+        4 * params_sharded + QUANTIZE_BYTES_PER_VALUE * nf4.largest + QUANTIZE_SCRATCH_BYTES
+        if nf4.largest
+        else 0,
     )
 
 
