@@ -111,11 +111,6 @@ def pickle_in_tensor_data(folder: Path, marker: Path) -> None:
         f.write(payload)
 
 
-def stray_pickle_file(folder: Path, marker: Path) -> None:
-    (folder / "extra_state.pkl").write_bytes(payload_bytes(marker))
-    refresh_manifest(folder)
-
-
 def metadata_points_outside(folder: Path, marker: Path) -> None:
     """Records that send the reader to a pickle beside the checkpoint folder."""
     outside = folder.parent / f"{folder.name}-payload.distcp"
@@ -154,7 +149,6 @@ DCP_CASES = {
         key_relabelled_as_bytes,
         generation_exploit,
         pickle_in_tensor_data,
-        stray_pickle_file,
         metadata_points_outside,
         truncated_shard,
         missing_shard,
@@ -169,13 +163,23 @@ def pickle_named_safetensors(folder: Path, marker: Path) -> None:
         f.write_bytes(payload_bytes(marker))
 
 
-def config_asks_for_remote_code(folder: Path, marker: Path) -> None:
+def add_remote_code(folder: Path, marker: Path, architecture: str | None = None) -> None:
+    """auto_map in config.json and a modelling file beside it that would touch ``marker``
+    if imported (as official releases with custom code ship; ``architecture``: replace the
+    config's own)."""
     config = json.loads((folder / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    if architecture is not None:
+        config["architectures"], config["model_type"] = [architecture], "evil"
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "modeling_evil.py").write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
     )
+
+
+def config_asks_for_remote_code(folder: Path, marker: Path) -> None:
+    """Remote code for an architecture torchtitan does not build."""
+    add_remote_code(folder, marker, architecture="EvilForCausalLM")
 
 
 def only_pickled_weights(folder: Path, marker: Path) -> None:

@@ -25,6 +25,7 @@ import pytest
 from tests.crafted_checkpoints import (
     DCP_CASES,
     HF_CASES,
+    add_remote_code,
     generation_exploit,
     key_relabelled_as_bytes,
     payload_bytes,
@@ -238,6 +239,36 @@ def test_pickle_files_beside_hf_weights_are_never_read(valid, tmp_path):
     (folder / "pytorch_model.bin").write_bytes(payload_bytes(marker))
     assert initial_load_in_hf(folder, tmp_path) == 0
     assert not marker.exists()
+
+
+@pytest.mark.usefixtures("one_rank_env")
+def test_remote_code_of_a_built_in_architecture_is_named_and_never_run(valid, tmp_path, capfd):
+    """As official releases ship it (auto_map, modelling code and a pickle beside the
+    safetensors): the weights load, one warning names what is ignored, nothing of it runs."""
+    folder = tmp_path / "hf"
+    shutil.copytree(valid["hf"], folder)
+    marker = tmp_path / "code-ran"
+    add_remote_code(folder, marker)
+    (folder / "training_args.bin").write_bytes(payload_bytes(marker))
+    assert initial_load_in_hf(folder, tmp_path) == 0
+    assert not marker.exists()
+    out, err = capfd.readouterr()
+    warned = [line for line in (out + err).splitlines() if "ignoring its remote code" in line]
+    assert len(warned) == 1 and "modeling_evil.py, training_args.bin" in warned[0], warned
+
+
+@pytest.mark.usefixtures("one_rank_env")
+@pytest.mark.parametrize("entry", ["resume", "initial_load_path"])
+def test_stray_files_in_a_dcp_folder_are_named_and_never_opened(valid, entry, tmp_path, capfd):
+    source, run = DCP_ENTRY_POINTS[entry]
+    marker = tmp_path / "code-ran"
+    folder = tmp_path / "input" / valid[source].name
+    shutil.copytree(valid[source], folder)
+    (folder / "extra_state.pkl").write_bytes(payload_bytes(marker))
+    assert run(folder, tmp_path) == 0
+    assert not marker.exists()
+    out, err = capfd.readouterr()
+    assert "ignoring extra_state.pkl (not files DCP writes; never opened)" in out + err
 
 
 # ---------------------------------------------------------------------- real command lines

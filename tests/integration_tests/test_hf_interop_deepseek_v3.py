@@ -1,9 +1,12 @@
 """Hugging Face interop for DeepSeek-V3: a transformers DeepseekV3ForCausalLM's safetensors
 (one tensor per expert, sigmoid routing with a nonzero score-correction bias) load into one
-process, into a pipeline stage, and into expert parallel + FSDP with transformers' logits;
-the expert-parallel export round-trips bit-exactly and loads back into transformers."""
+process (also from a folder shaped like the official release, auto_map and modelling code
+included, which never runs), into a pipeline stage, and into expert parallel + FSDP with
+transformers' logits; the expert-parallel export round-trips bit-exactly and loads back into
+transformers."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -93,6 +96,25 @@ def test_one_process_load_matches_transformers_logits(hf_model):
         "model.layers.2.mlp.gate.e_score_correction_bias"
     ]
     assert bias.abs().min() > 0 and torch.equal(model.layers["2"].moe.expert_bias, bias)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), expected, rtol=0, atol=TOLERANCE)
+
+
+def test_a_folder_shaped_like_the_official_release_loads_without_running_its_code(
+    hf_model, tmp_path
+):
+    """The official DeepSeek-V3 folder carries auto_map and its modelling code: the weights
+    load with transformers' logits and the code is never imported."""
+    from tests.crafted_checkpoints import add_remote_code
+
+    folder, tokens, expected = hf_model
+    release = tmp_path / "release"
+    shutil.copytree(folder, release)
+    marker = tmp_path / "code-ran"
+    add_remote_code(release, marker)
+    model = our_model()
+    load(model, release)
+    assert not marker.exists()
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), expected, rtol=0, atol=TOLERANCE)
 

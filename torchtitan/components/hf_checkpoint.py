@@ -75,7 +75,7 @@ def _scan(folder: Path) -> tuple[dict[str, Path], dict[str, list[int]]]:
 
 
 def _check_config(folder: Path, adapter: StateDictAdapter, field: str) -> None:
-    config = read_hf_config(folder)
+    config = read_hf_config(folder, adapter.check_hf_config)
     if config is None:
         logger.warning(f"{field}: {folder} has no config.json; shapes are checked per tensor only")
         return

@@ -10,9 +10,9 @@ What it guarantees, for DCP folders:
 - ``.metadata`` is unpickled through an allow-list (DCP's own data classes, ``torch.Size``,
   dtypes), then checked field by field: a crafted metadata cannot supply attributes that
   later code trusts.
-- Only the files DCP writes (``.metadata``, ``__R_I.distcp``) and ``checkpoint.json`` may be
-  in the folder; the metadata may point only at ``.distcp`` files of the folder, within their
-  size, with no storage transforms.
+- Only the files DCP writes (``.metadata``, ``__R_I.distcp``) and ``checkpoint.json`` are
+  read; the metadata may point only at ``.distcp`` files of the folder, within their size,
+  with no storage transforms.
 - Every entry to be loaded is checked against what the metadata describes before any data
   is read: a tensor of the model must be stored as a tensor of the same shape and dtype kind
   (floating point stays floating point; a bf16 export loads into fp32), a non-tensor entry
@@ -20,8 +20,12 @@ What it guarantees, for DCP folders:
   True)``; tensor data is read by DCP with ``weights_only=True``.
 
 For Hugging Face folders: only ``config.json`` and ``*.safetensors`` files are read (no
-pickle-based ``.bin``/``.pt``), ``config.json`` may not name remote code (``auto_map``), and
-no ``trust_remote_code`` path exists.
+pickle-based ``.bin``/``.pt``, no ``*.py``), and no ``trust_remote_code`` path exists. A
+``config.json`` that names remote code (``auto_map``, as official releases with custom
+modelling code do) loads only when it describes an architecture torchtitan builds itself; the
+code and any pickle files beside it are named in one warning and never read.
+
+A DCP folder's files other than DCP's own are named in one warning and never opened.
 
 Every failure is a :class:`LoadError`: one line naming the file and what is wrong.
 """
@@ -33,7 +37,7 @@ import json
 import pickle
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -57,6 +61,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from torchtitan.config.errors import UserInputError
+from torchtitan.tools.logging import logger
 
 METADATA_FILE = ".metadata"
 MANIFEST_FILE = "checkpoint.json"
@@ -196,14 +201,16 @@ def check_dcp_folder(folder: str | Path, metadata: Metadata) -> None:
     """The folder holds only DCP's files (and ``checkpoint.json``), and every record of the
     metadata points into one of its ``.distcp`` files, within that file's size."""
     folder = Path(folder)
-    for entry in folder.iterdir():
-        if entry.name == MANIFEST_FILE or entry.name == MANIFEST_FILE + ".tmp":
-            continue
-        if not _DCP_FILE_RE.match(entry.name) or not entry.is_file():
-            raise LoadError(
-                f"{entry}: unexpected file in a DCP checkpoint folder (it may hold only "
-                f"{METADATA_FILE}, __R_I.distcp and {MANIFEST_FILE}); remove it"
-            )
+    strays = sorted(
+        entry.name
+        for entry in folder.iterdir()
+        if entry.name not in (MANIFEST_FILE, MANIFEST_FILE + ".tmp")
+        and not (_DCP_FILE_RE.match(entry.name) and entry.is_file())
+    )
+    if strays:
+        logger.warning(
+            f"{folder}: ignoring {', '.join(strays)} (not files DCP writes; never opened)"
+        )
     sizes: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
         name = info.relative_path
@@ -344,9 +351,12 @@ def _first_problem_of_all_ranks(problem: str | None, group) -> str | None:
 
 
 # ---------------------------------------------------------------------- Hugging Face folders
-def read_hf_config(folder: str | Path) -> dict[str, Any] | None:
-    """``config.json`` of a Hugging Face folder (None when there is none); a config that
-    names remote code is refused."""
+def read_hf_config(
+    folder: str | Path, check: Callable[[dict[str, Any]], None]
+) -> dict[str, Any] | None:
+    """``config.json`` of a Hugging Face folder (None when there is none). ``check`` raises
+    ValueError unless a config describes the model being loaded; a config that names remote
+    code loads only if it passes, with one warning naming the code it ignores."""
     path = Path(folder) / HF_CONFIG_FILE
     if not path.exists():
         return None
@@ -357,9 +367,20 @@ def read_hf_config(folder: str | Path) -> dict[str, Any] | None:
     if not isinstance(config, dict):
         raise LoadError(f"{path}: not a Hugging Face config (a JSON object is expected)")
     if "auto_map" in config or config.get("trust_remote_code"):
-        raise LoadError(
-            f"{path}: names remote code (auto_map), which torchtitan never runs; only built-in "
-            "architectures load (remove auto_map if the weights are of a built-in architecture)"
+        try:
+            check(config)
+        except ValueError as e:
+            raise LoadError(
+                f"{path}: names remote code (auto_map), which torchtitan never runs, and {e}"
+            ) from None
+        side_cars = sorted(
+            p.name for p in Path(folder).iterdir() if p.suffix in (".py", *_PICKLE_SUFFIXES)
+        )
+        beside = f" and {', '.join(side_cars)} beside it" if side_cars else ""
+        logger.warning(
+            f"{path}: ignoring its remote code (auto_map){beside}: "
+            f"{config.get('model_type', 'this architecture')} is built in; nothing of it is "
+            "read or imported"
         )
     return config
 
