@@ -55,12 +55,35 @@ def parse(*args: str):
             ],
             "fault_tolerance.fragment_sync_delay: must be in 0 .. sync_steps - 1",
         ),
+        *(
+            (
+                [*FT, "--fault_tolerance.semi_sync_method", "local_sgd", *setting],
+                f"fault_tolerance.{setting[0].split('.')[-1]}: only DiLoCo reads it",
+            )
+            for setting in (
+                ["--fault_tolerance.should_quantize"],
+                ["--fault_tolerance.fragment_sync_delay", "1"],
+                ["--fault_tolerance.fragment_update_alpha", "0.5"],
+            )
+        ),
     ],
 )
 def test_bad_setting_is_one_line_naming_it(args, message):
     with pytest.raises(ConfigError) as error:
         parse(*args)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_diloco_settings_pass_with_diloco():
+    parse(
+        *FT,
+        "--fault_tolerance.semi_sync_method",
+        "diloco",
+        "--fault_tolerance.fragment_sync_delay",
+        "1",
+        "--fault_tolerance.fragment_update_alpha",
+        "0.5",
+    )
 
 
 def test_fault_tolerance_needs_the_lighthouse_address(monkeypatch):

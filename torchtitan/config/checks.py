@@ -254,6 +254,8 @@ def _check_fault_tolerance(ft: Any, parallelism: Any) -> None:
             )
         if ft.sync_steps < 1:
             raise ConfigError(f"fault_tolerance.sync_steps: must be >= 1, got {ft.sync_steps}")
+        if ft.semi_sync_method == "local_sgd":
+            _refuse_diloco_only_settings(ft)
         if not 0 <= ft.fragment_sync_delay < ft.sync_steps:
             raise ConfigError(
                 "fault_tolerance.fragment_sync_delay: must be in 0 .. sync_steps - 1, "
@@ -263,6 +265,20 @@ def _check_fault_tolerance(ft: Any, parallelism: Any) -> None:
             raise ConfigError(
                 "fault_tolerance.fragment_update_alpha: must be in [0, 1], "
                 f"got {ft.fragment_update_alpha}"
+            )
+
+
+# Settings only DiLoCo reads (LocalSGD averages the weights, with no outer optimizer or
+# fragments), at the values that leave them off.
+_DILOCO_ONLY = {"should_quantize": False, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
+
+
+def _refuse_diloco_only_settings(ft: Any) -> None:
+    for name, off in _DILOCO_ONLY.items():
+        if getattr(ft, name) != off:
+            raise ConfigError(
+                f"fault_tolerance.{name}: only DiLoCo reads it, not semi_sync_method='local_sgd'; "
+                f"leave it at {off} or use semi_sync_method='diloco'"
             )
 
 
