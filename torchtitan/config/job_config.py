@@ -698,6 +698,10 @@ class FaultToleranceConfig:
     replica_id: int = 0
     """This replica group's id, 0 .. group_size - 1."""
 
+    heal_address: str = ""
+    """Address (host name or IP of this host) the live-healing server listens on and peers
+    fetch a rejoining group's state from; empty: this host's name."""
+
     group_size: int = 0
     """Number of replica groups the data is split over."""
 

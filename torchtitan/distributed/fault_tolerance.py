@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config import CommConfig, ConfigError, FaultToleranceConfig
+from torchtitan.distributed.heal_transport import SafeHTTPTransport
 from torchtitan.tools.logging import logger
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -188,6 +189,9 @@ class ReplicaGroups:
             lighthouse_addr=lighthouse_address(),
             replica_id=f"torchtitan_ft_{ft.replica_id}",
             init_sync=False,  # weights are initialised per FQN from the seed: identical already
+            checkpoint_transport=SafeHTTPTransport(
+                ft.heal_address or socket.gethostname(), timeout
+            ),
         )
         self.device = device
         self.live_groups = 0
