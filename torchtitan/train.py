@@ -27,6 +27,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lora import LORA
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.qlora import quantize_base, uses_nf4
+from torchtitan.components.safe_loading import load_plain_state
 from torchtitan.components.validate import PipelineEval, Validator
 from torchtitan.config import ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error
@@ -216,7 +217,9 @@ class Trainer:
         self.data_position = None
         if not job_config.fault_tolerance.enable:
             return None
-        replicas = ReplicaGroups(job_config.fault_tolerance, job_config.comm, self.device)
+        replicas = ReplicaGroups(
+            job_config.fault_tolerance, job_config.comm, self.device, load_plain_state
+        )
         replicas.register_states(
             {
                 "model": ModelPartsState(self.model_parts),

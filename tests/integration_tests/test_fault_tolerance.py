@@ -4,6 +4,8 @@ lighthouse and replica groups that are separate torchrun jobs.
 - Without failures, 2 groups x FSDP 2 match one process (loss and grad norm, 1e-4).
 - One group is killed with SIGKILL mid-run: the other keeps stepping alone, the killed group
   is relaunched, heals from the survivor, and both end with bitwise identical weights.
+- A group that joins behind a malicious peer refuses the state it is sent (a pickle that
+  would run code) in one line and stops; the code never runs.
 - DiLoCo (2 groups, outer sync every 3 steps) trains and logs its outer syncs.
 """
 
@@ -79,12 +81,19 @@ class _Group:
     stall the ranks)."""
 
     def __init__(
-        self, replica: int, nproc: int, folder: Path, address: str, extra: list[str]
+        self,
+        replica: int,
+        nproc: int,
+        folder: Path,
+        address: str,
+        extra: list[str],
+        env: dict[str, str] | None = None,
     ) -> None:
         args = train_args(
             nproc, folder, FT + ["--fault_tolerance.replica_id", str(replica)] + extra, dp=nproc * 2
         )
-        self.proc = start_torchrun(nproc, args, env={"TORCHFT_LIGHTHOUSE": address, **QUIET})
+        env = {"TORCHFT_LIGHTHOUSE": address, **QUIET, **(env or {})}
+        self.proc = start_torchrun(nproc, args, env=env)
         self.lines: list[str] = []
         self.reader = threading.Thread(
             target=lambda: self.lines.extend(self.proc.stdout), daemon=True
@@ -209,6 +218,37 @@ def test_a_killed_group_rejoins_from_the_survivor_with_identical_weights(lightho
     assert weights[0].keys() == weights[1].keys()
     for key in weights[0]:
         assert torch.equal(weights[0][key], weights[1][key]), key
+
+
+@pytest.mark.parametrize("lighthouse", [1], indirect=True)
+def test_a_heal_from_a_malicious_peer_is_refused_and_never_runs(lighthouse, tmp_path):
+    """Group 0 publishes, as its state for healing, a pickle that would touch a marker; group
+    1 joins behind it, refuses the state in one error line and stops; the marker never
+    appears (torchft's own transport would run it: test_heal_transport.py)."""
+    marker = tmp_path / "code-ran"
+    extra = ["--training.steps", "200", "--debug.step_sleep_seconds", "0.5"]  # outlasts the join
+    peer = _Group(
+        0,
+        1,
+        tmp_path,
+        lighthouse,
+        extra + ["--experimental.custom_import", "tests.integration_tests.malicious_heal_peer"],
+        env={"MALICIOUS_HEAL_MARKER": str(marker)},
+    )
+    try:
+        _wait_for(lambda: len(_steps(tmp_path, 0)) >= 3, "the peer's third step", peer)
+        joining = _Group(1, 1, tmp_path, lighthouse, extra)
+        joining.proc.wait(timeout=240)
+        joining.reader.join()
+    finally:
+        peer.kill()
+    out = joining.output
+    assert joining.proc.returncode != 0, out[-4000:]
+    refusals = [line for line in out.splitlines() if "is not plain tensors and data" in line]
+    assert len(refusals) == 1 and "error:" in refusals[0], out[-4000:]
+    assert "got exception in recovery" not in out, out[-4000:]
+    assert not marker.exists()
+    assert not _steps(tmp_path, 1), "the joining group trained on"
 
 
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.crafted_checkpoints import Payload
+from torchtitan.components.safe_loading import load_plain_state
 from torchtitan.distributed.heal_transport import HealRefused, SafeHTTPTransport
 
 TIMEOUT = timedelta(seconds=5)
@@ -20,7 +21,7 @@ TIMEOUT = timedelta(seconds=5)
 
 @pytest.fixture
 def peer():
-    transport = SafeHTTPTransport("127.0.0.1", TIMEOUT)
+    transport = SafeHTTPTransport("127.0.0.1", TIMEOUT, load_plain_state)
     yield transport
     transport.shutdown()
 

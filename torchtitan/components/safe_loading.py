@@ -350,6 +350,26 @@ def _first_problem_of_all_ranks(problem: str | None, group) -> str | None:
     return next((p for p in gathered if p), None)
 
 
+# ---------------------------------------------------------------------- states over the wire
+def load_plain_state(data: bytes, source: str) -> Any:
+    """``torch.save`` bytes from ``source`` (a live peer's state for healing), decoded with
+    ``weights_only=True``: tensors, containers, numbers and strings only; anything else is a
+    LoadError and nothing of it runs."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # the allow-list unpickler's refusals have no common type
+        reason = _unpickler_reason(e)
+        raise LoadError(f"{source} is not plain tensors and data ({reason})") from None
+
+
+def _unpickler_reason(error: BaseException) -> str:
+    """The allow-list unpickler's own reason (torch wraps it in advice to load unsafely)."""
+    for line in str(error).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].split(".", 1)[0].strip()
+    return _first_line(error)
+
+
 # ---------------------------------------------------------------------- Hugging Face folders
 def read_hf_config(
     folder: str | Path, check: Callable[[dict[str, Any]], None]

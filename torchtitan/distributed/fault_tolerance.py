@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config import CommConfig, ConfigError, FaultToleranceConfig
-from torchtitan.distributed.heal_transport import SafeHTTPTransport
+from torchtitan.distributed.heal_transport import HealRefused, SafeHTTPTransport
 from torchtitan.tools.logging import logger
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -86,6 +87,12 @@ def check_fault_tolerance_inputs(ft: FaultToleranceConfig) -> None:
             "fault_tolerance.process_group: 'nccl' needs CUDA; use 'gloo' on this machine"
         )
     check_lighthouse(lighthouse_address(), ft.process_group_timeout_ms / 1000)
+
+
+def _without_refused_heals(record: logging.LogRecord) -> bool:
+    """torchft logs a failed heal with its traceback; a refused one is reported by
+    ``start_step`` in one line instead."""
+    return not (record.exc_info and isinstance(record.exc_info[1], HealRefused))
 
 
 def replica_dump_folder(dump_folder: str, replica_id: int) -> str:
@@ -158,7 +165,15 @@ class ReplicaGroups:
     """This rank's view of the replica groups: the torchft manager and the per-step calls
     the training step makes (quorum, token sum, gradient average, commit)."""
 
-    def __init__(self, ft: FaultToleranceConfig, comm: CommConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        ft: FaultToleranceConfig,
+        comm: CommConfig,
+        device: torch.device,
+        decode_state: Callable[[bytes, str], Any],
+    ) -> None:
+        """``decode_state(bytes, source)``: how a state received for healing is read (the
+        trainer passes safe_loading's, which runs no code)."""
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -190,9 +205,10 @@ class ReplicaGroups:
             replica_id=f"torchtitan_ft_{ft.replica_id}",
             init_sync=False,  # weights are initialised per FQN from the seed: identical already
             checkpoint_transport=SafeHTTPTransport(
-                ft.heal_address or socket.gethostname(), timeout
+                ft.heal_address or socket.gethostname(), timeout, decode_state
             ),
         )
+        logging.getLogger("torchft.manager").addFilter(_without_refused_heals)
         self.device = device
         self.live_groups = 0
         self.changed_at_step: int | None = None
@@ -231,8 +247,12 @@ class ReplicaGroups:
         return self.semi_sync is None
 
     def start_step(self) -> None:
-        """The quorum of this step; a group behind the others is healed here."""
+        """The quorum of this step; a group behind the others is healed here. A heal whose
+        state was refused ends this group with that one line (torchft would retry it)."""
         self.manager.start_quorum()
+        error = self.manager.errored()
+        if error is not None and isinstance(error.original_exception, HealRefused):
+            raise error.original_exception
         self._note_membership(self.manager.current_step() + 1)
 
     def _note_membership(self, step: int) -> None:

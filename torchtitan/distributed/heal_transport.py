@@ -1,11 +1,12 @@
 """The checkpoint transport of live healing (torchft): a group behind the others fetches a
 live peer's state over HTTP, and nothing it receives can run code.
 
-torchft's own ``HTTPTransport`` reads what a peer sends with ``weights_only=False``, so
-whoever can reach its port can run code on a rejoining group. Here the state travels as
-``torch.save`` bytes and is read with ``weights_only=True`` (torch's allow-list unpickler:
-tensors, containers, numbers, strings; the rule ``safe_loading`` applies to DCP's byte
-records), and the server listens only on the address the user names
+torchft's own ``HTTPTransport`` unpickles whatever a peer sends, so whoever can reach its
+port can run code on a rejoining group. Here the state travels as ``torch.save`` bytes and
+is decoded by the ``decode`` it is given: the trainer gives ``safe_loading.load_plain_state``
+(torch's allow-list unpickler: tensors, containers, numbers, strings; the rule applied to
+DCP's byte records), which raises a UserInputError for anything else. The server
+listens only on the address the user names
 (``fault_tolerance.heal_address``). Written here because torchft offers no transport with
 either property.
 """
@@ -17,6 +18,7 @@ import socket
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -37,8 +39,11 @@ class SafeHTTPTransport:
     """torchft ``CheckpointTransport``: ``send_checkpoint`` publishes this group's state for
     a step, peers ``recv_checkpoint`` it from ``metadata()``'s URL."""
 
-    def __init__(self, address: str, timeout: timedelta) -> None:
+    def __init__(
+        self, address: str, timeout: timedelta, decode: Callable[[bytes, str], Any]
+    ) -> None:
         self._timeout = timeout
+        self._decode = decode
         self._payload: tuple[int, bytes] | None = None
         self._published = threading.Condition()
         self._server = ThreadingHTTPServer((address, 0), _handler_for(self))
@@ -75,13 +80,9 @@ class SafeHTTPTransport:
                 f"fault_tolerance: cannot fetch the peer's state from {url}: {e}"
             ) from None
         try:
-            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as e:  # the allow-list unpickler's refusals have no common type
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise HealRefused(
-                f"fault_tolerance: the state from {url} is not plain tensors and data "
-                f"({reason}); refused, nothing of it ran"
-            ) from None
+            return self._decode(data, f"the state from {url}")
+        except UserInputError as e:
+            raise HealRefused(f"fault_tolerance: {e}; refused, nothing of it ran") from None
 
     def payload_for(self, step: int) -> bytes | None:
         """The published bytes of ``step``, waiting up to the timeout for them."""
