@@ -14,6 +14,7 @@ import torch
 
 from tests.crafted_checkpoints import Payload
 from torchtitan.components.safe_loading import load_plain_state
+from torchtitan.config.errors import UserInputError
 from torchtitan.distributed.heal_transport import HealRefused, SafeHTTPTransport
 
 TIMEOUT = timedelta(seconds=5)
@@ -91,3 +92,8 @@ def test_torchfts_own_transport_runs_such_a_state(peer, tmp_path):
     _serve(peer, 5, buffer.getvalue())
     HTTPTransport._load_from_address(f"{peer.metadata()}5", TIMEOUT)
     assert Path(marker).exists()
+
+
+def test_an_address_this_host_does_not_have_is_one_line():
+    with pytest.raises(UserInputError, match=r"^fault_tolerance.heal_address: cannot listen on"):
+        SafeHTTPTransport("10.255.255.1", TIMEOUT, load_plain_state)

@@ -6,6 +6,7 @@ is refused in one line naming the setting."""
 from __future__ import annotations
 
 import builtins
+import importlib.util
 
 import pytest
 import torch
@@ -160,6 +161,12 @@ def test_nf4_without_torchao_names_the_setting(monkeypatch):
             raise ImportError(name)
         return real_import(name, *args, **kwargs)
 
+    real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(builtins, "__import__", no_torchao)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torchao" else real_find_spec(name, *a),
+    )
     with pytest.raises(ConfigError, match=r'"nf4" needs torchao \(pip install'):
         check([])

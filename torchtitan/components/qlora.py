@@ -12,6 +12,7 @@ weight is 4-bit too. Layouts NF4 does not support are refused by ``check_qlora``
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,8 @@ def check_qlora(
     """One-line refusals, before any process starts, for what NF4 bases cannot do."""
     if not uses_nf4(job_config):
         return
-    import_to_nf4()
+    if importlib.util.find_spec("torchao") is None:  # found, not imported: its import is noisy
+        import_to_nf4()
     if parallel_dims.tp_enabled:
         raise ConfigError(
             f"{FIELD}: nf4 does not compose with parallelism.tensor_parallel_degree > 1 (NF4 "

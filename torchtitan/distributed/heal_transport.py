@@ -46,7 +46,13 @@ class SafeHTTPTransport:
         self._decode = decode
         self._payload: tuple[int, bytes] | None = None
         self._published = threading.Condition()
-        self._server = ThreadingHTTPServer((address, 0), _handler_for(self))
+        try:
+            self._server = ThreadingHTTPServer((address, 0), _handler_for(self))
+        except OSError as e:
+            raise UserInputError(
+                f"fault_tolerance.heal_address: cannot listen on {address!r} ({e.strerror}); "
+                "name this host or one of its addresses"
+            ) from None
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
