@@ -88,6 +88,10 @@ PP = ["--parallelism.pipeline_parallel_degree", "2"]
 # gloo stages tensor-parallel collectives in the allocator too (NCCL does not): on these tiny
 # stages the allocator events run 20-40 % above the tensors, varying by rank.
 GLOO_TP_STAGING = None
+# gloo's worker thread drops its reference to a collective's tensors when it finishes, which
+# races with the main thread: now and then the real replay holds one more activation at its
+# peak (seen: +64 KiB, one 256 x 64 fp32 sample, on 1 run in 4 at pp2_tp2, +1.4 %).
+REPLAY_TRACKER_RTOL = 0.02
 
 
 @pytest.mark.multiprocess
@@ -115,6 +119,6 @@ def test_pipeline_estimate_matches_real_schedule(nproc, overrides, allocator_rto
     assert sorted(int(r) for r, _, _ in ranks) == list(range(nproc)), out[-3000:]
     for rank, allocator, replayed_tracker in ranks:
         estimate = estimates[int(rank) * 2 // nproc]
-        assert abs(estimate / _bytes(replayed_tracker) - 1) < 0.005
+        assert abs(estimate / _bytes(replayed_tracker) - 1) < REPLAY_TRACKER_RTOL
         if allocator_rtol is not None:
             assert abs(estimate / _bytes(allocator) - 1) < allocator_rtol
