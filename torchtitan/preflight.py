@@ -152,11 +152,16 @@ def _check_run(
             "checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1, all parallel "
             f"degrees 1), got {world_size} processes; any layout loads the seed later"
         )
-    if not 0 <= job_config.debug.fail_on_rank < world_size:
-        raise ConfigError(
-            f"debug.fail_on_rank: must name one of the {world_size} ranks (0 to {world_size - 1}), "
-            f"got {job_config.debug.fail_on_rank}"
-        )
+    debug = job_config.debug
+    for field, rank, planted in (
+        ("fail_on_rank", debug.fail_on_rank, True),
+        ("hang_on_rank", debug.hang_on_rank, debug.hang_at_step is not None),
+    ):
+        if planted and not 0 <= rank < world_size:
+            raise ConfigError(
+                f"debug.{field}: must name one of the {world_size} ranks "
+                f"(0 to {world_size - 1}), got {rank}"
+            )
     if job_config.training.enable_cpu_offload and device_type == "cpu":
         raise ConfigError(
             "training.enable_cpu_offload: offloads accelerator memory to the CPU, but this run "

@@ -38,6 +38,7 @@ from torchtitan.distributed.fault_tolerance import (
     ReplicaGroups,
     replica_dump_folder,
 )
+from torchtitan.distributed.hang_watchdog import build_hang_watchdog, maybe_plant_hang
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.pipeline import loss_owner_rank
 from torchtitan.distributed.restarts import maybe_inject_fault, stop_on_crash_loop
@@ -118,6 +119,9 @@ class Trainer:
             job_config.comm, job_config.job.dump_folder, job_config.training.enable_cpu_offload
         )
         maybe_keep_freed_cpu_memory(job_config.training.cpu_keep_freed_memory, self.device)
+        self.watchdog = build_hang_watchdog(
+            job_config.comm, job_config.job.dump_folder, self.device.type
+        )
         logger.info(
             f"parallel layout {parallel_dims.describe()}, "
             f"mesh views {parallel_dims.world_mesh.view_names}"
@@ -344,6 +348,7 @@ class Trainer:
                 torch.tensor(float(stop), device=loss.device),
             ]
         )
+        maybe_plant_hang(self.job_config.debug, self.step, self.parallel_dims.world_mesh.get_rank())
         if self.parallel_dims.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, stop_any = flags.tolist()
@@ -397,12 +402,16 @@ class Trainer:
                 )
                 if job_config.debug.step_sleep_seconds:
                     time.sleep(job_config.debug.step_sleep_seconds)
+                if self.watchdog is not None:
+                    self.watchdog.step_started(self.step)
                 try:
                     self.train_step(data_iterator)
                 except StopIteration:
                     logger.warning(f"data exhausted at step {self.step}; stopping")
                     self.step -= 1
                     break
+                if self.watchdog is not None:
+                    self.watchdog.step_finished()
                 if self.replicas is not None and not self.replicas.committed:
                     continue  # the step runs again: nothing to validate or save
                 if self.validator is not None and self.validator.should_validate(self.step):
@@ -427,6 +436,9 @@ class Trainer:
         self.step = int(state_dict["step"])
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
         if self.replicas is not None:
             self.replicas.shutdown()
             self.replicas = None

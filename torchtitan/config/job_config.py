@@ -636,6 +636,20 @@ class CommConfig:
     save_traces_file_prefix: str = "rank_"
     """Flight-recorder dump file name prefix (the rank is appended)."""
 
+    hang_timeout_factor: float = 10.0
+    """A training step that has run this many times the median step (and at least
+    hang_timeout_floor_seconds) is a hang: every rank writes its threads' stacks to
+    job.dump_folder/hangs/step-N/rank-R.txt and rank 0 names the ranks that are not in the
+    collective the others wait in (0 turns the watchdog off)."""
+
+    hang_timeout_floor_seconds: float = 60.0
+    """The shortest step the watchdog reports as a hang."""
+
+    on_hang: Literal["wait", "exit"] = "wait"
+    """After a hang is reported: wait (comm.train_timeout_seconds still ends the job), or
+    exit with status 124 on every rank, so that automatic restart (MAX_RESTARTS) resumes
+    from the last checkpoint."""
+
     mode: Literal["default", "fake_backend", "local_tensor"] = "default"
     """Upstream's dry-run modes are not supported here (use python -m torchtitan.preflight
     --world-size N); only the default is accepted."""
@@ -799,6 +813,16 @@ class DebugConfig:
     step_sleep_seconds: float = 0.0
     """Sleep this long at the start of every step: a slow replica group (fault-tolerance
     tests keep a survivor running while a lost peer restarts)."""
+
+    hang_at_step: int | None = None
+    """Plant a hang: debug.hang_on_rank sleeps debug.hang_seconds in this step, before the
+    step's flag all-reduce that the other ranks wait in (tests of the hang watchdog)."""
+
+    hang_on_rank: int = 1
+    """The global rank that sleeps at debug.hang_at_step."""
+
+    hang_seconds: float = 600.0
+    """How long the planted hang sleeps."""
 
 
 @dataclass
