@@ -6,7 +6,8 @@ lighthouse and replica groups that are separate torchrun jobs.
   is relaunched, heals from the survivor, and both end with bitwise identical weights.
 - A group that joins behind a malicious peer refuses the state it is sent (a pickle that
   would run code) in one line and stops; the code never runs.
-- DiLoCo (2 groups, outer sync every 3 steps) trains and logs its outer syncs.
+- DiLoCo and LocalSGD, 2 groups x FSDP 2 each, outer sync every 3 steps: the loss falls, the
+  outer syncs are logged, and the groups hold bitwise equal weights after each sync only.
 """
 
 from __future__ import annotations
@@ -251,22 +252,51 @@ def test_a_heal_from_a_malicious_peer_is_refused_and_never_runs(lighthouse, tmp_
     assert not _steps(tmp_path, 1), "the joining group trained on"
 
 
+SYNC_STEPS, SEMI_SYNC_STEPS = 3, 9
+
+
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)
-def test_diloco_trains_and_logs_its_outer_syncs(lighthouse, tmp_path):
+@pytest.mark.parametrize("method", ["diloco", "local_sgd"])
+def test_semi_sync_groups_of_fsdp2_train_and_agree_after_every_outer_sync(
+    lighthouse, method, tmp_path
+):
+    """2 groups x FSDP 2: the loss falls, the outer syncs are logged, and after each one (a
+    checkpoint of the step it ends) the two groups hold bitwise equal weights, which differ
+    between syncs."""
     extra = [
         "--fault_tolerance.semi_sync_method",
-        "diloco",
+        method,
         "--fault_tolerance.sync_steps",
-        "3",
+        str(SYNC_STEPS),
         "--fault_tolerance.min_replica_size",
         "2",
         "--training.steps",
-        "12",
+        str(SEMI_SYNC_STEPS),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--checkpoint.no-last_save_model_only",
     ]
-    groups = [_Group(r, 1, tmp_path, lighthouse, extra) for r in (0, 1)]
+    groups = [_Group(r, 2, tmp_path, lighthouse, extra) for r in (0, 1)]
     for group in groups:
         group.finish()
     for replica in (0, 1):
         records = _group_metrics(tmp_path, replica)
         assert_loss_falls(records)
-        assert [r["outer_syncs"] for r in records] == [0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]
+        syncs = [r["outer_syncs"] for r in records]
+        assert syncs == [(step + 1) // SYNC_STEPS for step in range(SEMI_SYNC_STEPS)]
+    for step in range(1, SEMI_SYNC_STEPS + 1):
+        weights = [
+            _model_weights(tmp_path, replica, step, tmp_path / f"w{replica}.pt")
+            for replica in (0, 1)
+        ]
+        equal = all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+        assert equal == (step % SYNC_STEPS == 0), f"step {step}: groups equal is {equal}"
+
+
+def _model_weights(folder: Path, replica: int, step: int, out: Path) -> dict[str, torch.Tensor]:
+    """The model's weights (a full checkpoint holds them beside "optimizer" and "rng")."""
+    state = _final_weights(folder, replica, step, out)
+    return {k: v for k, v in state.items() if k not in ("optimizer", "rng")}

@@ -447,12 +447,14 @@ class CheckpointManager:
 
     def _merged_data_state(self) -> dict[str, Any]:
         local = self.dataloader.state_dict()
+        # Under replica-group fault tolerance a group saves and resumes its own ranks' shards.
+        partial = self.parallel_dims.replica_groups > 1
         group = self._dp_group
         if group is None:
-            return merge_data_states([local])
+            return merge_data_states([local], partial)
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, local, group=group)
-        return merge_data_states(gathered)
+        return merge_data_states(gathered, partial)
 
     def _finish(
         self, upload: Future | None, tmp: Path, final: Path, manifest: dict[str, Any], start: float

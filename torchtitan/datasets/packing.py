@@ -194,9 +194,10 @@ class ShardReader:
         self._documents.seek(self.shard, self.cursor.epoch, 0)
 
 
-def merge_shard_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_shard_states(states: list[dict[str, Any]], partial: bool = False) -> dict[str, Any]:
     """``merge_data_states`` of a text dataset: the data states of all dp ranks combined into
-    one state that loads under any dp degree.
+    one state that loads under any dp degree (``partial``: the states of some ranks, whose
+    shards alone the state then holds).
 
     Shard cursors are united (each shard belongs to one rank); the next position is the
     smallest over the ranks, i.e. the start of the first global batch not fully consumed.
@@ -218,7 +219,7 @@ def merge_shard_states(states: list[dict[str, Any]]) -> dict[str, Any]:
                 )
             shards[shard] = list(cursor)
     missing = [s for s in range(num_shards) if str(s) not in shards]
-    if missing:
+    if missing and not partial:
         raise ValueError(
             f"merge_data_states: no state holds data shards {missing}; "
             "pass the states of all dp ranks"

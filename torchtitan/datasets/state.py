@@ -8,9 +8,10 @@ from torchtitan.datasets.mixture import merge_mixture_states
 from torchtitan.datasets.packing import merge_shard_states
 
 
-def merge_data_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """A text dataset's shard cursors united (``packing.merge_shard_states``), or a token
-    store's or mixture's next position (``mixture.merge_mixture_states``)."""
+def merge_data_states(states: list[dict[str, Any]], partial: bool = False) -> dict[str, Any]:
+    """A text dataset's shard cursors united (``packing.merge_shard_states``; ``partial``: of
+    some of the dp ranks only), or a token store's or mixture's next position
+    (``mixture.merge_mixture_states``)."""
     if states and "sources" in states[0]:
         return merge_mixture_states(states)
-    return merge_shard_states(states)
+    return merge_shard_states(states, partial)
