@@ -94,7 +94,7 @@ def test_ranks_report_through_the_store_and_rank_0_names_them(tmp_path, caplog, 
     # Both watchdogs run in this process, so both report this test's main thread.
     assert "ranks 0,1 wait at" in line and "test_hang_watchdog.py" in line
     assert "no report from rank 2 (stuck outside Python, or gone)" in line
-    assert sorted(p.name for p in (tmp_path / "hangs" / "step-7").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "hangs" / "step-7").glob("*.txt")) == [
         "rank-0.txt",
         "rank-1.txt",
     ]

@@ -2,17 +2,17 @@
 
 When a step has run longer than ``comm.hang_timeout_factor`` times the median step (and at
 least ``comm.hang_timeout_floor_seconds``), every rank writes the Python stacks of all its
-threads to ``{dump_folder}/hangs/step-N/rank-R.txt`` (on CUDA also torch's NCCL flight
-recorder, where torch offers it) and posts where its main thread is to the job's c10d store,
-which answers from any thread while the main threads are stuck. Rank 0 then groups the ranks
-by that place: the largest group waits in a collective, and the line it logs names the ranks
-that are elsewhere and the file:line they are at. ``comm.on_hang`` says what follows: keep
-waiting (the collective timeout still applies) or exit with status 124 on every rank, so that
-automatic restart takes over.
+threads to ``{dump_folder}/hangs/step-N/rank-R.txt`` (and, beside it, torch's flight recorder
+of its recent collectives where torch offers it) and posts where its main thread is to the
+job's c10d store, which answers from any thread while the main threads are stuck. Rank 0 then
+groups the ranks by that place: the largest group waits in a collective, and the line it logs
+names the ranks that are elsewhere and the file:line they are at. ``comm.on_hang`` says what
+follows: keep waiting (the collective timeout still applies) or exit with status 124 on every
+rank, so that automatic restart takes over.
 
-Written by hand: torch's watchdogs (NCCL's heartbeat, the flight recorder) time out single
-collectives on CUDA; none compares a step with the run's own step times or names the ranks
-that never reached the collective, and none runs on gloo.
+Written by hand: torch's watchdogs (NCCL's heartbeat, the flight recorder's dump on timeout)
+act on single collectives; none compares a step with the run's own step times or names the
+ranks that never reached the collective the others wait in.
 """
 
 from __future__ import annotations
@@ -261,15 +261,19 @@ class HangWatchdog:
             time.sleep(0.2)
 
     def _dump_flight_recorder(self, folder: Path) -> None:
-        """On CUDA, torch's NCCL flight recorder (read it with ``python -m
-        torch.distributed.flight_recorder.fr_trace``), where this torch build has it."""
-        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-        if self.device_type != "cuda" or dump is None:
+        """torch's flight recorder of this rank's recent collectives (comm.trace_buf_size
+        entries; gloo and NCCL on torch >= 2.7, NCCL only before), as torch writes it: read it
+        with ``python -m torch.distributed.flight_recorder.fr_trace``."""
+        c10d = torch._C._distributed_c10d
+        dump = getattr(c10d, "_dump_fr_trace", None)
+        if dump is None and self.device_type == "cuda":
+            dump = getattr(c10d, "_dump_nccl_trace", None)
+        if dump is None or os.environ.get("TORCH_FR_BUFFER_SIZE", "0") == "0":
             return
         try:
             (folder / f"rank-{self.rank}.flight_recorder").write_bytes(dump())
         except RuntimeError as e:
-            logger.warning(f"hang: no NCCL flight recorder dump ({e})")
+            logger.warning(f"hang: no flight recorder dump ({e})")
 
 
 def record_hang_for_launcher(step: int, attempt: int, summary: str) -> None:
