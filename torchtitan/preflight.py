@@ -156,6 +156,7 @@ def _check_run(
     for field, rank, planted in (
         ("fail_on_rank", debug.fail_on_rank, True),
         ("hang_on_rank", debug.hang_on_rank, debug.hang_at_step is not None),
+        ("straggler_rank", debug.straggler_rank, debug.straggler_rank is not None),
     ):
         if planted and not 0 <= rank < world_size:
             raise ConfigError(

@@ -27,6 +27,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lora import LORA
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.qlora import quantize_base, uses_nf4
+from torchtitan.components.rank_timeline import RankTimeline, build_rank_timeline
 from torchtitan.components.safe_loading import load_plain_state
 from torchtitan.components.validate import PipelineEval, Validator
 from torchtitan.config import ConfigManager, JobConfig, save_config_file
@@ -73,17 +74,34 @@ class NonFiniteLossError(RuntimeError):
 
 
 class DeviceBatches:
-    """The data loader's micro-batches moved to the device, counting this rank's tokens and
-    the time spent waiting for data (one instance per step)."""
+    """The step's ``count`` micro-batches moved to the device, counting this rank's tokens
+    and the time spent waiting for data (one instance per step). On the timeline the data
+    phase ends with the last one: the token count all-reduce that follows is a sync. The
+    first call waits ``delay`` seconds first (a planted straggler)."""
 
-    def __init__(self, data_iterator: Iterator, device: torch.device) -> None:
+    def __init__(
+        self,
+        data_iterator: Iterator,
+        device: torch.device,
+        count: int,
+        timeline: RankTimeline,
+        delay: float = 0.0,
+    ) -> None:
         self.data_iterator = data_iterator
         self.device = device
+        self.count = count
+        self.timeline = timeline
+        self.delay = delay
         self.tokens = 0
         self.seconds = 0.0
+        self.calls = 0
 
     def __call__(self) -> MicroBatch:
+        self.timeline.mark("data")
         start = time.perf_counter()
+        if self.delay:
+            time.sleep(self.delay)
+            self.delay = 0.0
         input_dict, labels = next(self.data_iterator)
         inputs = input_dict["input"].to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
@@ -92,6 +110,9 @@ class DeviceBatches:
             document_ids = document_ids.to(self.device, non_blocking=True)
         self.tokens += labels.numel()
         self.seconds += time.perf_counter() - start
+        self.calls += 1
+        if self.calls == self.count:
+            self.timeline.mark("sync")
         return MicroBatch(inputs, labels, document_ids)
 
 
@@ -168,6 +189,9 @@ class Trainer:
         self.applied_step: AppliedStep | None = None
         self._install_preemption_handlers()
         self.metrics = self._build_metrics()
+        self.timeline = build_rank_timeline(
+            job_config.metrics, job_config.job.dump_folder, self.device
+        )
         self.checkpointer = CheckpointManager(
             job_config.checkpoint,
             dump_folder=job_config.job.dump_folder,
@@ -282,11 +306,19 @@ class Trainer:
     def train_step(self, data_iterator: Iterator) -> None:
         """The recipe's step; the trainer checks the flags before the optimizer runs and
         logs afterwards."""
-        batches = DeviceBatches(data_iterator, self.device)
+        timeline = self.timeline
+        batches = DeviceBatches(
+            data_iterator,
+            self.device,
+            self.recipe.grad_accum_steps,
+            timeline,
+            timeline.planted_delay(self.job_config.debug),
+        )
         self.applied_step = None
         valid_tokens = train_step(
             self.recipe,
             batches,
+            observer=timeline,
             before_optimizer_step=self._before_optimizer_step,
             replica_groups=self.replicas,
         )
@@ -318,6 +350,7 @@ class Trainer:
                 **moe_load_metrics(self.model_parts),  # no MoE metrics for dense models
                 **self._data_metrics(),
                 **(self.replicas.metrics(self.step) if self.replicas is not None else {}),
+                **timeline.gather_metrics(),
             },
         )
 
@@ -329,12 +362,14 @@ class Trainer:
     def _before_optimizer_step(self, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> bool:
         # Under loss parallel a loss is a replicated DTensor: take the local value.
         loss = torch.stack([x.full_tensor() if isinstance(x, DTensor) else x for x in losses]).sum()
+        self.timeline.mark("sync")
         nonfinite, self.stop_requested = self._step_flags(loss, grad_norm)
         if nonfinite:
             self._handle_nonfinite()
             return False
         lr = self.lr_schedulers.get_last_lr()  # the lr this step trains with
         self.applied_step = AppliedStep(loss, grad_norm, lr)
+        self.timeline.mark("checkpoint")
         self.checkpointer.maybe_wait_for_staging()
         return True
 
@@ -404,6 +439,7 @@ class Trainer:
                     time.sleep(job_config.debug.step_sleep_seconds)
                 if self.watchdog is not None:
                     self.watchdog.step_started(self.step)
+                self.timeline.start_step(self.step)
                 try:
                     self.train_step(data_iterator)
                 except StopIteration:
@@ -413,14 +449,18 @@ class Trainer:
                 if self.watchdog is not None:
                     self.watchdog.step_finished()
                 if self.replicas is not None and not self.replicas.committed:
+                    self.timeline.end_step()
                     continue  # the step runs again: nothing to validate or save
                 if self.validator is not None and self.validator.should_validate(self.step):
+                    self.timeline.mark("validation")
                     self.validator.validate(self.model_parts, self.step)
                 if self.stop_requested:
                     self.checkpointer.save(self.step, force=True)
                     logger.warning(f"stopped after step {self.step} on request; checkpoint saved")
                     break
+                self.timeline.mark("checkpoint")
                 self.checkpointer.save(self.step, last_step=self.step == job_config.training.steps)
+                self.timeline.end_step()
                 if profiler is not None:
                     profiler.step()
                 if snapshotter is not None:
@@ -443,6 +483,7 @@ class Trainer:
             self.replicas.shutdown()
             self.replicas = None
         self.checkpointer.close()
+        self.timeline.close()
         self.metrics.close()
         self.gc_handler.close()
 

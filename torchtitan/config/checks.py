@@ -59,6 +59,10 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("debug.step_sleep_seconds", lambda v: v >= 0, "must be >= 0"),
     ("debug.hang_at_step", lambda v: v is None or v >= 1, "must be >= 1 (unset = never)"),
     ("debug.hang_seconds", lambda v: v > 0, "must be > 0"),
+    ("debug.straggler_slowdown", lambda v: v > 0, "must be > 0"),
+    ("debug.straggler_from_step", lambda v: v >= 2, "must be >= 2 (step 1 warms up)"),
+    ("metrics.straggler_threshold_pct", lambda v: v > 0, "must be > 0"),
+    ("metrics.straggler_log_steps", lambda v: v >= 1, "must be >= 1"),
     (
         "comm.hang_timeout_factor",
         lambda v: v == 0 or v > 1,

@@ -82,6 +82,18 @@ class MetricsConfig:
     the loss (pip install 'torchtitan[wandb]'; project from WANDB_PROJECT; WANDB_MODE=offline
     writes the run under job.dump_folder/wandb only)."""
 
+    event_log: bool = False
+    """Write each rank's step phases (data, forward_backward, clip_grad_norm, sync, optimizer,
+    checkpoint, validation) to job.dump_folder/events/rank-R.jsonl; scripts/timeline.py
+    draws them, one lane per rank."""
+
+    straggler_threshold_pct: float = 10.0
+    """A rank slower than the median rank by more than this share of a step (in the phases
+    without collectives: data, optimizer, checkpoint) is a straggler ..."""
+
+    straggler_log_steps: int = 3
+    """... when it is for this many log steps in a row: one warning line names it."""
+
 
 @dataclass
 class ModelConfig:
@@ -628,7 +640,8 @@ class CommConfig:
     """Collective timeout after the first step."""
 
     trace_buf_size: int = 20000
-    """NCCL flight-recorder entries (0 disables)."""
+    """Flight-recorder entries: torch's record of recent collectives, dumped by NCCL on a
+    timeout and by the hang watchdog (NCCL, and gloo on torch >= 2.7; 0 disables)."""
 
     save_traces_folder: str = "comm_traces"
     """Flight-recorder dump folder, relative to job.dump_folder."""
@@ -823,6 +836,16 @@ class DebugConfig:
 
     hang_seconds: float = 600.0
     """How long the planted hang sleeps."""
+
+    straggler_rank: int | None = None
+    """Plant a straggler: this global rank waits debug.straggler_slowdown x its median step
+    in its data phase of every step from debug.straggler_from_step."""
+
+    straggler_slowdown: float = 0.3
+    """The planted straggler's extra time per step, as a share of its step before."""
+
+    straggler_from_step: int = 5
+    """The first step the planted straggler is slow in."""
 
 
 @dataclass

@@ -29,6 +29,8 @@ def init_distributed(comm: CommConfig, dump_folder: str, cpu_offload: bool = Fal
     """Pick the device from the machine (cuda+nccl, else cpu+gloo; with ``cpu_offload`` also
     gloo for the CPU tensors) and start the default process group from torchrun's environment."""
     device_type = default_device_type()
+    # torch's flight recorder (gloo too, torch >= 2.7): the hang watchdog dumps it
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size))
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -105,9 +107,7 @@ def _exit_status(code: object) -> int:
 
 def _set_nccl_env(comm: CommConfig, dump_folder: str) -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    size = comm.trace_buf_size
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(size))
-    if size > 0:
+    if comm.trace_buf_size > 0:
         folder = os.path.join(dump_folder, comm.save_traces_folder)
         os.makedirs(folder, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
