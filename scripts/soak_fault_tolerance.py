@@ -18,8 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,7 +30,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.launcher import kill_tree, read_metrics, start_torchrun  # noqa: E402
+from tests.launcher import kill_tree, read_metrics, start_lighthouse, start_torchrun  # noqa: E402
 from torchtitan.components.safe_loading import load_plain_state  # noqa: E402
 
 NPROC = 2
@@ -118,32 +116,6 @@ def wait_until(condition, what: str, timeout: float = 300) -> float:
     return time.monotonic() - start
 
 
-def start_lighthouse() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "--min_replicas",
-            "1",
-            "--bind",
-            f"[::]:{port}",
-            "--join_timeout_ms",
-            "2000",
-            "--heartbeat_timeout_ms",
-            "1000",
-            "--quorum_tick_ms",
-            "50",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    return proc, f"http://localhost:{port}"
-
-
 def final_weights(folder: Path, replica: int, step: int) -> dict[str, torch.Tensor]:
     out = folder / f"final_{replica}.pt"
     dcp_to_torch_save(folder / f"replica_{replica}" / "checkpoint" / f"step-{step}", out)
@@ -153,7 +125,7 @@ def final_weights(folder: Path, replica: int, step: int) -> dict[str, torch.Tens
 
 def soak(steps: int, kills: int, seed: int, folder: Path) -> dict:
     rng = random.Random(seed)
-    lighthouse, address = start_lighthouse()
+    lighthouse, address = start_lighthouse(min_replicas=1)
     groups = {r: Group(r, folder, address, steps) for r in (0, 1)}
     launched = list(groups.values())
     events = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,31 @@ def run_probe(nproc: int, source: str, folder: Path, timeout: float = 110) -> di
     script.write_text(source)
     run_torchrun(nproc, [], script=str(script), timeout=timeout, env={"PROBE_DIR": str(folder)})
     return {int(p.stem): json.loads(p.read_text()) for p in folder.glob("*.json")}
+
+
+def start_lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
+    """A torchft lighthouse on a free port, quick to notice joins and losses (tests and the
+    soak script): its process (in a session of its own) and its address."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "--min_replicas",
+            str(min_replicas),
+            "--bind",
+            f"[::]:{port}",
+            "--join_timeout_ms",
+            "2000",
+            "--heartbeat_timeout_ms",
+            "1000",
+            "--quorum_tick_ms",
+            "50",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return proc, f"http://localhost:{port}"

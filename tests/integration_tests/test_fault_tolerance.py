@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +23,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.launcher import kill_tree, read_metrics, start_torchrun
+from tests.launcher import kill_tree, read_metrics, start_lighthouse, start_torchrun
 from tests.parity import assert_loss_falls, assert_parity, train_args
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -41,37 +38,12 @@ FT = [
 QUIET = {"RUST_LOG": "warn"}  # torchft's Rust side logs every quorum at INFO
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def lighthouse(request) -> Iterator[str]:
     """A torchft lighthouse on a free port; ``request.param`` is its min_replicas."""
-    port = _free_port()
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "--min_replicas",
-            str(request.param),
-            "--bind",
-            f"[::]:{port}",
-            "--join_timeout_ms",
-            "2000",
-            "--heartbeat_timeout_ms",
-            "1000",
-            "--quorum_tick_ms",
-            "50",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc, address = start_lighthouse(request.param)
     try:
-        yield f"http://localhost:{port}"
+        yield address
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
