@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.components.batch import MicroBatch, model_inputs
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.qlora import PendingBase, uses_nf4
 from torchtitan.config import (
     CompileConfig,
     ConfigError,
@@ -175,6 +176,7 @@ class Recipe:
     train_context: Callable[[], contextlib.AbstractContextManager]
     nparams: int
     flops_per_token: int
+    pending_base: PendingBase | None = None  # QLoRA: base weights made NF4 after the load
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -259,9 +261,15 @@ def materialize(
 ) -> Recipe:
     """Allocate the parts on ``init_device`` (default ``device``; the CPU under FSDP's CPU
     offload, buffers staying on ``device``), initialise them from ``seed`` (None: leave the
-    values unset, as a fake-tensor trace does), then build optimizers and LR schedulers."""
+    values unset, as a fake-tensor trace does), then build optimizers and LR schedulers.
+    Under QLoRA the adapted linears' base weights stay on meta (``Recipe.pending_base``)."""
+    target = init_device or device
+    pending = PendingBase(meta.model_parts, target, seed) if uses_nf4(job_config) else None
     for part in meta.model_parts:
-        part.to_empty(device=init_device or device)
+        if pending is not None:
+            pending.materialize_except(part, target)
+        else:
+            part.to_empty(device=target)
         if seed is not None:
             with torch.no_grad():
                 part.init_weights(seed=seed, buffer_device=device)
@@ -292,6 +300,7 @@ def materialize(
         ),
         nparams=meta.nparams,
         flops_per_token=meta.flops_per_token,
+        pending_base=pending,
     )
 
 

@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lora import LORA
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.qlora import quantize_base, uses_nf4
 from torchtitan.components.rank_timeline import RankTimeline, build_rank_timeline
 from torchtitan.components.safe_loading import load_plain_state
 from torchtitan.components.validate import PipelineEval, Validator
@@ -54,6 +53,7 @@ from torchtitan.distributed.utils import (
 from torchtitan.layers.moe import moe_load_metrics
 from torchtitan.preflight import load_tokenizer, preflight
 from torchtitan.protocols import TrainSpec, get_train_spec
+from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.recipe import (
     MicroBatch,
     build_recipe,
@@ -192,7 +192,14 @@ class Trainer:
         self.timeline = build_rank_timeline(
             job_config.metrics, job_config.job.dump_folder, self.device
         )
-        self.checkpointer = CheckpointManager(
+        self.checkpointer = self._build_checkpointer(spec, model_args)
+        self.replicas = self._build_replica_groups()
+        self.validator = self._build_validator(spec)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _build_checkpointer(self, spec: TrainSpec, model_args: BaseModelArgs) -> CheckpointManager:
+        job_config = self.job_config
+        return CheckpointManager(
             job_config.checkpoint,
             dump_folder=job_config.job.dump_folder,
             dataloader=self.dataloader,
@@ -200,14 +207,12 @@ class Trainer:
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self},
-            parallel_dims=parallel_dims,
+            parallel_dims=self.parallel_dims,
             state_dict_adapter=spec.hf_adapter(model_args, job_config.model.hf_assets_path),
             lora=job_config.lora if LORA in job_config.model.converters else None,
+            pending_base=self.recipe.pending_base,
         )
-        self.replicas = self._build_replica_groups()
-        self.validator = self._build_validator(spec)
 
-    # ------------------------------------------------------------------ set-up helpers
     def _build_metrics(self) -> MetricsProcessor:
         job_config = self.job_config
         return MetricsProcessor(
@@ -405,8 +410,8 @@ class Trainer:
             self.checkpointer.create_seed_checkpoint()
             return
         self.checkpointer.load(step=job_config.checkpoint.load_step)
-        if uses_nf4(job_config):
-            quantize_base(self.model_parts)
+        if self.recipe.pending_base is not None:  # QLoRA without a base to load: seeded
+            self.recipe.pending_base.fill(None)
         if self.data_position is not None:
             self.data_position.load_newer(self.step, self.dataloader)
         if self.replicas is not None and self.replicas.per_step:

@@ -15,3 +15,15 @@ def fake_rank1_of_2():
         yield dist.device_mesh.init_device_mesh("cpu", (2,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def single_rank_gloo(tmp_path_factory):
+    """A 1-rank gloo process group for the tests of a module (kept if one exists)."""
+    if dist.is_initialized():
+        yield
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

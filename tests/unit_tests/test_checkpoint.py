@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -28,16 +27,7 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.safe_loading import read_dcp_metadata
 from torchtitan.config import ConfigError, ConfigManager
 
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory):
-    if dist.is_initialized():
-        yield
-        return
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank_gloo")
 
 
 class Net(nn.Module):

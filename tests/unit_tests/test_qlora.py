@@ -20,7 +20,8 @@ from torchtitan.components.qlora import (
     NF4_BYTES_PER_VALUE,
     QUANTIZE_BYTES_PER_VALUE,
     QUANTIZE_SCRATCH_BYTES,
-    quantize_base,
+    PendingBase,
+    own_storage,
 )
 from torchtitan.config import ConfigError, ConfigManager, LoRAConfig
 from torchtitan.layers.lora import merged_weight
@@ -37,15 +38,33 @@ def adapted_llama(targets: list[str]) -> Transformer:
     with torch.device("meta"):
         model = Transformer(DEBUG)
     LoRAConverter(LoRAConfig(rank=4, target_modules=targets), None).convert(model)
+    return model
+
+
+def materialized(model: Transformer) -> Transformer:
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     return model
 
 
+def qlora_llama(targets: list[str], load=None) -> Transformer:
+    """As the trainer makes it: the base weights left on meta, then filled block by block."""
+    model = adapted_llama(targets)
+    pending = PendingBase([model], torch.device("cpu"), seed=0)
+    pending.materialize_except(model, torch.device("cpu"))
+    model.init_weights(seed=0)
+    assert model.layers["0"].attention.wq.weight.is_meta
+    pending.fill(load)
+    assert not pending.fqns
+    return model
+
+
 def test_nf4_base_computes_the_dequantized_weight_and_stays_frozen():
-    model = adapted_llama(["attention", "mlp"])
-    plain = {n: p.detach().clone() for n, p in model.named_parameters()}
-    quantize_base([model])
+    plain = {
+        n: p.detach()
+        for n, p in materialized(adapted_llama(["attention", "mlp"])).named_parameters()
+    }
+    model = qlora_llama(["attention", "mlp"])
     wq = model.layers["0"].attention.wq
     assert isinstance(wq.weight, NF4Tensor) and not wq.weight.requires_grad
     expected = to_nf4(plain["layers.0.attention.wq.weight"])
@@ -82,6 +101,49 @@ def test_nf4_base_computes_the_dequantized_weight_and_stays_frozen():
             assert torch.equal(getattr(params[name], key), value), (name, key)
     state_keys = [k for k in optimizers.state_dict() if k.startswith("state.")]
     assert state_keys and all(".lora_" in k for k in state_keys)
+
+
+def test_the_base_is_made_one_block_at_a_time_from_the_load():
+    """What ``load`` is given is one block's weights, and no other base weight is in full
+    precision meanwhile; the values it writes are the ones quantized."""
+    values = {
+        n: p.detach()
+        for n, p in materialized(adapted_llama(["attention", "mlp"])).named_parameters()
+    }
+    model = adapted_llama(["attention", "mlp"])
+    pending = PendingBase([model], torch.device("cpu"), seed=1)  # the load wins over the seed
+    base = pending.fqns
+    blocks = []
+
+    def load(block: dict[str, torch.Tensor]) -> None:
+        params = dict(model.named_parameters())
+        live = [n for n in base if not params[n].is_meta and not isinstance(params[n], NF4Tensor)]
+        assert sorted(live) == sorted(block)
+        blocks.append(sorted(block))
+        for fqn, tensor in block.items():
+            tensor.copy_(values[fqn])
+
+    pending.materialize_except(model, torch.device("cpu"))
+    model.init_weights(seed=1)
+    pending.fill(load)
+    assert [b[0].split(".")[1] for b in blocks] == [str(i) for i in range(DEBUG.n_layers)]
+    assert all(len(b) == 7 for b in blocks)
+    for name, p in model.named_parameters():
+        if isinstance(p, NF4Tensor):
+            assert torch.equal(p.quantized_data, to_nf4(values[name]).quantized_data), name
+
+
+def test_an_fsdp_row_shard_owns_its_bytes_and_keeps_the_whole_weights_values():
+    """torchao's chunk of an NF4 tensor views the whole weight (every rank would keep all of
+    it) and its clone re-quantizes: the shard is a copy with the whole weight's blocks."""
+    whole = to_nf4(torch.randn(1024, 512), 64, 256)
+    rows = torch.chunk(whole, 4, dim=0)[1]
+    assert rows.quantized_data.untyped_storage().nbytes() == whole.quantized_data.numel()
+    shard = own_storage(rows)
+    for name in shard.__tensor_flatten__()[0]:
+        inner = getattr(shard, name)
+        assert inner.untyped_storage().nbytes() == inner.numel() * inner.element_size(), name
+    assert torch.equal(shard.get_original_weight(), whole.get_original_weight()[256:512])
 
 
 def test_nf4_bytes_per_value():

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from torchtitan.components.hf_checkpoint import HFCheckpointError, load_hf_weights, save_hf_weights
 from torchtitan.components.peft_adapters import load_peft_adapter, save_peft_adapter
+from torchtitan.components.qlora import PendingBase
 from torchtitan.components.safe_loading import (
     MANIFEST_FILE,
     LoadError,
@@ -256,7 +257,9 @@ class CheckpointManager:
     ``initial_load_in_hf`` and ``last_save_in_hf`` (None: the model has none). ``lora``: the
     run trains LoRA adapters on a frozen base (None: it does not); base weights then load
     without adapters, and with ``lora.save_adapters_only`` checkpoints hold the adapters
-    and the run state only, the base loading first at every start. Coordination
+    and the run state only, the base loading first at every start. ``pending_base``: QLoRA's
+    base weights, still on meta: whatever load brings the base fills them (block by block,
+    quantized as they come). Coordination
     uses a dedicated gloo group, so that async saves never interleave with training
     collectives; the data-loader state is gathered over ``parallel_dims.world_mesh["dp"]``.
     """
@@ -274,9 +277,11 @@ class CheckpointManager:
         parallel_dims: ParallelDims,
         state_dict_adapter: StateDictAdapter | None = None,
         lora: LoRAConfig | None = None,
+        pending_base: PendingBase | None = None,
     ) -> None:
         self.config = checkpoint
         self.lora = lora
+        self.pending_base = pending_base
         self.adapters_only = lora is not None and lora.save_adapters_only
         self.state_dict_adapter = state_dict_adapter
         self.enable = self.config.enable
@@ -409,9 +414,14 @@ class CheckpointManager:
         merged: dict[str, Any] = {}
         for part in self.model_parts:
             merged.update(get_model_state_dict(part))
+        for fqn in self._pending_fqns():
+            del merged[fqn]  # on meta until the load fills it
         if keys == "all":
             return merged
         return {k: v for k, v in merged.items() if is_lora_param(k) == (keys == "adapters")}
+
+    def _pending_fqns(self) -> set[str]:
+        return self.pending_base.fqns if self.pending_base is not None else set()
 
     @staticmethod
     def _rng_state() -> dict[str, torch.Tensor]:
@@ -569,7 +579,9 @@ class CheckpointManager:
     def _load_hf(self, path: Path) -> None:
         field = "checkpoint.initial_load_path"
         try:
-            load_hf_weights(self.model_parts, path, self._adapter(field), field)
+            weights = load_hf_weights(self.model_parts, path, self._adapter(field), field)
+            if self.pending_base is not None:
+                self.pending_base.fill(weights.load_into)
         except HFCheckpointError as e:
             raise ConfigError(str(e)) from None
 
@@ -700,7 +712,10 @@ class CheckpointManager:
             tensors["rng"] = {f"rank{self.rank}": {k: current[k] for k in rng_kinds}}
         if tensors:
             self._dcp_load(tensors, path)
-        self._apply_tensors(tensors, strict=keys == "all")
+        pending = self._pending_fqns()
+        self._apply_tensors(tensors, strict=keys == "all" and not pending)
+        if "model" in wanted and keys != "adapters" and pending:
+            self.pending_base.fill(lambda block: self._dcp_load(block, path))
         loaded = [name for name in ("model", "optimizer") if name in wanted]
         loaded += ["rng"] if rng_kinds else []
         loaded += self._apply_json_states(manifest["states"] if manifest else {}, wanted, manifest)

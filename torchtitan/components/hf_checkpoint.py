@@ -13,9 +13,11 @@ exported in ``export_dtype``; buffers (DeepSeek-V3's expert bias) keep their own
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,36 +131,57 @@ def load_hf_weights(
     folder: str | os.PathLike,
     adapter: StateDictAdapter,
     field: str = "checkpoint.initial_load_path",
-) -> None:
+) -> HFWeights:
     """Fill every parameter and persistent buffer of ``model_parts`` (any parallel layout)
-    from a folder of Hugging Face safetensors (+ config.json)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise HFCheckpointError(f"{field}: {folder} is not a folder of Hugging Face safetensors")
-    try:
-        _load_hf_folder(model_parts, folder, adapter, field)
-    except LoadError as e:
-        raise HFCheckpointError(f"{field}: {e}") from None
-    logger.info(f"loaded Hugging Face weights from {folder}")
-
-
-def _load_hf_folder(
-    model_parts: list[nn.Module], folder: Path, adapter: StateDictAdapter, field: str
-) -> None:
-    _check_config(folder, adapter, field)
-    index, shapes = _scan(folder)
-    _check_keys(shapes, adapter, folder, field)
+    from a folder of Hugging Face safetensors (+ config.json). Parameters still on meta
+    (QLoRA's pending base) are left; the returned source fills them later."""
+    weights = HFWeights(folder, adapter, field)
     tensors, _ = _model_tensors(model_parts)
-    for fqn, tensor in tensors.items():
+    weights.load_into({fqn: t for fqn, t in tensors.items() if not t.is_meta})
+    logger.info(f"loaded Hugging Face weights from {folder}")
+    return weights
+
+
+class HFWeights:
+    """A checked folder of Hugging Face safetensors: its config agrees with the adapter and
+    every key converts; ``load_into`` then fills model tensors by FQN."""
+
+    def __init__(self, folder: str | os.PathLike, adapter: StateDictAdapter, field: str):
+        self.folder, self.adapter, self.field = Path(folder), adapter, field
+        if not self.folder.is_dir():
+            raise HFCheckpointError(
+                f"{field}: {self.folder} is not a folder of Hugging Face safetensors"
+            )
+        with self._load_errors():
+            _check_config(self.folder, adapter, field)
+            self.index, shapes = _scan(self.folder)
+            _check_keys(shapes, adapter, self.folder, field)
+
+    @torch.no_grad()
+    def load_into(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill each tensor (possibly a DTensor: this rank's piece) with its converted value."""
+        with self._load_errors():
+            for fqn, tensor in tensors.items():
+                copy_full_into(tensor, self._value(fqn, tensor))
+
+    @contextlib.contextmanager
+    def _load_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except LoadError as e:
+            raise HFCheckpointError(f"{self.field}: {e}") from None
+
+    def _value(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        field, folder = self.field, self.folder
         full_shape = tensor.shape  # a DTensor's shape is the global one
-        hf_keys = _hf_keys_of(adapter, fqn, tensor, field)
-        missing = [k for k in hf_keys if k not in index]
+        hf_keys = _hf_keys_of(self.adapter, fqn, tensor, field)
+        missing = [k for k in hf_keys if k not in self.index]
         if missing:
             raise HFCheckpointError(
                 f"{field}: missing key {_describe(missing)} (for {fqn}) in {folder}"
             )
         try:
-            value = adapter.from_hf(_read(index, hf_keys)).get(fqn)
+            value = self.adapter.from_hf(_read(self.index, hf_keys)).get(fqn)
         except (ValueError, RuntimeError) as e:
             raise HFCheckpointError(f"{field}: {_describe(hf_keys)} (for {fqn}): {e}") from None
         if value is None:
@@ -173,7 +196,7 @@ def _load_hf_folder(
                 f"{field}: {_describe(hf_keys)} is {value.dtype} for {fqn}, "
                 f"the model has {tensor.dtype}"
             )
-        copy_full_into(tensor, value)
+        return value
 
 
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

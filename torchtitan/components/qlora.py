@@ -2,18 +2,23 @@
 linear as a torchao ``NF4Tensor`` (4-bit NormalFloat in blocks of 64 values, block scales
 double-quantized in groups of 256), dequantized to the compute dtype inside each matmul.
 
-The base is quantized once its values are final (after the initial load or the resume):
-each weight is gathered, quantized whole and split into its FSDP rows. Quantizing the whole
-tensor keeps its one scale mean and every block exactly as one process quantizes it, so every
-layout trains the same NF4 model; the cost is one full weight per rank while it is quantized.
-FSDP all-gathers the shards' NF4 bytes (torchao's ``fsdp_pre_all_gather``), so the gathered
-weight is 4-bit too. Layouts NF4 does not support are refused by ``check_qlora`` at preflight.
+The full-precision base never exists whole: the recipe leaves the adapted linears' weights
+on meta (``PendingBase``) and, once the rest of the model is in place, they are made one
+block at a time: allocated (this rank's shards), filled from the initial checkpoint (DCP or
+Hugging Face) or the seeded initialisation, quantized, and the block's full-precision bytes
+freed. Each weight is gathered and quantized whole, then split into its FSDP rows: that
+keeps its one scale mean and every block exactly as one process quantizes it, so every
+layout trains the same NF4 model. Each rank keeps its rows only (a copy, not views of the
+whole). FSDP all-gathers the shards' NF4 bytes (torchao's ``fsdp_pre_all_gather``), so the
+gathered weight is 4-bit too. Layouts NF4 does not support are refused by ``check_qlora``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +26,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.layers.lora import adapted_linears
+from torchtitan.layers.init import clean_fqn
+from torchtitan.layers.lora import has_lora
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
@@ -102,22 +108,94 @@ def check_qlora(
             )
 
 
-def quantize_base(model_parts: list[nn.Module]) -> None:
-    """Replace the base weight of every adapted linear by its NF4 quantization (a collective
-    under FSDP: call it on every rank, after the base is loaded)."""
-    to_nf4 = import_to_nf4()
-    linears = adapted_linears(model_parts)
-    before = after = 0
-    for linear in linears.values():
-        weight = linear.weight
-        before += _local(weight).numel() * weight.element_size()
-        quantized = _quantized(weight, to_nf4)
-        linear.weight = nn.Parameter(quantized, requires_grad=False)
-        after += round(_local(quantized).numel() * NF4_BYTES_PER_VALUE)
-    logger.info(
-        f"lora: the base weights of {len(linears)} adapted linears are NF4 now "
-        f"({before / 2**20:,.1f} MiB -> {after / 2**20:,.1f} MiB on this rank)"
-    )
+class PendingBase:
+    """The adapted linears' base weights while they are still on meta under QLoRA, by block
+    (``layers.N``; a root linear is a group of its own). ``materialize_except`` allocates a
+    model part without them, ``fill`` makes them NF4 a block at a time."""
+
+    def __init__(self, model_parts: list[nn.Module], device: torch.device, seed: int | None):
+        self.device, self.seed = device, seed
+        self._groups: dict[str, list[_Base]] = {}
+        for part in model_parts:
+            for prefix, module in part.named_modules():
+                if has_lora(module):
+                    fqn = f"{clean_fqn(prefix)}.weight"
+                    group = _BLOCK.match(fqn)
+                    key = group.group(1) if group else fqn
+                    self._groups.setdefault(key, []).append(_Base(part, module, fqn))
+        self._ids = {id(b.linear.weight) for bases in self._groups.values() for b in bases}
+
+    @property
+    def fqns(self) -> set[str]:
+        """The weights still pending (empty once filled)."""
+        return {b.fqn for bases in self._groups.values() for b in bases}
+
+    def materialize_except(self, part: nn.Module, device: torch.device) -> None:
+        """``part.to_empty(device)`` for everything but the pending weights (kept on meta)."""
+        part._apply(  # what nn.Module.to_empty does, with the pending weights left on meta
+            lambda t: torch.empty_like(t, device="meta" if id(t) in self._ids else device)
+        )
+
+    def fill(self, load: Callable[[dict[str, torch.Tensor]], None] | None) -> None:
+        """Make every pending weight NF4, block by block: allocate the block (this rank's
+        shards, in the meta weights' dtype), fill it with ``load`` (a checkpoint's values,
+        in place) or else the seeded initialisation (seed None: leave it unset, as a
+        fake-tensor trace does), quantize each weight, free the block. A collective under
+        FSDP: call it on every rank."""
+        if not self._groups:
+            return
+        to_nf4 = import_to_nf4()
+        before = after = largest_block = 0
+        for bases in self._groups.values():
+            block = {b.fqn: b.allocate(self.device) for b in bases}
+            if load is not None:
+                load(block)
+            elif self.seed is not None:
+                bases[0].part.init_parameters(self.seed, set(block))
+            block_bytes = sum(_local(w).numel() * w.element_size() for w in block.values())
+            before, largest_block = before + block_bytes, max(largest_block, block_bytes)
+            for base in bases:
+                weight = block.pop(base.fqn)
+                quantized = _quantized(weight, to_nf4)
+                base.linear.weight = nn.Parameter(quantized, requires_grad=False)
+                # freed now, whoever still refers to it (the estimator's fake tensors included)
+                _local(weight).untyped_storage().resize_(0)
+                after += round(_local(quantized).numel() * NF4_BYTES_PER_VALUE)
+        logger.info(
+            f"lora: the base weights of {len(self._ids)} adapted linears are NF4 now "
+            f"({before / 2**20:,.1f} MiB -> {after / 2**20:,.1f} MiB on this rank; made a "
+            f"block at a time, at most {largest_block / 2**20:,.1f} MiB in full precision)"
+        )
+        self._groups, self._ids = {}, set()
+
+
+_BLOCK = re.compile(r"^(layers\.[^.]+)\.")
+
+
+@dataclass
+class _Base:
+    part: nn.Module
+    linear: nn.Module
+    fqn: str
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        """An uninitialised weight like the meta one (a DTensor: this rank's shard), set on
+        the linear so that the model's init rules can find it by FQN."""
+        meta = self.linear.weight
+        if isinstance(meta, DTensor):
+            local = torch.empty_like(meta.to_local(), device=device)
+            weight = DTensor.from_local(
+                local,
+                meta.device_mesh,
+                meta.placements,
+                shape=meta.shape,
+                stride=meta.stride(),
+                run_check=False,
+            )
+        else:
+            weight = torch.empty_like(meta, device=device)
+        self.linear.weight = nn.Parameter(weight, requires_grad=False)
+        return self.linear.weight
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -132,10 +210,17 @@ def _quantized(weight: torch.Tensor, to_nf4: Callable[..., Any]) -> torch.Tensor
     local = to_nf4(weight.full_tensor().contiguous(), BLOCK, SCALER_BLOCK)
     for mesh_dim, placement in enumerate(placements):
         if placement.is_shard():  # Shard(0): FSDP's rows (check_qlora refuses TP)
-            local = torch.chunk(local, mesh.size(mesh_dim), dim=0)[mesh.get_local_rank(mesh_dim)]
-    # FSDP keeps the old shard as a view of its padded storage: freeing that storage returns
-    # the high-precision bytes and lets FSDP's lazy init adopt the new (NF4) shard.
-    weight.to_local().untyped_storage().resize_(0)
+            rows = torch.chunk(local, mesh.size(mesh_dim), dim=0)[mesh.get_local_rank(mesh_dim)]
+            local = own_storage(rows)
     return DTensor.from_local(
         local, mesh, placements, shape=weight.shape, stride=weight.stride(), run_check=False
     )
+
+
+def own_storage(nf4: torch.Tensor) -> torch.Tensor:
+    """An NF4 tensor holding copies of its inner tensors. torchao's chunk returns views of
+    the whole weight's storage (each rank would keep the whole weight alive), and its clone
+    re-quantizes the rows on their own (other values): neither will do."""
+    names, context = nf4.__tensor_flatten__()
+    inner = {name: getattr(nf4, name).clone() for name in names}
+    return type(nf4).__tensor_unflatten__(inner, context, nf4.size(), nf4.stride())

@@ -200,7 +200,7 @@ class AnalyticEstimate:
 
 
 Shape = tuple[int, int, str]
-BASE_LOAD = "base load (before NF4)"  # QLoRA's start: the phase no trace covers
+BASE_LOAD = "base load (made NF4 block by block)"  # QLoRA's start: no trace covers it
 
 
 def training_peak(estimate: AnalyticEstimate) -> tuple[int, str]:
@@ -265,12 +265,14 @@ def _root_adapter_shapes(g: Geometry, lora: LoRA | None, last: bool) -> list[Sha
 @dataclass(frozen=True)
 class _NF4Bases:
     """QLoRA's NF4 base weights on a stage (all 0 without): TP-local numel per block and of
-    the root, the stage's FSDP-sharded numel, and the largest one (dequantized one at a time)."""
+    the root, the stage's FSDP-sharded numel, the largest one (dequantized one at a time)
+    and the largest group made at once at the start (a block, or the root's)."""
 
     layer_local: float = 0
     root_local: float = 0
     stage_sharded: float = 0
     largest: float = 0
+    group_sharded: float = 0
 
 
 def _nf4_bases(g: Geometry, lay: Layout, run: Run, layers: int, last: bool) -> _NF4Bases:
@@ -285,7 +287,13 @@ def _nf4_bases(g: Geometry, lay: Layout, run: Run, layers: int, last: bool) -> _
         _local_numel(root, lay),
     )
     largest = max((_local_numel([s], lay)[0] for s in block + root), default=0)
-    return _NF4Bases(layer_local, root_local, layers * layer_sharded + root_sharded, largest)
+    return _NF4Bases(
+        layer_local,
+        root_local,
+        layers * layer_sharded + root_sharded,
+        largest,
+        max(layer_sharded, root_sharded),
+    )
 
 
 def _ac_kept(
@@ -530,7 +538,7 @@ class _Stage:
     kept: float  # what one block keeps under the configured AC (mean over blocks)
     recompute: float  # what a recomputed block rebuilds in its backward (0 without AC)
     ring_backward: float  # CP ring attention's backward temporaries
-    base_load: float  # QLoRA: the unquantized base and one weight being quantized (0 without)
+    base_load: float  # QLoRA: the NF4 base, one fp32 block and one weight being quantized
 
 
 def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> _Stage:
@@ -571,11 +579,13 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         output_copy = 0 if nf4.root_local else a * g.vocab_size * g.dim / lay.tp
         u_root = a * trained_stage_local + (output_copy if last else 0)
         frozen_copies = a * (layer_local - trained_layer[0] - nf4.layer_local)
-    a_in = a * tokens * g.dim / lay.tp
+    # a block's input: the residual stream, fp32 without FSDP (autocast keeps fp32 weights)
+    a_in = (a if lay.fsdp else 4) * tokens * g.dim / lay.tp
     a_layer = _layer_activation_bytes(g, lay, run, a, tokens) + frozen_copies
     kept, recompute = _ac_kept(g, lay, run, tokens, a_in, a_layer)
+    weights = 4 * params_sharded - (4 - NF4_BYTES_PER_VALUE) * nf4.stage_sharded
     return _Stage(
-        4 * params_sharded - (4 - NF4_BYTES_PER_VALUE) * nf4.stage_sharded,
+        weights,
         4 * trained_sharded,
         8 * trained_sharded,
         u_layer,
@@ -593,8 +603,14 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         kept,
         recompute,
         _ring_backward_bytes(g, lay, run, batch, tokens),
-        # QLoRA's start: the fp32 base, and one gathered weight being quantized
-        4 * params_sharded + QUANTIZE_BYTES_PER_VALUE * nf4.largest + QUANTIZE_SCRATCH_BYTES
+        # QLoRA's start (components/qlora.PendingBase), bounded at its last block: the NF4
+        # base, that block in fp32 (shards) and one gathered weight being quantized. (A Hugging
+        # Face load's transient, the full value read and cast to fp32, is smaller: 6-8 bytes
+        # per value of one weight against quantization's 9.6.)
+        weights
+        + 4 * nf4.group_sharded
+        + QUANTIZE_BYTES_PER_VALUE * nf4.largest
+        + QUANTIZE_SCRATCH_BYTES
         if nf4.largest
         else 0,
     )
@@ -681,7 +697,7 @@ def _pipeline_held(
     stage_local = st.layers * st.layer_local + st.root_local
     a = run.param_bytes
     params, grads = (a * stage_local, 4 * st.trained_stage_local) if lay.fsdp else (0.0, st.grads)
-    boundary = (a if lay.fsdp else 4) * st.a_in / a  # a micro-batch's block output
+    boundary = st.a_in  # a micro-batch's block output
     micro = max(1, run.local_batch // run.pp_microbatch)
     buffers = micro * boundary * ((not first) + (not last))
     return params, grads, buffers

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.components.qlora import quantize_base, uses_nf4
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.preflight import preflight
@@ -53,11 +52,11 @@ def materialize_as_trained(
     *,
     seed: int | None,
 ) -> Recipe:
-    """The recipe as its first step sees it: under QLoRA with the base quantized to NF4 (the
-    trainer does so after loading the base, which the estimator skips)."""
+    """The recipe as its first step sees it: under QLoRA with the base made NF4 (the trainer
+    fills it from the loaded base, which the estimator skips)."""
     recipe = materialize(meta, job_config, parallel_dims, device, seed=seed)
-    if uses_nf4(job_config):
-        quantize_base(recipe.model_parts)
+    if recipe.pending_base is not None:
+        recipe.pending_base.fill(None)
     return recipe
 
 

@@ -49,7 +49,7 @@ def closed_form_of(
 
 def analytic_lines(closed_form: analytic.AnalyticEstimate | str, traced: int) -> list[str]:
     """The closed form beside the trace; under QLoRA the training phases beside the trace,
-    and the start (the fp32 base before NF4), which only the closed form models."""
+    and the start (the base made NF4 block by block), which only the closed form models."""
     if isinstance(closed_form, str):
         return [closed_form]
     load = closed_form.phases.get(analytic.BASE_LOAD)
@@ -58,7 +58,7 @@ def analytic_lines(closed_form: analytic.AnalyticEstimate | str, traced: int) ->
     peak, phase = analytic.training_peak(closed_form)
     training = dataclasses.replace(closed_form, peak_bytes=peak, phase=phase)
     return report.analytic_lines(traced, training) + [
-        f"QLoRA start (closed form; not traced): the fp32 base before NF4 quantization needs "
+        f"QLoRA start (closed form; not traced): making the base NF4 block by block needs "
         f"{report.size(load)} per rank"
     ]
 

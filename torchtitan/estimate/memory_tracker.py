@@ -115,18 +115,24 @@ class _EstimationTrackerMixin:
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     # ------------------------------------------------------------ bookkeeping
+    def _device_snaps(self) -> dict[torch.device, dict[Any, int]]:
+        """The current bytes per device, without the meta device, which holds none (QLoRA's
+        base weights sit there until they are made NF4, and FSDP refers to the meta ones
+        until its lazy init)."""
+        return {d: snap for d, snap in self._curr_mem_snap.items() if d.type != "meta"}
+
     def _current_total(self) -> int:
-        return sum(snap[TOTAL] for snap in self._curr_mem_snap.values())
+        return sum(snap[TOTAL] for snap in self._device_snaps().values())
 
     def _current_breakdown(self) -> dict[str, int]:
         breakdown: dict[str, int] = {}
-        for snap in self._curr_mem_snap.values():
+        for snap in self._device_snaps().values():
             for category, nbytes in _category_bytes(snap).items():
                 breakdown[category] = breakdown.get(category, 0) + nbytes
         return breakdown
 
     def _current_activations(self) -> int:
-        return sum(snap.get(self._ref_class.ACT, 0) for snap in self._curr_mem_snap.values())
+        return sum(snap.get(self._ref_class.ACT, 0) for snap in self._device_snaps().values())
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
@@ -146,7 +152,7 @@ class _EstimationTrackerMixin:
         """The global peak only: torch's version also keeps a peak snapshot per tracked module
         on every op, which nothing here reads and which took ~45% of a large trace."""
         before = dict(self._peak_mem)
-        for device, snap in self._curr_mem_snap.items():
+        for device, snap in self._device_snaps().items():
             if self._peak_mem.get(device, 0) < snap[TOTAL]:
                 self._peak_mem[device] = snap[TOTAL]
                 self._peak_mem_snap[device] = copy.deepcopy(snap)
@@ -187,7 +193,8 @@ class _EstimationTrackerMixin:
         return fqn
 
     def result(self) -> TrackerResult:
-        device, snap = max(self._peak_mem_snap.items(), key=lambda kv: kv[1][TOTAL])
+        real = {d: snap for d, snap in self._peak_mem_snap.items() if d.type != "meta"}
+        device, snap = max(real.items(), key=lambda kv: kv[1][TOTAL])
         return TrackerResult(
             peak_bytes=snap[TOTAL],
             breakdown=_category_bytes(snap),

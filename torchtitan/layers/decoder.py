@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,9 +170,17 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, MoE):
                 module.reset_buffers()
+        self.init_parameters(seed)
+
+    def init_parameters(self, seed: int, fqns: Collection[str] | None = None) -> None:
+        """Initialise the parameters named by ``fqns`` (unwrapped FQNs; None: all) from
+        ``(seed, FQN)``. Parameters still on meta are skipped: QLoRA's base weights, which
+        are made a block at a time later (``components/qlora.PendingBase``)."""
         own_rules = self._module_init_fns()
         for name, param in self.named_parameters():
             fqn = clean_fqn(name)
+            if param.is_meta or (fqns is not None and fqn not in fqns):
+                continue
             init_param_(param, fqn, seed, own_rules.get(fqn) or self._init_fn(fqn))
 
     def _module_init_fns(self) -> dict[str, InitFn]:

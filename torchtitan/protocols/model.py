@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -73,3 +74,7 @@ class ModelProtocol(Protocol):
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter from a generator seeded by (seed, FQN), so that
         any parallel layout starts from exactly the single-process weights."""
+
+    def init_parameters(self, seed: int, fqns: Collection[str] | None = None) -> None:
+        """Initialise only the parameters named by ``fqns`` (all: None), as ``init_weights``
+        does; parameters still on meta are skipped."""
