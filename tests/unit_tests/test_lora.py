@@ -10,13 +10,17 @@ import torch
 from torchtitan.components.lora import LoRAConverter, select_targets
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import ConfigError, ConfigManager, LoRAConfig
+from torchtitan.distributed.parallel_dims import parallel_dims_from_config
 from torchtitan.layers.lora import merged_weight
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.qwen3.flavors import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.protocols.model_converter import ModelConvertersContainer
+from torchtitan.tools.compile import compile_blocks
 
 TINY = llama3_flavors["debugmodel_tiny"]  # 4 layers
+EMULATED_FLOAT8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate"]
 
 
 def llama(lora: LoRAConfig | None = None, device: str = "meta") -> Transformer:
@@ -125,3 +129,62 @@ def test_merged_weight_computes_the_adapted_layer():
     torch.testing.assert_close(
         model(x), x @ linear.weight.T + 2.0 * (x @ linear.lora_a.T @ linear.lora_b.T)
     )
+
+
+def float8_llama(lora: LoRAConfig | None) -> Transformer:
+    """The tiny Llama 3 with emulated float8 base linears (the float8 converter runs first,
+    as model.converters = ["float8", "lora"] orders it), adapters on attention + MLP."""
+    config = ConfigManager().parse_args(EMULATED_FLOAT8)
+    with torch.device("meta"):
+        model = Transformer(TINY)
+    ModelConvertersContainer(
+        config, parallel_dims_from_config(config.parallelism, config.fault_tolerance, 1)
+    ).convert(model)
+    if lora is not None:
+        LoRAConverter(lora, None).convert(model)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    return model
+
+
+def test_adapters_on_float8_base_linears_train_and_leave_the_base_untouched():
+    from torchao.float8.float8_linear import Float8Linear
+
+    base = float8_llama(None)
+    model = float8_llama(LoRAConfig(rank=4, target_modules=["attention", "mlp"]))
+    adapted = [m for m in model.modules() if hasattr(m, "lora_a")]
+    assert len(adapted) == 28 and all(isinstance(m, Float8Linear) for m in adapted)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(base(tokens), model(tokens))  # B = 0 on top of the same float8 matmuls
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizers = build_optimizers([model], ConfigManager().parse_args([]).optimizer, None)
+    for _ in range(3):
+        optimizers.zero_grad()
+        model(tokens).logsumexp(-1).mean().backward()
+        optimizers.step()
+    for name, param in model.named_parameters():
+        if name in frozen:
+            assert param.grad is None and torch.equal(param, frozen[name]), name
+        else:
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+    assert not torch.equal(base(tokens), model(tokens))
+
+
+def test_compiled_blocks_with_adapters_give_the_eager_loss_and_gradients():
+    """Per-block compile traces the adapters' forward hook into each block's graph."""
+    lora = LoRAConfig(rank=4, target_modules=["attention", "mlp", "output"])
+    eager, compiled = llama(lora, "cpu"), llama(lora, "cpu")
+    with torch.no_grad():
+        for a, b in zip(eager.parameters(), compiled.parameters()):
+            if a.requires_grad:  # B non-zero: the adapters change the output
+                a.normal_(std=0.1)
+                b.copy_(a)
+    compile_blocks(compiled.layers, backend="aot_eager")
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for model in (eager, compiled):
+        model(tokens).logsumexp(-1).mean().backward()
+    torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        if a.requires_grad:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert compiled.layers["0"]._compiled_call_impl is not None
