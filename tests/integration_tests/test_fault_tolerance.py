@@ -169,11 +169,14 @@ def test_a_killed_group_rejoins_from_the_survivor_with_identical_weights(lightho
 
     alone = [r for r in _steps(tmp_path, 0) if r["replica_groups"] == 1]
     survivor_records = _steps(tmp_path, 0)
-    assert [r["step"] for r in survivor_records] == list(
-        range(1, steps + 1)
-    )  # no step lost or repeated
+    first = survivor_records[0]["step"]
+    # no step lost or repeated; on a busy machine group 1 may reach the first quorum alone,
+    # and group 0 then joins by healing from it: group 1 alone trained the steps before
+    assert [r["step"] for r in survivor_records] == list(range(first, steps + 1))
+    assert [r["step"] for r in _steps(tmp_path, 1)][: first - 1] == list(range(1, first))
+    assert first <= killed_at, "group 0 joined after the kill: the test would mean nothing"
     assert survivor_records[-1]["replica_groups"] == 2, "the relaunched group never rejoined"
-    before = max(r["loss"] for r in survivor_records[killed_at - 3 : killed_at])
+    before = max(r["loss"] for r in survivor_records if killed_at - 3 < r["step"] <= killed_at)
     assert all(r["loss"] < before * 1.1 for r in alone), "the survivor's loss jumped after the kill"
     assert_loss_falls(survivor_records)
     assert (
