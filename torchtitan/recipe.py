@@ -267,7 +267,7 @@ def materialize(
     pending = PendingBase(meta.model_parts, target, seed) if uses_nf4(job_config) else None
     for part in meta.model_parts:
         if pending is not None:
-            pending.materialize_except(part, target)
+            pending.materialize_except(part)
         else:
             part.to_empty(device=target)
         if seed is not None:

@@ -91,6 +91,24 @@ def test_only_adapters_train():
     assert len(trainable) == 2 * 17
 
 
+def train_three_steps(model: torch.nn.Module, tokens: torch.Tensor, optimizer_args=()):
+    """Three AdamW steps; the frozen base gets no gradient and stays bitwise as it was, every
+    adapter gets a gradient. Returns the optimizers."""
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    config = ConfigManager().parse_args(list(optimizer_args))
+    optimizers = build_optimizers([model], config.optimizer, None)
+    for _ in range(3):
+        optimizers.zero_grad()
+        model(tokens).logsumexp(-1).mean().backward()
+        optimizers.step()
+    for name, param in model.named_parameters():
+        if name in frozen:
+            assert param.grad is None and torch.equal(param, frozen[name]), name
+        else:
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+    return optimizers
+
+
 def test_step_zero_is_the_base_model_and_training_leaves_the_base_untouched():
     base = llama(device="cpu")
     model = llama(LoRAConfig(rank=4, target_modules=["attention", "mlp", "output"]), "cpu")
@@ -101,16 +119,7 @@ def test_step_zero_is_the_base_model_and_training_leaves_the_base_untouched():
             assert not param.any()
         elif name.endswith("lora_a"):
             assert param.abs().max() <= param.shape[1] ** -0.5 and param.std() > 0
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    config = ConfigManager().parse_args(["--optimizer.weight_decay", "0.1"])
-    optimizers = build_optimizers([model], config.optimizer, None)
-    for _ in range(3):
-        optimizers.zero_grad()
-        model(tokens).logsumexp(-1).mean().backward()
-        optimizers.step()
-    for name, param in model.named_parameters():
-        if name in frozen:
-            assert param.grad is None and torch.equal(param, frozen[name]), name
+    optimizers = train_three_steps(model, tokens, ["--optimizer.weight_decay", "0.1"])
     assert not torch.equal(base(tokens), model(tokens))  # the adapters did train
     state_keys = [k for k in optimizers.state_dict() if k.startswith("state.")]
     assert state_keys and all(".lora_" in k for k in state_keys)
@@ -156,17 +165,7 @@ def test_adapters_on_float8_base_linears_train_and_leave_the_base_untouched():
     assert len(adapted) == 28 and all(isinstance(m, Float8Linear) for m in adapted)
     tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(base(tokens), model(tokens))  # B = 0 on top of the same float8 matmuls
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    optimizers = build_optimizers([model], ConfigManager().parse_args([]).optimizer, None)
-    for _ in range(3):
-        optimizers.zero_grad()
-        model(tokens).logsumexp(-1).mean().backward()
-        optimizers.step()
-    for name, param in model.named_parameters():
-        if name in frozen:
-            assert param.grad is None and torch.equal(param, frozen[name]), name
-        else:
-            assert param.grad is not None and param.grad.abs().sum() > 0, name
+    train_three_steps(model, tokens)
     assert not torch.equal(base(tokens), model(tokens))
 
 

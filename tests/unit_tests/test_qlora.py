@@ -51,7 +51,7 @@ def qlora_llama(targets: list[str], load=None) -> Transformer:
     """As the trainer makes it: the base weights left on meta, then filled block by block."""
     model = adapted_llama(targets)
     pending = PendingBase([model], torch.device("cpu"), seed=0)
-    pending.materialize_except(model, torch.device("cpu"))
+    pending.materialize_except(model)
     model.init_weights(seed=0)
     assert model.layers["0"].attention.wq.weight.is_meta
     pending.fill(load)
@@ -123,7 +123,7 @@ def test_the_base_is_made_one_block_at_a_time_from_the_load():
         for fqn, tensor in block.items():
             tensor.copy_(values[fqn])
 
-    pending.materialize_except(model, torch.device("cpu"))
+    pending.materialize_except(model)
     model.init_weights(seed=1)
     pending.fill(load)
     assert [b[0].split(".")[1] for b in blocks] == [str(i) for i in range(DEBUG.n_layers)]

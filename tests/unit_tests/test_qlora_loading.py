@@ -53,7 +53,7 @@ def qlora_start(folder: Path, *args: str) -> Transformer:
         model = Transformer(DEBUG)
     LoRAConverter(LoRAConfig(rank=4, target_modules=["attention", "mlp"]), None).convert(model)
     pending = PendingBase([model], CPU, seed=0)
-    pending.materialize_except(model, CPU)
+    pending.materialize_except(model)
     model.init_weights(seed=0)
     dims = single_process_dims()
     manager = CheckpointManager(

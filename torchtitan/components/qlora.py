@@ -130,10 +130,10 @@ class PendingBase:
         """The weights still pending (empty once filled)."""
         return {b.fqn for bases in self._groups.values() for b in bases}
 
-    def materialize_except(self, part: nn.Module, device: torch.device) -> None:
+    def materialize_except(self, part: nn.Module) -> None:
         """``part.to_empty(device)`` for everything but the pending weights (kept on meta)."""
         part._apply(  # what nn.Module.to_empty does, with the pending weights left on meta
-            lambda t: torch.empty_like(t, device="meta" if id(t) in self._ids else device)
+            lambda t: torch.empty_like(t, device="meta" if id(t) in self._ids else self.device)
         )
 
     def fill(self, load: Callable[[dict[str, torch.Tensor]], None] | None) -> None:
@@ -158,7 +158,7 @@ class PendingBase:
                 weight = block.pop(base.fqn)
                 quantized = _quantized(weight, to_nf4)
                 base.linear.weight = nn.Parameter(quantized, requires_grad=False)
-                # freed now, whoever still refers to it (the estimator's fake tensors included)
+                # the block's fp32 bytes go now, not when the last reference to them drops
                 _local(weight).untyped_storage().resize_(0)
                 after += round(_local(quantized).numel() * NF4_BYTES_PER_VALUE)
         logger.info(
