@@ -40,6 +40,9 @@ BASE_OVERRIDES = [
     "7",
 ]
 
+FULL_LOGITS = ["--training.loss_chunk_size", "0"]
+"""The loss on the whole logits: the references run it, every layout the chunked default."""
+
 
 def train(
     nproc: int,

@@ -29,11 +29,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.batch import MicroBatch, model_inputs
+from torchtitan.components.loss import bind_output, build_loss_fn
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.qlora import PendingBase, uses_nf4
 from torchtitan.config import (
-    CompileConfig,
     ConfigError,
     JobConfig,
     ParallelismConfig,
@@ -49,7 +49,6 @@ from torchtitan.layers.moe import moe_layers
 from torchtitan.protocols import ModelConvertersContainer, TrainSpec
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.protocols.tokenizer import BaseTokenizer
-from torchtitan.tools.compile import compile_loss
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
@@ -121,15 +120,6 @@ def model_args_from_config(
         moe_force_load_balance=job_config.debug.moe_force_load_balance,
     )
     return model_args
-
-
-def build_loss_fn(spec: TrainSpec, compile_config: CompileConfig) -> GlobalTokenMeanLoss:
-    """The spec's summed loss (compiled if asked), divided per step by the global batch's
-    valid tokens (``train_step`` sets the divisor)."""
-    loss_fn = spec.build_loss_fn()
-    if compile_config.enable and "loss" in compile_config.components:
-        loss_fn = compile_loss(loss_fn, compile_config.backend)
-    return GlobalTokenMeanLoss(loss_fn)
 
 
 def parallelize_settings(job_config: JobConfig) -> dict[str, Any]:
@@ -204,7 +194,9 @@ def build_meta_model(
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
     accum = grad_accumulation_steps(job_config.training, parallel_dims)
     set_moe_aux_loss_scale(model, accum)
-    loss_fn = build_loss_fn(spec, job_config.compile)
+    loss_fn = build_loss_fn(
+        job_config.training, job_config.compile, spec, model, device.type, parallel_dims.tp
+    )
     settings = parallelize_settings(job_config)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     pipeline = None
@@ -222,6 +214,7 @@ def build_meta_model(
     else:
         parts = [spec.parallelize_fn(model, parallel_dims, **settings)]
     keep_frozen(parts, frozen)
+    bind_output(loss_fn, parts)
     return MetaModel(
         spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token
     )

@@ -237,7 +237,7 @@ class Trainer:
             reset_positions=job_config.training.reset_position_ids_per_document,
             parallel_dims=self.parallel_dims,
             tokenizer=self.tokenizer,
-            loss_fn=spec.build_loss_fn(),
+            loss_fn=self.recipe.loss_fn.loss_sum,
             train_context=self.recipe.train_context,
             metrics_processor=self.metrics,
             pipeline=self._pipeline_eval(),

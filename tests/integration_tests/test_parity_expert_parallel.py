@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tests.launcher import REPO_ROOT, run_torchrun
-from tests.parity import assert_loss_falls, assert_parity, train
+from tests.parity import FULL_LOGITS, assert_loss_falls, assert_parity, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -32,7 +32,7 @@ CASES = {
 
 @pytest.fixture(scope="session")
 def forced_reference(tmp_path_factory):
-    records = train(1, tmp_path_factory.mktemp("deepseek_forced"), FORCED)
+    records = train(1, tmp_path_factory.mktemp("deepseek_forced"), FORCED + FULL_LOGITS)
     assert_loss_falls(records)
     return records
 

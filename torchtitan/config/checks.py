@@ -21,6 +21,11 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("training.max_norm", lambda v: v > 0, "must be > 0"),
     ("training.gc_freq", lambda v: v >= 1, "must be >= 1"),
     ("training.data_shards", lambda v: v >= 1, "must be >= 1"),
+    (
+        "training.loss_chunk_size",
+        lambda v: v >= -1,
+        "must be -1 (auto), 0 (full logits) or the tokens per chunk",
+    ),
     ("training.dataloader.num_workers", lambda v: v >= 0, "must be >= 0"),
     ("validation.dataloader.num_workers", lambda v: v >= 0, "must be >= 0"),
     ("optimizer.lr", lambda v: v > 0, "must be > 0"),
@@ -180,6 +185,7 @@ def check_job_config(config: Any) -> None:
         )
     _check_profiler_schedule(config.profiling)
     _check_training_dtype(config.training)
+    _check_loss_kernel(config.training, config.parallelism)
     ac_error = check_ac_config(
         config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
     )
@@ -322,6 +328,26 @@ def _check_training_dtype(training: Any) -> None:
             f"training.mixed_precision_param={training.mixed_precision_param!r} with "
             "training.dtype='bfloat16': parameters are already bf16; set mixed_precision_param "
             "to bfloat16 or training.dtype to float32"
+        )
+
+
+def _check_loss_kernel(training: Any, parallelism: Any) -> None:
+    if training.loss_kernel != "liger":
+        return
+    if training.loss_chunk_size == 0:
+        raise ConfigError(
+            "training.loss_kernel='liger': is a chunked loss; training.loss_chunk_size=0 asks "
+            "for the full logits (set it to -1 or leave loss_kernel at 'native')"
+        )
+    if parallelism.tensor_parallel_degree > 1:
+        raise ConfigError(
+            "training.loss_kernel='liger': Liger Kernel's loss knows no vocabulary shards; "
+            "use 'native' under tensor parallel"
+        )
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError(
+            "training.loss_kernel='liger': the liger-kernel package is not installed "
+            "(pip install liger-kernel, CUDA only), or use 'native'"
         )
 
 

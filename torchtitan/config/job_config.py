@@ -292,6 +292,17 @@ class TrainingConfig:
     """Sequences shuffled among each other: consecutive blocks of this many; 0 = a whole pass
     over each store."""
 
+    loss_chunk_size: int = -1
+    """Cross-entropy without the full logits: the output projection and the loss run this
+    many tokens at a time, the backward recomputes each chunk's logits (layers/loss.py); the
+    numbers are those of the full path. -1 = ceil(vocabulary / dim) chunks per micro-batch
+    (the local vocabulary under tensor parallel), or the full path where the output layer is
+    float8 or carries LoRA adapters; 0 = the full logits."""
+
+    loss_kernel: Literal["native", "liger"] = "native"
+    """The chunked loss's kernel: native (every device and layout), or liger (Liger Kernel's
+    fused linear cross-entropy; CUDA with liger-kernel installed, no tensor parallel)."""
+
     cpu_low_precision: Literal["auto", "force"] = "auto"
     """Training on the CPU: "auto" computes in bfloat16 / float16 (mixed_precision_param,
     mixed_precision_reduce, dtype) only where this CPU runs that dtype's matmuls natively

@@ -122,6 +122,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict(layers)
         self.norm: nn.RMSNorm | None = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        self.hidden_output = False
         self.tie_embeddings()
 
     def precompute_rope_cache(self, device: torch.device | None = None) -> torch.Tensor:
@@ -150,7 +151,9 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """``tokens`` ``[batch, seq]`` (or hidden states ``[batch, seq, dim]`` when this
         stage has no embedding) -> logits ``[batch, seq, vocab]`` (or hidden states when it
-        has no output). ``positions``: see :func:`~torchtitan.layers.rope.apply_rope`.
+        has no output, or when ``hidden_output`` is set: the loss then projects them itself,
+        ``layers/loss.LinearCrossEntropy``).
+        ``positions``: see :func:`~torchtitan.layers.rope.apply_rope`.
         ``document_ids`` ``[batch, seq]`` (of the whole sequence under context parallel):
         which packed document each token belongs to, for the block-causal mask."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -159,7 +162,7 @@ class Decoder(nn.Module):
             h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return h if self.output is None or self.hidden_output else self.output(h)
 
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Recompute the RoPE table (on ``buffer_device``, default: where the buffer already

@@ -1,0 +1,101 @@
+"""Which training loss a run uses: the train spec's summed loss on the model's logits, or,
+for a decoder whose output layer is a plain linear, the chunked linear cross-entropy
+(``layers/loss.LinearCrossEntropy``): the decoder then returns its final hidden states and
+the loss projects them a chunk of tokens at a time, so the full logits never exist. Either
+is divided per step by the global batch's valid tokens (``GlobalTokenMeanLoss``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+from torchtitan.config import CompileConfig, ConfigError, TrainingConfig
+from torchtitan.layers.lora import has_lora
+from torchtitan.layers.loss import (
+    GlobalTokenMeanLoss,
+    LinearCrossEntropy,
+    build_cross_entropy_loss,
+)
+from torchtitan.protocols import TrainSpec
+from torchtitan.tools.compile import compile_loss
+from torchtitan.tools.logging import logger
+
+
+def _why_not_plain(output: nn.Module) -> str | None:
+    """Why the chunked loss cannot project with this output layer's weight alone."""
+    if has_lora(output):
+        return "carries LoRA adapters (lora.target_modules selects it)"
+    if type(output) is not nn.Linear:
+        return f"is a {type(output).__name__} (float8.filter_fqns keeps 'output' plain)"
+    return None
+
+
+def chunked_loss_for(
+    training: TrainingConfig, spec: TrainSpec, model: nn.Module, device_type: str, tp: int
+) -> LinearCrossEntropy | None:
+    """The chunked loss when ``training.loss_chunk_size`` asks for it and the model allows it
+    (then ``model.hidden_output`` is set); None for the full logits. Says which in one line."""
+    chunk = training.loss_chunk_size
+    output = getattr(model, "output", None)
+    if chunk == 0 or output is None or not hasattr(model, "hidden_output"):
+        logger.info("loss: cross-entropy on the full logits (training.loss_chunk_size = 0)")
+        return None
+    if spec.build_loss_fn is not build_cross_entropy_loss:
+        logger.info(f"loss: the train spec's own loss ({spec.name}) on the full logits")
+        return None
+    reason = _why_not_plain(output)
+    if reason is not None:
+        if chunk > 0:
+            raise ConfigError(
+                f"training.loss_chunk_size={chunk}: the output layer {reason}; the chunked "
+                "loss needs a plain linear output (set training.loss_chunk_size = 0)"
+            )
+        logger.info(f"loss: cross-entropy on the full logits: the output layer {reason}")
+        return None
+    if training.loss_kernel == "liger" and device_type != "cuda":
+        raise ConfigError(
+            f"training.loss_kernel='liger': Liger Kernel runs on CUDA, this run is on "
+            f"{device_type!r}; use 'native'"
+        )
+    vocab, dim = output.weight.shape
+    if training.loss_kernel == "liger":
+        size = "Liger Kernel's fused kernel"
+    elif chunk > 0:
+        size = f"{chunk} tokens per chunk"
+    else:
+        chunks = -(-vocab // tp // dim)
+        size = f"{chunks} chunks per micro-batch (local vocabulary {vocab // tp} / dim {dim})"
+    logger.info(f"loss: chunked linear cross-entropy, {size}; the logits never exist whole")
+    model.hidden_output = True
+    return LinearCrossEntropy(chunk, training.loss_kernel)
+
+
+def build_loss_fn(
+    training: TrainingConfig,
+    compile_config: CompileConfig,
+    spec: TrainSpec,
+    model: nn.Module,
+    device_type: str,
+    tp: int,
+) -> GlobalTokenMeanLoss:
+    """The run's summed loss (the spec's compiled if asked; the chunked loss runs eager),
+    divided per step by the global batch's valid tokens (``train_step`` sets the divisor).
+    Call :func:`bind_output` once the model is parallelized or split into stages."""
+    chunked = chunked_loss_for(training, spec, model, device_type, tp)
+    if chunked is not None:
+        return GlobalTokenMeanLoss(chunked)
+    loss_fn = spec.build_loss_fn()
+    if compile_config.enable and "loss" in compile_config.components:
+        loss_fn = compile_loss(loss_fn, compile_config.backend)
+    return GlobalTokenMeanLoss(loss_fn)
+
+
+def bind_output(loss_fn: GlobalTokenMeanLoss, parts: Iterable[nn.Module]) -> None:
+    """Point a chunked loss at the output layer of this rank's parts (the last pipeline
+    stage's; ranks without it never compute the loss)."""
+    if not isinstance(loss_fn.loss_sum, LinearCrossEntropy):
+        return
+    for part in parts:
+        if getattr(part, "output", None) is not None:
+            loss_fn.loss_sum.bind(part.output)
