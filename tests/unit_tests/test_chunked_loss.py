@@ -118,8 +118,10 @@ def test_bf16_autocast_scores_like_the_full_path():
 
 def test_auto_chunk_follows_vocabulary_over_dim():
     assert auto_chunk_tokens(8192, 128256, 4096) == 256  # 32 chunks, Llama 3 8B
-    assert auto_chunk_tokens(100, 64, 256) == 100  # vocabulary below dim: one chunk
-    assert auto_chunk_tokens(7, 1000, 10) == 1
+    assert auto_chunk_tokens(32768, 128256, 4096) == 1024
+    assert auto_chunk_tokens(4096, 128256, 256) == 256  # 501 chunks would be 9 tokens each
+    assert auto_chunk_tokens(100, 64, 256) == 100  # never more than the tokens
+    assert auto_chunk_tokens(1000, 64, 256) == 1000  # vocabulary below dim: one chunk
 
 
 def config(*args: str):
@@ -140,7 +142,10 @@ def test_default_runs_chunked_and_zero_runs_the_full_logits(caplog):
     with caplog.at_level("INFO", logger="torchtitan"):
         chunked, model = built_loss(config())
     assert isinstance(chunked, LinearCrossEntropy) and model.hidden_output
-    assert "chunked linear cross-entropy, 5 chunks per micro-batch" in caplog.text
+    assert (
+        "chunked linear cross-entropy, ceil(local vocabulary 264 / dim 64) = 5 chunks"
+        in caplog.text
+    )
     full, model = built_loss(config("--training.loss_chunk_size", "0"))
     assert full is cross_entropy_sum and not model.hidden_output
 

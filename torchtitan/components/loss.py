@@ -13,6 +13,7 @@ from torch import nn
 from torchtitan.config import CompileConfig, ConfigError, TrainingConfig
 from torchtitan.layers.lora import has_lora
 from torchtitan.layers.loss import (
+    MIN_AUTO_CHUNK,
     GlobalTokenMeanLoss,
     LinearCrossEntropy,
     build_cross_entropy_loss,
@@ -64,8 +65,10 @@ def chunked_loss_for(
     elif chunk > 0:
         size = f"{chunk} tokens per chunk"
     else:
-        chunks = -(-vocab // tp // dim)
-        size = f"{chunks} chunks per micro-batch (local vocabulary {vocab // tp} / dim {dim})"
+        size = (
+            f"ceil(local vocabulary {vocab // tp} / dim {dim}) = {-(-vocab // tp // dim)} "
+            f"chunks per micro-batch, each at least {MIN_AUTO_CHUNK} tokens"
+        )
     logger.info(f"loss: chunked linear cross-entropy, {size}; the logits never exist whole")
     model.hidden_output = True
     return LinearCrossEntropy(chunk, training.loss_kernel)

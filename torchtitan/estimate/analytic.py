@@ -25,6 +25,7 @@ from torchtitan.components.qlora import (
 )
 from torchtitan.config import ConfigError
 from torchtitan.distributed.activation_checkpoint import keeps_attention_output
+from torchtitan.layers.loss import auto_chunk_tokens
 
 GiB = 2**30
 
@@ -173,6 +174,7 @@ class Run:
     cp_headtail: bool = True  # ParallelDims.cp_load_balancer == "headtail"
     ac_keeps_attention: bool = False  # distributed.activation_checkpoint.keeps_attention_output
     lora: LoRA | None = None  # adapters on a frozen base (converter lora)
+    loss_chunk: int = 0  # training.loss_chunk_size as it applies (0: full logits; -1: auto)
 
 
 @dataclass(frozen=True)
@@ -641,29 +643,15 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
     base = st.weights + st.opt + st.u_root + inputs
     phases = {
         "optimizer step": st.weights + grads + st.opt + (grads if run.foreach_optimizer else 0),
-        "layer backward": _layer_backward(st, g, lay, a, base) + (a * st.root_local if last else 0),
+        # the output weight's gradient exists from the loss backward on (the embedding's
+        # comes after the blocks)
+        "layer backward": _layer_backward(st, g, lay, a, base)
+        + (a * g.vocab_size * g.dim / lay.tp if last and run.lora is None else 0),
     }
     log_probs = 0.0
     if last:
-        vocab_local = g.vocab_size / lay.tp if run.loss_parallel else g.vocab_size
-        loss_k = 3 if (lay.tp > 1 and run.loss_parallel) else 2  # fp32 gradient buffers
-        log_probs = 4 * st.tokens * vocab_local
-        # the final norm's output is kept by a trained output layer; an adapter keeps its middle
-        output_kept = a * g.dim
-        if run.lora is not None:
-            output_kept = (a * (g.dim + run.lora.rank)) if "output" in run.lora.adapted else 0
-        final_norm = st.tokens * (_norm_kept_bytes(a, g.dim, run.target) / lay.tp + output_kept)
-        accum_grads = grads if run.grad_accum > 1 else 0
-        if lay.pp > 1:  # later micro-batches: the stage's gradients and gathered parameters exist,
-            # and every in-flight micro-batch keeps its logits (torch's stage) and log-probabilities
-            accum_grads = sum(_pipeline_held(st, lay, run, first, last))
-            accum_grads += (
-                in_flight * a * st.tokens * vocab_local
-                + (in_flight - 1) * 4 * st.tokens * vocab_local
-            )
-        phases["loss backward"] = (
-            base + accum_grads + activations + final_norm + (1 + loss_k) * log_probs
-        )
+        log_probs, phases["loss backward"] = _loss_backward(st, g, lay, run, first, base)
+        phases["loss backward"] += activations
     if lay.pp > 1:
         phases["pipeline backward"] = _pipeline_backward(
             st, g, lay, run, base, activations, first, last
@@ -684,6 +672,48 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
         {k: int(v) for k, v in phases.items()},
         {k: int(v) for k, v in items.items()},
     )
+
+
+def _loss_backward(
+    st: _Stage, g: Geometry, lay: Layout, run: Run, first: bool, base: float
+) -> tuple[float, float]:
+    """(saved log-probabilities, the loss backward's peak less the kept activations).
+    Full logits: fp32 log-probabilities, their gradient and loss parallel's buffers. Chunked
+    (``layers/loss.py``): the output weight's and the hidden states' gradients and one
+    chunk's fp32 logits (plus their low-precision copy), per-token log-sum-exp and indices."""
+    a = run.param_bytes
+    micro = max(1, run.local_batch // run.pp_microbatch)
+    in_flight = micro if (lay.pp > 1 and run.pp_all_in_flight) else 1
+    chunked = run.loss_chunk != 0
+    vocab_local = g.vocab_size / lay.tp if (run.loss_parallel or chunked) else g.vocab_size
+    # the final norm's output is kept by a trained output layer; an adapter keeps its middle
+    output_kept = a * g.dim
+    if run.lora is not None:
+        output_kept = (a * (g.dim + run.lora.rank)) if "output" in run.lora.adapted else 0
+    final_norm = st.tokens * (_norm_kept_bytes(a, g.dim, run.target) / lay.tp + output_kept)
+    accum_grads = st.grads if run.grad_accum > 1 else 0
+    if lay.pp > 1:  # later micro-batches: the stage's gradients and gathered parameters exist
+        accum_grads = sum(_pipeline_held(st, lay, run, first, True))
+    if chunked:
+        chunk = (
+            run.loss_chunk
+            if run.loss_chunk > 0
+            else auto_chunk_tokens(int(st.tokens), int(vocab_local), g.dim)
+        )
+        logits = min(chunk, st.tokens) * vocab_local * (4 + (a if a < 4 else 0))
+        output_grad = (a if lay.fsdp else 4) * vocab_local * g.dim if run.lora is None else 0
+        grads = output_grad + a * st.tokens * g.dim
+        if lay.pp > 1:  # every in-flight micro-batch's stage output (hidden states)
+            accum_grads += in_flight * a * st.tokens * g.dim
+        return 0.0, base + accum_grads + final_norm + grads + logits + 14 * st.tokens
+    loss_k = 3 if (lay.tp > 1 and run.loss_parallel) else 2  # fp32 gradient buffers
+    log_probs = 4 * st.tokens * vocab_local
+    if lay.pp > 1:  # every in-flight micro-batch keeps its logits (torch's stage) and
+        # log-probabilities
+        accum_grads += (
+            in_flight * a * st.tokens * vocab_local + (in_flight - 1) * 4 * st.tokens * vocab_local
+        )
+    return log_probs, base + accum_grads + final_norm + (1 + loss_k) * log_probs
 
 
 def _pipeline_held(
@@ -773,6 +803,8 @@ def from_job_config(
     geometry = Geometry.from_model_args(model_args)
     if geometry is not None and LORA in job_config.model.converters:
         run = dataclasses.replace(run, lora=lora_from_config(job_config, geometry))
+    if run.lora is None or "output" not in run.lora.adapted:  # components/loss.py's choice
+        run = dataclasses.replace(run, loss_chunk=training.loss_chunk_size)
     return geometry, layout, run
 
 

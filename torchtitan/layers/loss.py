@@ -71,12 +71,17 @@ class GlobalTokenMeanLoss:
 
 
 # ---------------------------------------------------------------------------- chunked
+MIN_AUTO_CHUNK = 256
+"""The fewest tokens an automatic chunk takes: a matmul of fewer rows runs far below the
+device's rate, and a small model's chunk of logits is small anyway."""
+
+
 def auto_chunk_tokens(tokens: int, vocab_local: int, dim: int) -> int:
     """Tokens per chunk when ``training.loss_chunk_size`` is -1: ``ceil(vocab / dim)``
-    chunks, so one chunk's logits take about as many values as the hidden states (Liger
-    Kernel's rule); one chunk when the vocabulary is not larger than the hidden size."""
+    chunks, so that one chunk's logits take about as many values as the hidden states (Liger
+    Kernel's rule), but at least :data:`MIN_AUTO_CHUNK` tokens (and at most ``tokens``)."""
     chunks = max(1, math.ceil(vocab_local / dim))
-    return max(1, math.ceil(tokens / chunks))
+    return min(tokens, max(MIN_AUTO_CHUNK, math.ceil(tokens / chunks)))
 
 
 def _tp_shard(weight: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:

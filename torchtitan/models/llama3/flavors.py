@@ -14,6 +14,17 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         rope_theta=500000,
         max_seq_len=2048,
     ),
+    # The debug model with Llama 3's 128k vocabulary: the loss dominates its memory (the
+    # chunked loss's tests and benchmark).
+    "debugmodel_128k": TransformerModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        vocab_size=128256,
+        multiple_of=256,
+        rope_theta=500000,
+        max_seq_len=8192,
+    ),
     # Small enough for 8 processes x 10 steps on 2 CPU cores; GQA with head and
     # KV-head counts divisible by 4 so TP up to degree 4 works. 264 is the byte
     # tokenizer's vocabulary size.
