@@ -191,9 +191,6 @@ def chunked_linear_cross_entropy(
         )
 
 
-LOSS_KERNELS = ("native", "liger")
-
-
 class LinearCrossEntropy:
     """``loss_sum(h, labels)`` for a decoder that returns its final hidden states: the output
     projection (``bind``) and the summed cross-entropy together, ``chunk_size`` tokens at a
@@ -202,7 +199,7 @@ class LinearCrossEntropy:
 
     def __init__(self, chunk_size: int, kernel: str = "native") -> None:
         self.chunk_size = chunk_size
-        self.kernel = kernel
+        self.liger = _liger_loss() if kernel == "liger" else None
         self.output: nn.Linear | None = None
 
     def bind(self, output: nn.Linear) -> None:
@@ -217,8 +214,8 @@ class LinearCrossEntropy:
 
     def __call__(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         weight = self.output.weight
-        if self.kernel == "liger":
-            return _liger_loss()(weight, h.flatten(0, -2), labels.flatten())
+        if self.liger is not None:
+            return self.liger(weight, h.flatten(0, -2), labels.flatten())
         return chunked_linear_cross_entropy(
             h, weight, labels, self.chunk_tokens(labels.numel(), weight)
         )
