@@ -218,7 +218,7 @@ def _analytic_error(config, world_size: int, target: str) -> float:
 def test_loss_phase_closed_form_matches_the_trace(world_size, target, overrides):
     """The debug model with a 128k vocabulary at seq 2048, where the loss's backward is the
     peak on both paths: the closed form within 0.5 % of the trace for the full logits and
-    for the chunked loss (-0.3 to 0 % measured), whose peak is under a third of theirs."""
+    for the chunked loss (-0.3 to 0 % measured), whose peak is under half of theirs."""
     peaks = {}
     for chunk in ("0", "-1"):
         config = ConfigManager().parse_args(
@@ -229,7 +229,7 @@ def test_loss_phase_closed_form_matches_the_trace(world_size, target, overrides)
         traced, closed_form = _traced_and_closed_form(config, world_size, target)
         assert abs(closed_form / traced - 1) < 0.005, (chunk, closed_form, traced)
         peaks[chunk] = traced
-    assert peaks["-1"] < peaks["0"] / 3, peaks
+    assert peaks["-1"] < peaks["0"] / 2, peaks
 
 
 @pytest.mark.slow

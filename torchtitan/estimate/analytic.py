@@ -679,8 +679,9 @@ def _loss_backward(
 ) -> tuple[float, float]:
     """(saved log-probabilities, the loss backward's peak less the kept activations).
     Full logits: fp32 log-probabilities, their gradient and loss parallel's buffers. Chunked
-    (``layers/loss.py``): the output weight's and the hidden states' gradients and one
-    chunk's fp32 logits (plus their low-precision copy), per-token log-sum-exp and indices."""
+    (``layers/loss.py``): the output weight's fp32 gradient and the hidden states' gradient,
+    one chunk's fp32 logits (plus their low-precision copy), per-token log-sum-exp and
+    indices."""
     a = run.param_bytes
     micro = max(1, run.local_batch // run.pp_microbatch)
     in_flight = micro if (lay.pp > 1 and run.pp_all_in_flight) else 1
@@ -700,12 +701,20 @@ def _loss_backward(
             if run.loss_chunk > 0
             else auto_chunk_tokens(int(st.tokens), int(vocab_local), g.dim)
         )
-        logits = min(chunk, st.tokens) * vocab_local * (4 + (a if a < 4 else 0))
-        output_grad = (a if lay.fsdp else 4) * vocab_local * g.dim if run.lora is None else 0
-        grads = output_grad + a * st.tokens * g.dim
+        rows = min(chunk, st.tokens)
+        logits = rows * vocab_local * (4 + (a if a < 4 else 0))
+        weight_grad = 0.0 if run.lora is not None else vocab_local * g.dim
+        transient = logits
+        if a < 4:  # the weight gradient sums in fp32 and is cast back at the end; CUDA
+            # multiplies each chunk in low precision, CPU casts the chunk to fp32 first
+            if run.target == "cuda":
+                transient = max(logits, a * (weight_grad + rows * vocab_local))
+            else:
+                transient = max(logits + 4 * rows * g.dim, a * weight_grad)
+        grads = 4 * weight_grad + a * st.tokens * g.dim
         if lay.pp > 1:  # every in-flight micro-batch's stage output (hidden states)
             accum_grads += in_flight * a * st.tokens * g.dim
-        return 0.0, base + accum_grads + final_norm + grads + logits + 14 * st.tokens
+        return 0.0, base + accum_grads + final_norm + grads + transient + 14 * st.tokens
     loss_k = 3 if (lay.tp > 1 and run.loss_parallel) else 2  # fp32 gradient buffers
     log_probs = 4 * st.tokens * vocab_local
     if lay.pp > 1:  # every in-flight micro-batch keeps its logits (torch's stage) and

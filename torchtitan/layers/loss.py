@@ -71,9 +71,10 @@ class GlobalTokenMeanLoss:
 
 
 # ---------------------------------------------------------------------------- chunked
-MIN_AUTO_CHUNK = 256
-"""The fewest tokens an automatic chunk takes: a matmul of fewer rows runs far below the
-device's rate, and a small model's chunk of logits is small anyway."""
+MIN_AUTO_CHUNK = 1024
+"""The fewest tokens an automatic chunk takes: shorter matmuls run below the device's rate
+and every chunk adds its weight gradient to the fp32 sum once more (on an H200, Llama 3 1B
+at 16,384 tokens per micro-batch lost 17 % of its tokens/s with 256-token chunks)."""
 
 
 def auto_chunk_tokens(tokens: int, vocab_local: int, dim: int) -> int:
@@ -150,7 +151,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         h, weight, lse, index, in_shard, valid = ctx.saved_tensors
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            # summed over the chunks in fp32 (or fp64): a bf16 sum of many chunks would lose
+            # what the full path's one matmul keeps
+            grad_w = weight.new_zeros(weight.shape, dtype=lse.dtype)
         row_scale = valid.to(lse.dtype) * grad_loss.to(lse.dtype)
         for start in range(0, h.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
@@ -159,9 +164,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = grad_logits.mul_(row_scale[rows, None]).to(h.dtype)
             if grad_h is not None:
                 torch.mm(grad_logits, weight, out=grad_h[rows])
-            if grad_w is not None:
+            if grad_w is not None and grad_w.dtype == h.dtype:
                 grad_w.addmm_(grad_logits.T, h[rows])
+            elif grad_w is not None and grad_w.device.type == "cpu":
+                # fp32 matmuls on CPU (most CPUs emulate bf16 ones)
+                grad_w.addmm_(grad_logits.T.float(), h[rows].float())
+            else:
+                grad_w += grad_logits.T @ h[rows]
             del grad_logits
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None
 
 
