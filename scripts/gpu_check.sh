@@ -10,7 +10,12 @@
 #     16 bytes per parameter (fp32 weights, gradients and two AdamW states) and the GPU's memory;
 #   - the flex-vs-SDPA attention benchmark and the bf16 / float8 (torchao) runs complete;
 #   - the memory estimator's estimate (--memory_estimation.mode measure, target cuda) is
-#     within 5 % of the measured peak of the same steps.
+#     within 5 % of the measured peak of the same steps;
+#   - the chunked loss (Llama 3 1B, seq 8192 x 2) lowers the peak by 4 GiB or more against
+#     the full logits at 95 % or more of its tokens/s with the same first step (loss and
+#     gradient norm), and so does Liger Kernel's fused loss (when its wheel is carried).
+# GPU_CHECK_SECTIONS picks sections (default: all of tests training attention float8
+# estimate loss), e.g. GPU_CHECK_SECTIONS="tests loss" bash scripts/gpu_check.sh.
 # Figures printed beside them: tokens/s, TFLOP/s, MFU and memory of each run, flex block_causal
 # vs SDPA attention, float8 speed-up over bf16. The script ends with every FAIL line again and
 # exits 1 if any check failed, 0 otherwise. Without a CUDA device it stops at once:
@@ -64,12 +69,15 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+check_tests() {
 echo "== gpu tests"
 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
 status=$?
 tail -15 "$OUT/gpu_tests.log"
 verdict "$status" "gpu-marked tests" "$(tail -1 "$OUT/gpu_tests.log")"
+}
 
+check_training() {
 echo "== bf16 training: Llama 3 1B, seq 4096, local batch 2, selective AC, 30 steps"
 NGPU=1 PYTHON="$PY" ./run_train.sh --model.flavor 1B --training.seq_len 4096 \
   --training.local_batch_size 2 --training.steps 30 --metrics.log_freq 5 \
@@ -106,13 +114,17 @@ PYEOF
   )
   report $? "training metrics" "$checks"
 fi
+}
 
+check_attention() {
 echo "== flex block_causal vs sdpa causal: one attention layer, seq 2048 and 8192"
 "$PY" scripts/bench/attention_masks.py --seq-lens 2048,8192 >"$OUT/attention.log" 2>&1
 status=$?
 tail -9 "$OUT/attention.log"
 verdict "$status" "attention benchmark completed" "exit $status, log $OUT/attention.log"
+}
 
+check_float8() {
 echo "== bf16 vs float8 (torchao): Llama 3 1B, seq 4096, local batch 2, selective AC, compiled, 30 steps"
 if "$PY" -c "import torchao" >/dev/null 2>&1; then
   for precision in bf16 float8_tensorwise float8_rowwise; do
@@ -145,7 +157,9 @@ PYEOF
 else
   echo "torchao not installed here (carry its wheel in .whl/): float8 comparison skipped"
 fi
+}
 
+check_estimate() {
 echo "== memory estimate vs measured (same 1B layout, 1 GPU)"
 "$PY" scripts/estimate/estimation.py --model.flavor 1B --training.seq_len 4096 \
   --training.local_batch_size 2 --activation_checkpoint.mode selective \
@@ -171,6 +185,73 @@ print(f"{'PASS' if abs(error) <= 0.05 else 'FAIL'}: {what} "
 PYEOF
 )
 report $? "memory estimate" "$checks"
+}
+
+check_loss() {
+echo "== chunked loss vs full logits: Llama 3 1B (vocabulary 128,256), seq 8192, local batch 2, selective AC, 20 steps"
+local kernels=(native) kernel chunk tokenizer=$OUT/tokenizer_128k
+"$PY" scripts/bench/padded_tokenizer.py "$tokenizer" >/dev/null  # Llama 3's vocabulary size
+if "$PY" -c "import liger_kernel" >/dev/null 2>&1; then kernels+=(liger); fi
+for kernel in "${kernels[@]}"; do
+  for chunk in 0 -1; do
+    if [ "$kernel" = liger ] && [ "$chunk" = 0 ]; then continue; fi
+    NGPU=1 PYTHON="$PY" ./run_train.sh --model.flavor 1B --training.seq_len 8192 \
+      --training.local_batch_size 2 --training.steps 20 --metrics.log_freq 5 \
+      --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op \
+      --lr_scheduler.warmup_steps 5 --training.loss_chunk_size "$chunk" \
+      --training.loss_kernel "$kernel" --model.tokenizer_path "$tokenizer" --job.dump_folder "$OUT/loss_${kernel}_$chunk" \
+      >"$OUT/loss_${kernel}_$chunk.log" 2>&1
+    status=$?
+    grep -E "loss: |error|Error" "$OUT/loss_${kernel}_$chunk.log" | tail -2
+    verdict "$status" "1B run, loss kernel $kernel, loss_chunk_size $chunk" \
+      "exit $status, log $OUT/loss_${kernel}_$chunk.log"
+  done
+done
+checks=$("$PY" - "$OUT" <<'PYEOF'
+import json, os, sys
+
+def check(ok, what, numbers):
+    print(f"{'PASS' if ok else 'FAIL'}: {what} ({numbers})")
+
+def rows(name):
+    path = os.path.join(sys.argv[1], name, "metrics.jsonl")
+    return [json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else None
+
+full, chunked, liger = rows("loss_native_0"), rows("loss_native_-1"), rows("loss_liger_-1")
+for name, r in (("full logits", full), ("chunked", chunked), ("liger", liger)):
+    if r:
+        print(f"{name}: {r[-1]['tps']:.0f} tokens/s, MFU {r[-1]['mfu']:.1f}%, peak memory "
+              f"{r[-1]['memory_gib']:.2f} GiB, losses " + " ".join(f"{x['loss']:.4f}" for x in r))
+def same_first_step(a, b):
+    """bf16: the first step's loss and gradient norm (same weights, same batch) agree; later
+    steps drift apart as bf16 runs do."""
+    loss, norm = (abs(a[0][k] - b[0][k]) / b[0][k] for k in ("loss", "grad_norm"))
+    return loss <= 1e-3 and norm <= 2e-2, f"step 1 loss {loss:.1e}, grad norm {norm:.1e} apart"
+
+if full and chunked:
+    check(full[-1]["memory_gib"] - chunked[-1]["memory_gib"] >= 4.0,
+          "chunked loss lowers the 1B seq 8192 x 2 peak by 4 GiB or more",
+          f"{full[-1]['memory_gib']:.2f} -> {chunked[-1]['memory_gib']:.2f} GiB")
+    check(chunked[-1]["tps"] >= 0.95 * full[-1]["tps"], "chunked loss within 5% of the full-logits tokens/s",
+          f"{full[-1]['tps']:.0f} -> {chunked[-1]['tps']:.0f} tokens/s")
+    ok, numbers = same_first_step(chunked, full)
+    check(ok, "chunked and full-logits first steps agree (bf16)", numbers)
+if liger and chunked:
+    ok, numbers = same_first_step(liger, chunked)
+    check(ok, "Liger Kernel's and our chunked first steps agree (bf16)",
+          f"{numbers}; peak {liger[-1]['memory_gib']:.2f} vs {chunked[-1]['memory_gib']:.2f} GiB")
+PYEOF
+)
+report $? "chunked loss metrics" "$checks"
+}
+
+ALL_SECTIONS="tests training attention float8 estimate loss"
+for section in ${GPU_CHECK_SECTIONS:-$ALL_SECTIONS}; do
+  case " $ALL_SECTIONS " in
+    *" $section "*) "check_$section" ;;
+    *) verdict 1 "GPU_CHECK_SECTIONS names $section" "known: $ALL_SECTIONS" ;;
+  esac
+done
 
 echo "== summary"
 if [ "${#FAILED[@]}" -gt 0 ]; then

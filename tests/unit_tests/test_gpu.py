@@ -72,3 +72,50 @@ def test_flex_block_causal_forward_and_backward_on_cuda_match_a_dense_mask():
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=2e-3, atol=2e-3)
+
+
+def _loss_and_grads(kernel: str | None, h, weight, labels, dtype=torch.float32):
+    """Summed loss and the (h, weight) gradients: full logits (kernel None) or chunked."""
+    from torchtitan.layers.loss import LinearCrossEntropy, cross_entropy_sum
+
+    output = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="cuda")
+    output.weight = torch.nn.Parameter(weight.detach().clone())
+    h = h.detach().clone().requires_grad_()
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        if kernel is None:
+            loss = cross_entropy_sum(output(h).float(), labels)
+        else:
+            chunked = LinearCrossEntropy(100, kernel)
+            chunked.bind(output)
+            loss = chunked(h, labels)
+    loss.backward()
+    return loss.detach(), h.grad, output.weight.grad
+
+
+def _loss_inputs():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(2, 150, 64, device="cuda", generator=g)
+    weight = torch.randn(1000, 64, device="cuda", generator=g) / 8
+    labels = torch.randint(0, 1000, (2, 150), device="cuda", generator=g)
+    labels[0, :20] = -100
+    return h, weight, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_on_cuda_matches_the_full_logits(dtype):
+    """fp32: to rounding; bf16 autocast: both paths multiply in bf16 and score in fp32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    reference = _loss_and_grads(None, *_loss_inputs(), dtype=dtype)
+    chunked = _loss_and_grads("native", *_loss_inputs(), dtype=dtype)
+    for got, want in zip(chunked, reference):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_liger_fused_loss_matches_ours():
+    pytest.importorskip("liger_kernel")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ours = _loss_and_grads("native", *_loss_inputs())
+    liger = _loss_and_grads("liger", *_loss_inputs())
+    for got, want in zip(liger, ours):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -1,7 +1,8 @@
 """README.md's tables say what the code does: the Models table lists exactly the flavors each
 built-in model registers (a new flavor without its README entry fails here), and the memory
-table of the ready configs holds the GPU count each config states and the closed-form peak
-per GPU that ``scripts/estimate/estimation.py --memory_estimation.mode analytic`` prints."""
+table of the ready configs holds the GPU count each config states, the closed-form peak
+per GPU that ``scripts/estimate/estimation.py --memory_estimation.mode analytic`` prints on
+both loss paths, and the largest local batch and sequence that still fit on each."""
 
 from __future__ import annotations
 
@@ -45,9 +46,38 @@ def readme_flavors() -> dict[str, list[str]]:
     }
 
 
-def memory_table() -> dict[str, tuple[int, str]]:
-    """config file name -> (GPUs, closed-form peak per GPU) from README's memory table."""
-    return {row[0]: (int(row[1]), row[3]) for row in table_rows(section("Memory planning"))}
+def memory_table() -> dict[str, list[str]]:
+    """config file name -> its row of README's memory table (GPUs, layout, closed-form peak
+    per GPU, the peak on the full logits, what fits on the chunked loss / the full logits)."""
+    return {row[0]: row[1:] for row in table_rows(section("Memory planning"))}
+
+
+# the largest value that fits is a multiple of these steps
+AFFORD_STEPS = {"local_batch_size": 1, "seq_len": 1024}
+
+
+def fits(name: str, chunk: str, knob: str = "local_batch_size", value: int | None = None) -> bool:
+    args = ["--job.config_file", str(CONFIG_DIR / name), "--training.loss_chunk_size", chunk]
+    if value is not None:
+        args += [f"--training.{knob}", str(value)]
+    return analytic_fit(ConfigManager().parse_args(args)).verdict.startswith("verdict: fits")
+
+
+def affordable(name: str, chunk: str) -> str:
+    """README's cell: the largest local batch (at the config's seq) and the largest seq (at
+    its local batch) that the closed form still says fit, found by doubling and bisection."""
+    config = ConfigManager().parse_args(["--job.config_file", str(CONFIG_DIR / name)])
+    found = {}
+    for knob, step in AFFORD_STEPS.items():
+        low = getattr(config.training, knob) // step  # fits (the ready configs do)
+        high = 2 * low
+        while fits(name, chunk, knob, high * step):
+            low, high = high, 2 * high
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(name, chunk, knob, mid * step) else (low, mid)
+        found[knob] = low * step
+    return f"batch {found['local_batch_size']}, seq {found['seq_len']}"
 
 
 def test_models_table_lists_every_builtin_model():
@@ -68,9 +98,28 @@ def test_memory_table_lists_every_ready_config():
 
 @pytest.mark.parametrize("name", READY_CONFIGS)
 def test_memory_table_row_is_what_the_estimator_prints(name: str):
-    config = ConfigManager().parse_args(["--job.config_file", str(CONFIG_DIR / name)])
-    peak = report.size(analytic_fit(config).peak.peak_bytes)
-    assert memory_table()[name] == (config.memory_estimation.world_size, peak), (
-        f"README.md's memory table row for {name}: "
-        f"{config.memory_estimation.world_size} GPUs, {peak}"
+    row = memory_table()[name]
+    peaks = []
+    for chunk in ("-1", "0"):
+        args = ["--job.config_file", str(CONFIG_DIR / name), "--training.loss_chunk_size", chunk]
+        config = ConfigManager().parse_args(args)
+        peaks.append(report.size(analytic_fit(config).peak.peak_bytes))
+    expected = [str(config.memory_estimation.world_size), peaks[0], peaks[1]]
+    assert [row[0], row[2], row[3]] == expected, (
+        f"README.md's memory table row for {name}: GPUs, peak, full-logits peak = {expected}"
     )
+
+
+@pytest.mark.parametrize("name", READY_CONFIGS)
+def test_memory_table_says_what_each_config_can_afford(name: str):
+    """Each stated maximum fits and one step more does not (cheap: 8 closed forms)."""
+    cells = memory_table()[name][4:6]
+    for chunk, cell in zip(("-1", "0"), cells):
+        values = dict(zip(AFFORD_STEPS, map(int, re.findall(r"\d+", cell))))
+        assert len(values) == 2, f"README.md, {name}: '{cell}' is not 'batch B, seq S'"
+        for knob, step in AFFORD_STEPS.items():
+            assert fits(name, chunk, knob, values[knob]), (name, chunk, knob, values[knob])
+            assert not fits(name, chunk, knob, values[knob] + step), (
+                f"README.md, {name}: {knob} {values[knob] + step} still fits "
+                f"(loss_chunk_size {chunk}): the cell should say {affordable(name, chunk)}"
+            )
