@@ -89,8 +89,12 @@ class LRSchedulersContainer(Stateful):
         return self.schedulers[0].state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for s in self.schedulers:
-            s.load_state_dict(dict(state_dict))
+        """Every scheduler resumes at the saved step; the saved base lrs are the first
+        optimizer's, so the others (Muon's AdamW, with its own lr) keep theirs."""
+        self.schedulers[0].load_state_dict(dict(state_dict))
+        position = {k: v for k, v in state_dict.items() if k not in ("base_lrs", "_last_lr")}
+        for s in self.schedulers[1:]:
+            s.load_state_dict({**s.state_dict(), **position})
 
 
 def configured_lr_factor(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -14,6 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.components.muon import Muon
+from torchtitan.config import ConfigError
 from torchtitan.layers.moe import moe_layers, update_expert_biases
 from torchtitan.tools.logging import logger
 
@@ -33,11 +38,29 @@ class OptimizersContainer(Stateful):
         optimizer_cls: type[torch.optim.Optimizer],
         kwargs: dict[str, Any],
     ) -> None:
+        self._hold(
+            model_parts,
+            [
+                (part, optimizer_cls([p for p in part.parameters() if p.requires_grad], **kwargs))
+                for part in model_parts
+            ],
+        )
+
+    @classmethod
+    def of(
+        cls, model_parts: list[nn.Module], pairs: list[tuple[nn.Module, torch.optim.Optimizer]]
+    ) -> OptimizersContainer:
+        """Several optimizers per part (each over some of its parameters): (part, optimizer)."""
+        container = cls.__new__(cls)
+        container._hold(model_parts, pairs)
+        return container
+
+    def _hold(
+        self, model_parts: list[nn.Module], pairs: list[tuple[nn.Module, torch.optim.Optimizer]]
+    ) -> None:
         self.model_parts = model_parts
-        self.optimizers = [
-            optimizer_cls([p for p in part.parameters() if p.requires_grad], **kwargs)
-            for part in model_parts
-        ]
+        self._owners = [part for part, _ in pairs]
+        self.optimizers = [opt for _, opt in pairs]
 
     def __iter__(self):
         return iter(self.optimizers)
@@ -65,13 +88,13 @@ class OptimizersContainer(Stateful):
         """Keys are parameter FQNs (identical for every parallel layout)."""
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         merged: dict[str, Any] = {}
-        for part, opt in zip(self.model_parts, self.optimizers):
+        for part, opt in zip(self._owners, self.optimizers):
             merged.update(get_optimizer_state_dict(part, opt, options=options))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         options = StateDictOptions(flatten_optimizer_state_dict=True)
-        for part, opt in zip(self.model_parts, self.optimizers):
+        for part, opt in zip(self._owners, self.optimizers):
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=options)
 
 
@@ -98,7 +121,8 @@ def _fused_supported_devices() -> tuple[str, ...]:
 def build_optimizers(
     model_parts: list[nn.Module], optimizer: OptimizerConfig, parallel_dims: ParallelDims | None
 ) -> OptimizersContainer:
-    """One ``optimizer.name`` optimizer per model part over its trainable parameters."""
+    """One ``optimizer.name`` optimizer per model part over its trainable parameters (Muon:
+    a Muon and an AdamW optimizer per part, see :func:`muon_split`)."""
     cfg = optimizer
     param = next(p for part in model_parts for p in part.parameters())
     kwargs = {
@@ -108,7 +132,94 @@ def build_optimizers(
         "weight_decay": cfg.weight_decay,
         **_implementation_kwargs(cfg.implementation, param.device.type),
     }
+    if cfg.name == "Muon":
+        return _build_muon(model_parts, cfg, kwargs, parallel_dims)
     return OptimizersContainer(model_parts, _OPTIMIZERS[cfg.name], kwargs)
+
+
+def muon_split(
+    model_parts: list[nn.Module], patterns: list[str]
+) -> tuple[list[list[nn.Parameter]], list[list[nn.Parameter]], dict[str, int]]:
+    """Per part, (Muon's parameters, AdamW's parameters) and how many parameters each
+    ``optimizer.muon.adamw_params`` pattern matched: Muon takes the trainable 2-D weights and
+    3-D expert stacks that no pattern names, AdamW the rest."""
+    matches = dict.fromkeys(patterns, 0)
+    muon, adamw = [], []
+    for part in model_parts:
+        muon.append([])
+        adamw.append([])
+        for name, p in part.named_parameters():
+            if not p.requires_grad:
+                continue
+            fqn = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            hits = [pattern for pattern in patterns if fnmatch.fnmatchcase(fqn, pattern)]
+            for pattern in hits:
+                matches[pattern] += 1
+            (muon[-1] if p.ndim in (2, 3) and not hits else adamw[-1]).append(p)
+    return muon, adamw, matches
+
+
+def _build_muon(
+    model_parts: list[nn.Module],
+    cfg: OptimizerConfig,
+    adamw_kwargs: dict[str, Any],
+    parallel_dims: ParallelDims | None,
+) -> OptimizersContainer:
+    m = cfg.muon
+    muon, adamw, matches = muon_split(model_parts, m.adamw_params)
+    _check_patterns_match(matches, parallel_dims)
+    adamw_kwargs = {
+        **adamw_kwargs,
+        "lr": cfg.lr if m.adamw_lr is None else m.adamw_lr,
+        "weight_decay": cfg.weight_decay if m.adamw_weight_decay is None else m.adamw_weight_decay,
+    }
+    pairs = []
+    for part, muon_params, adamw_params in zip(model_parts, muon, adamw):
+        if muon_params:
+            pairs.append(
+                (
+                    part,
+                    Muon(
+                        muon_params,
+                        lr=cfg.lr,
+                        weight_decay=cfg.weight_decay,
+                        momentum=m.momentum,
+                        nesterov=m.nesterov,
+                        ns_coefficients=tuple(m.ns_coefficients),
+                        ns_steps=m.ns_steps,
+                        eps=m.eps,
+                        adjust_lr=m.adjust_lr,
+                        ns_dtype=m.ns_dtype,
+                    ),
+                )
+            )
+        if adamw_params:
+            pairs.append((part, torch.optim.AdamW(adamw_params, **adamw_kwargs)))
+    counts = [sum(p.numel() for p in group) for group in (sum(muon, []), sum(adamw, []))]
+    logger.info(
+        f"optimizer: Muon on {sum(map(len, muon))} weight matrices ({counts[0]:,} values on "
+        f"this rank), AdamW on {sum(map(len, adamw))} other parameters ({counts[1]:,})"
+    )
+    return OptimizersContainer.of(model_parts, pairs)
+
+
+def _check_patterns_match(matches: dict[str, int], parallel_dims: ParallelDims | None) -> None:
+    """Every adamw_params pattern names a parameter of the model (a pipeline stage sees only
+    its own: there the counts are summed over the stages, once, while building)."""
+    counts = list(matches.values())
+    if parallel_dims is not None and parallel_dims.pp_enabled and counts:
+        with unset_fake_temporarily():
+            group = parallel_dims.world_mesh["pp"].get_group()
+            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            summed = torch.tensor(counts, dtype=torch.int64, device=device)
+            dist.all_reduce(summed, group=group)
+            counts = summed.tolist()
+    for pattern, count in zip(matches, counts):
+        if count == 0:
+            raise ConfigError(
+                f"optimizer.muon.adamw_params: {pattern!r} matches no parameter; use names "
+                "as in the checkpoint, e.g. 'tok_embeddings.*' or 'layers.*.attention.wo.weight'"
+            )
 
 
 def build_moe_optimizers(

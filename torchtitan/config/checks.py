@@ -33,6 +33,12 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("optimizer.weight_decay", lambda v: v >= 0, "must be >= 0"),
     ("optimizer.beta1", lambda v: 0 <= v < 1, "must be in [0, 1)"),
     ("optimizer.beta2", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    ("optimizer.muon.momentum", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    ("optimizer.muon.ns_steps", lambda v: 1 <= v < 100, "must be in [1, 100)"),
+    ("optimizer.muon.ns_coefficients", lambda v: len(v) == 3, "must be 3 numbers (a, b, c)"),
+    ("optimizer.muon.eps", lambda v: v > 0, "must be > 0"),
+    ("optimizer.muon.adamw_lr", lambda v: v is None or v > 0, "must be > 0"),
+    ("optimizer.muon.adamw_weight_decay", lambda v: v is None or v >= 0, "must be >= 0"),
     ("lr_scheduler.warmup_steps", lambda v: v >= 0, "must be >= 0"),
     ("lr_scheduler.decay_ratio", lambda v: v is None or 0 <= v <= 1, "must be in [0, 1]"),
     ("lr_scheduler.min_lr_factor", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
@@ -186,6 +192,7 @@ def check_job_config(config: Any) -> None:
     _check_profiler_schedule(config.profiling)
     _check_training_dtype(config.training)
     _check_loss_kernel(config.training, config.parallelism)
+    _check_muon(config.optimizer, config.model.converters)
     ac_error = check_ac_config(
         config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
     )
@@ -348,6 +355,27 @@ def _check_loss_kernel(training: Any, parallelism: Any) -> None:
         raise ConfigError(
             "training.loss_kernel='liger': the liger-kernel package is not installed "
             "(pip install liger-kernel, CUDA only), or use 'native'"
+        )
+
+
+def _check_muon(optimizer: Any, converters: list[str]) -> None:
+    if optimizer.name != "Muon":
+        defaults = type(optimizer.muon)()
+        for name in defaults.__dataclass_fields__:
+            if getattr(optimizer.muon, name) != getattr(defaults, name):
+                raise ConfigError(
+                    f"optimizer.muon.{name}: a Muon setting, but optimizer.name is "
+                    f"{optimizer.name!r}; set optimizer.name = 'Muon' or drop it"
+                )
+        return
+    if "lora" in converters:
+        raise ConfigError(
+            "optimizer.name='Muon': LoRA adapters are not trained by Muon yet; use AdamW"
+        )
+    if optimizer.early_step_in_backward:
+        raise ConfigError(
+            "optimizer.early_step_in_backward: Muon orthogonalises whole matrices after the "
+            "backward; use it with AdamW"
         )
 
 

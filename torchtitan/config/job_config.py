@@ -129,8 +129,50 @@ class ModelConfig:
 
 
 @dataclass
+class MuonConfig:
+    """Muon (``optimizer.name = "Muon"``): momentum orthogonalised by a Newton-Schulz
+    iteration for the hidden weight matrices (2-D, and MoE experts per expert), with lr and
+    weight_decay from ``[optimizer]``; every other trainable parameter (embeddings, output,
+    norms, biases, and the weights ``adamw_params`` names) trains with AdamW (betas and eps
+    from ``[optimizer]``). Names as in ``torch.optim.Muon``."""
+
+    momentum: float = 0.95
+    """Momentum factor."""
+
+    nesterov: bool = True
+    """Nesterov momentum: orthogonalise the gradient moved towards the momentum."""
+
+    ns_steps: int = 5
+    """Newton-Schulz iterations."""
+
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    """The quintic iteration's three coefficients (a, b, c)."""
+
+    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the Newton-Schulz iteration (torch.optim.Muon's is bfloat16)."""
+
+    eps: float = 1e-7
+    """Floor of the Frobenius norm the update is divided by before the iteration."""
+
+    adjust_lr: Literal["original", "match_rms_adamw"] = "original"
+    """Per-matrix lr scale: "original" sqrt(max(1, rows / cols)) (Keller Jordan's Muon);
+    "match_rms_adamw" 0.2 sqrt(max(rows, cols)) (Moonlight: the update's RMS matches
+    AdamW's, so AdamW's lr and weight decay carry over)."""
+
+    adamw_params: list[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*"])
+    """fnmatch patterns of parameter names (as in the checkpoint) that train with AdamW
+    although they are matrices; each must match a parameter."""
+
+    adamw_lr: float | None = None
+    """Learning rate of the AdamW parameters; unset = optimizer.lr."""
+
+    adamw_weight_decay: float | None = None
+    """Weight decay of the AdamW parameters; unset = optimizer.weight_decay."""
+
+
+@dataclass
 class OptimizerConfig:
-    name: Literal["AdamW", "Adam"] = "AdamW"
+    name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
     """Optimizer class."""
 
     lr: float = 8e-4
@@ -153,6 +195,9 @@ class OptimizerConfig:
 
     early_step_in_backward: bool = False
     """Step each parameter's optimizer during backward to free its gradient early."""
+
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Muon's settings (only with name = "Muon")."""
 
 
 @dataclass

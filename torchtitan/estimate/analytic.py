@@ -175,6 +175,7 @@ class Run:
     ac_keeps_attention: bool = False  # distributed.activation_checkpoint.keeps_attention_output
     lora: LoRA | None = None  # adapters on a frozen base (converter lora)
     loss_chunk: int = 0  # training.loss_chunk_size as it applies (0: full logits; -1: auto)
+    muon_ns_bytes: int = 0  # Muon: bytes per value of its Newton-Schulz iteration (0: AdamW)
 
 
 @dataclass(frozen=True)
@@ -586,10 +587,13 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
     a_layer = _layer_activation_bytes(g, lay, run, a, tokens) + frozen_copies
     kept, recompute = _ac_kept(g, lay, run, tokens, a_in, a_layer)
     weights = 4 * params_sharded - (4 - NF4_BYTES_PER_VALUE) * nf4.stage_sharded
+    optimizer_states = 8 * trained_sharded
+    if run.muon_ns_bytes:  # one fp32 momentum buffer for the blocks' weight matrices
+        optimizer_states -= 4 * layers * _muon_block_sharded(g, lay)
     return _Stage(
         weights,
         4 * trained_sharded,
-        8 * trained_sharded,
+        optimizer_states,
         u_layer,
         u_root,
         root_local,
@@ -618,6 +622,32 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
     )
 
 
+def _muon_block_sharded(g: Geometry, lay: Layout) -> float:
+    """FSDP-sharded numel of the mean block's weight matrices (what Muon trains)."""
+
+    def matrices(moe: bool) -> float:
+        return _local_numel([s for s in _block_shapes(g, moe) if s[1] > 1], lay)[1]
+
+    if g.experts is None:
+        return matrices(False)
+    share = g.moe_layers / g.n_layers
+    return (1 - share) * matrices(False) + share * matrices(True)
+
+
+def _muon_step_bytes(g: Geometry, run: Run) -> float:
+    """Muon's step orthogonalises one whole matrix at a time (the largest bounds it): the
+    gathered fp32 update, the fp32 result (or zeros) sent back, and the iteration's copy,
+    Gram matrix, its polynomial and next iterate. Experts count as one stack."""
+    largest = max(
+        (rows * cols, min(rows, cols) ** 2)
+        for moe in ((False, True) if g.experts is not None else (False,))
+        for rows, cols, style in _block_shapes(g, moe)
+        if cols > 1
+    )
+    whole, gram = largest
+    return 8 * whole + run.muon_ns_bytes * (2 * whole + 2 * gram)
+
+
 def _mean_block_numel(g: Geometry, lay: Layout) -> tuple[float, float, int]:
     """(local numel, FSDP-sharded numel) of the mean block over the model's dense and MoE
     blocks, and the largest block's local numel (what one block gathers)."""
@@ -642,7 +672,11 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
     inputs = 16 * run.local_batch * run.seq_len / lay.cp
     base = st.weights + st.opt + st.u_root + inputs
     phases = {
-        "optimizer step": st.weights + grads + st.opt + (grads if run.foreach_optimizer else 0),
+        "optimizer step": st.weights
+        + grads
+        + st.opt
+        + (grads if run.foreach_optimizer else 0)
+        + (_muon_step_bytes(g, run) if run.muon_ns_bytes else 0),
         # the output weight's gradient exists from the loss backward on (the embedding's
         # comes after the blocks)
         "layer backward": _layer_backward(st, g, lay, a, base)
@@ -800,6 +834,11 @@ def from_job_config(
         grad_accum=grad_accum,
         param_bytes=param_bytes,
         foreach_optimizer=job_config.optimizer.implementation == "foreach",
+        muon_ns_bytes=(
+            {"bfloat16": 2, "float32": 4}[job_config.optimizer.muon.ns_dtype]
+            if job_config.optimizer.name == "Muon"
+            else 0
+        ),
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
         target=target,
         pp_microbatch=job_config.parallelism.pipeline_parallel_microbatch_size,

@@ -1,0 +1,75 @@
+"""Muon trains like Muon on one process on every layout: per-step loss and grad norm (1e-4)
+under FSDP 2, FSDP 4, HSDP 2 x 2, TP 2, FSDP 2 x TP 2 and PP 2, and with expert parallel
+on the DeepSeek-V3 MoE (EP 2); a checkpoint saved under FSDP 4 resumes under FSDP 2 x TP 2
+and continues the one-process losses. The Newton-Schulz iteration runs in fp32 here (bf16, the
+default, rounds the whole matrix: layouts would differ by its rounding, not by 1e-4)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.parity import assert_parity, train
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+
+MUON = [
+    "--optimizer.name",
+    "Muon",
+    "--optimizer.muon.ns_dtype",
+    "float32",
+    "--optimizer.lr",
+    "2e-2",
+    "--optimizer.muon.adamw_lr",
+    "3e-3",
+]
+TP = "--parallelism.tensor_parallel_degree"
+
+# name: (processes, data-parallel degree, overrides)
+CASES = {
+    "fsdp2": (2, 2, []),
+    "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "tp2": (2, 1, [TP, "2"]),
+    "fsdp2_tp2": (4, 2, [TP, "2"]),
+    "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2"]),
+}
+DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+DEEPSEEK_MUON = DEEPSEEK + ["--debug.moe_force_load_balance", *MUON]
+
+
+@pytest.fixture(scope="module")
+def muon_reference(tmp_path_factory):
+    records = train(1, tmp_path_factory.mktemp("muon_reference"), MUON)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, "Muon did not learn"
+    return records
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_muon_parity_with_one_process(case, muon_reference, tmp_path):
+    nproc, dp, overrides = CASES[case]
+    assert_parity(muon_reference, train(nproc, tmp_path, MUON + overrides, dp=dp))
+
+
+def test_muon_on_moe_with_expert_parallel(tmp_path):
+    reference = train(1, tmp_path / "one", DEEPSEEK_MUON)
+    ep2 = train(2, tmp_path / "ep2", DEEPSEEK_MUON + ["--parallelism.expert_parallel_degree", "2"])
+    assert_parity(reference, ep2)
+
+
+def test_checkpoint_from_fsdp4_resumes_under_fsdp2_tp2(muon_reference, tmp_path):
+    """FSDP 4 trains like one process; its step-5 checkpoint resumes bitwise under FSDP 4
+    and, the momentum buffers resharded like AdamW's states, under FSDP 2 x TP 2, whose
+    steps 6-10 follow the one-process run."""
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+    fsdp4 = train(4, tmp_path / "fsdp4", MUON + ckpt)
+    assert_parity(muon_reference, fsdp4)
+    step5 = Path("checkpoint") / "step-5"
+    for folder in ("same_layout", "fsdp2_tp2"):
+        shutil.copytree(tmp_path / "fsdp4" / step5, tmp_path / folder / step5)
+    same = train(4, tmp_path / "same_layout", MUON + ckpt)
+    assert [(r["loss"], r["grad_norm"]) for r in same] == [
+        (r["loss"], r["grad_norm"]) for r in fsdp4[5:]
+    ], "a resume under the same layout repeats steps 6-10 bitwise"
+    resumed = train(4, tmp_path / "fsdp2_tp2", MUON + ckpt + [TP, "2"], dp=2)
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    assert_parity(muon_reference[5:], resumed)
