@@ -1,6 +1,6 @@
 """Muon trains like Muon on one process on every layout: per-step loss and grad norm (1e-4)
 under FSDP 2, FSDP 4, HSDP 2 x 2, TP 2, FSDP 2 x TP 2 and PP 2, and with expert parallel
-on the DeepSeek-V3 MoE (EP 2); a checkpoint saved under FSDP 4 resumes under FSDP 2 x TP 2
+on the DeepSeek-V3 MoE (EP 2, FSDP 2 x EP 2); a checkpoint saved under FSDP 4 resumes under FSDP 2 x TP 2
 and continues the one-process losses. The Newton-Schulz iteration runs in fp32 here (bf16, the
 default, rounds the whole matrix: layouts would differ by its rounding, not by 1e-4)."""
 
@@ -51,9 +51,11 @@ def test_muon_parity_with_one_process(case, muon_reference, tmp_path):
 
 
 def test_muon_on_moe_with_expert_parallel(tmp_path):
+    """EP 2 (each rank orthogonalises its own experts) and FSDP 2 x EP 2 on 4 processes."""
     reference = train(1, tmp_path / "one", DEEPSEEK_MUON)
-    ep2 = train(2, tmp_path / "ep2", DEEPSEEK_MUON + ["--parallelism.expert_parallel_degree", "2"])
-    assert_parity(reference, ep2)
+    ep = DEEPSEEK_MUON + ["--parallelism.expert_parallel_degree", "2"]
+    assert_parity(reference, train(2, tmp_path / "ep2", ep))
+    assert_parity(reference, train(4, tmp_path / "fsdp2_ep2", ep))
 
 
 def test_checkpoint_from_fsdp4_resumes_under_fsdp2_tp2(muon_reference, tmp_path):

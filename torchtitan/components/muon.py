@@ -8,7 +8,9 @@ spread), and its shards go back by a reduce-scatter of the owner's result with t
 ranks' zeros (exact: x + 0 = x). Matrices are processed one after the other, so a rank holds
 at most two whole matrices at a time (the gathered update and the reduce-scatter input).
 Plain tensors (one process, or replicated parameters) are orthogonalised where they are.
-MoE experts ([experts, rows, cols]) are orthogonalised per expert, batched.
+MoE experts ([experts, rows, cols]) are orthogonalised per expert, batched; a split of the
+experts (expert parallel, or FSDP on the expert dim) stays local: only the ranks that hold
+the same experts exchange them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -57,11 +59,21 @@ def adjusted_lr(lr: float, adjust: str, shape: torch.Size) -> float:
     return lr * math.sqrt(max(1, rows / cols))
 
 
-def _flat_rank(mesh) -> int:
-    coordinate = mesh.get_coordinate()
+def _splits_dim0(placement) -> bool:
+    return isinstance(placement, Shard) and placement.dim == 0
+
+
+def _group_size(mesh, dims: list[bool]) -> int:
+    """Ranks over the selected mesh dims (those that share one gathered matrix)."""
+    return math.prod(size for size, keep in zip(mesh.shape, dims) if keep)
+
+
+def _group_rank(mesh, dims: list[bool]) -> int:
+    """This rank's index among the ranks over the selected mesh dims."""
     rank = 0
-    for index, size in zip(coordinate, mesh.shape):
-        rank = rank * size + index
+    for index, size, keep in zip(mesh.get_coordinate(), mesh.shape, dims):
+        if keep:
+            rank = rank * size + index
     return rank
 
 
@@ -134,12 +146,18 @@ class Muon(torch.optim.Optimizer):
 
         if not isinstance(update, DTensor):
             return iterate(update)
-        mesh = update.device_mesh
-        whole = update.full_tensor()
-        if index % mesh.size() == _flat_rank(mesh):
+        mesh, placements = update.device_mesh, update.placements
+        # a mesh dim that splits the experts (dim 0 of a 3-D stack) keeps its split: each
+        # rank orthogonalises its own experts; every other split is gathered
+        gathered = [not (update.ndim == 3 and _splits_dim0(p)) for p in placements]
+        whole = update.redistribute(
+            mesh, [Replicate() if g else p for g, p in zip(gathered, placements)]
+        ).to_local()
+        if index % _group_size(mesh, gathered) == _group_rank(mesh, gathered):
             result = iterate(whole)
         else:
             result = torch.zeros_like(whole)
         del whole
-        partial = DTensor.from_local(result, mesh, [Partial()] * mesh.ndim, run_check=False)
-        return partial.redistribute(mesh, update.placements)
+        summed = [Partial() if g else p for g, p in zip(gathered, placements)]
+        partial = DTensor.from_local(result, mesh, summed, run_check=False)
+        return partial.redistribute(mesh, placements)
