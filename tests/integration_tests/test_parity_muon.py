@@ -1,8 +1,9 @@
 """Muon trains like Muon on one process on every layout: per-step loss and grad norm (1e-4)
 under FSDP 2, FSDP 4, HSDP 2 x 2, TP 2, FSDP 2 x TP 2 and PP 2, and with expert parallel
-on the DeepSeek-V3 MoE (EP 2, FSDP 2 x EP 2); a checkpoint saved under FSDP 4 resumes under FSDP 2 x TP 2
-and continues the one-process losses. The Newton-Schulz iteration runs in fp32 here (bf16, the
-default, rounds the whole matrix: layouts would differ by its rounding, not by 1e-4)."""
+on the DeepSeek-V3 MoE (EP 2, FSDP 2 x EP 2); a checkpoint saved under FSDP 4 resumes under
+FSDP 2 x TP 2 and continues the one-process losses. The Newton-Schulz iteration runs in fp32
+here (bf16, the default, rounds the whole matrix: layouts would differ by its rounding, not
+by 1e-4)."""
 
 import shutil
 from pathlib import Path
