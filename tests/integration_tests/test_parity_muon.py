@@ -1,9 +1,10 @@
 """Muon trains like Muon on one process on every layout: per-step loss and grad norm (1e-4)
-under FSDP 2, FSDP 4, HSDP 2 x 2, TP 2, FSDP 2 x TP 2 and PP 2, and with expert parallel
-on the DeepSeek-V3 MoE (EP 2, FSDP 2 x EP 2); a checkpoint saved under FSDP 4 resumes under
-FSDP 2 x TP 2 and continues the one-process losses. The Newton-Schulz iteration runs in fp32
-here (bf16, the default, rounds the whole matrix: layouts would differ by its rounding, not
-by 1e-4)."""
+under FSDP 2 (also with gradient accumulation), FSDP 4, HSDP 2 x 2, TP 2, FSDP 2 x TP 2 and
+PP 2, with expert parallel on the DeepSeek-V3 MoE (EP 2, FSDP 2 x EP 2), and with LoRA
+adapters (FSDP 2, TP 2); a checkpoint saved under FSDP 4 resumes bitwise under FSDP 4 and
+under FSDP 2 x TP 2 continues the one-process losses. The Newton-Schulz iteration runs in
+fp32 here (bf16, the default, rounds the whole matrix: layouts would differ by its rounding,
+not by 1e-4)."""
 
 import shutil
 from pathlib import Path
@@ -29,6 +30,7 @@ TP = "--parallelism.tensor_parallel_degree"
 # name: (processes, data-parallel degree, overrides)
 CASES = {
     "fsdp2": (2, 2, []),
+    "fsdp2_accum2": (2, 2, ["--training.local_batch_size", "2"]),  # 2 micro-batches a step
     "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "tp2": (2, 1, [TP, "2"]),
     "fsdp2_tp2": (4, 2, [TP, "2"]),
@@ -57,6 +59,26 @@ def test_muon_on_moe_with_expert_parallel(tmp_path):
     ep = DEEPSEEK_MUON + ["--parallelism.expert_parallel_degree", "2"]
     assert_parity(reference, train(2, tmp_path / "ep2", ep))
     assert_parity(reference, train(4, tmp_path / "fsdp2_ep2", ep))
+
+
+LORA_MUON = [
+    *MUON,
+    "--model.converters",
+    "lora",
+    "--lora.target_modules",
+    "attention,mlp,output",
+    "--lora.rank",
+    "4",
+]
+
+
+def test_lora_adapters_with_muon_train_like_one_process(tmp_path):
+    """LoRA x Muon: the adapters' matrices (column- and row-wise, and the output's, which
+    ``output.*`` sends to AdamW) under FSDP 2 and TP 2."""
+    reference = train(1, tmp_path / "one", LORA_MUON)
+    assert reference[-1]["loss"] < reference[0]["loss"] - 0.3, "LoRA with Muon did not learn"
+    assert_parity(reference, train(2, tmp_path / "fsdp2", LORA_MUON))
+    assert_parity(reference, train(2, tmp_path / "tp2", LORA_MUON + [TP, "2"], dp=1))
 
 
 def test_checkpoint_from_fsdp4_resumes_under_fsdp2_tp2(muon_reference, tmp_path):

@@ -75,3 +75,31 @@ def test_schedulers_drive_optimizer_lr():
         optimizers.step()
         schedulers.step()
     assert seen == pytest.approx(factors(6, 2, None))
+
+
+def test_a_resumed_second_optimizer_keeps_its_own_lr():
+    """Muon builds a Muon and an AdamW optimizer with different lrs; the saved scheduler
+    state (the first one's) restores the step of both, not the first one's lr."""
+    args = ["--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--optimizer.name"]
+    args += ["Muon", "--optimizer.lr", "2e-2", "--optimizer.muon.adamw_lr", "1e-3"]
+    args += ["--optimizer.muon.adamw_params", "1.*"]  # the LayerNorm
+    config = ConfigManager().parse_args(args)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        optimizers = build_optimizers([model], config.optimizer, None)
+        schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
+        return optimizers, schedulers
+
+    optimizers, schedulers = build()
+    for _ in range(3):
+        optimizers.step()
+        schedulers.step()
+    resumed_optimizers, resumed = build()
+    resumed.load_state_dict(schedulers.state_dict())
+    resumed.step()
+    schedulers.step()
+    lrs = [g["lr"] for g in optimizers.param_groups]
+    assert lrs[0] / lrs[1] == pytest.approx(20.0)
+    assert [g["lr"] for g in resumed_optimizers.param_groups] == pytest.approx(lrs)

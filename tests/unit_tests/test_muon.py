@@ -147,10 +147,6 @@ def test_state_is_one_momentum_buffer_per_matrix_and_round_trips():
             ["--optimizer.name", "Muon", "--optimizer.muon.ns_steps", "0"],
             "optimizer.muon.ns_steps: must be in [1, 100)",
         ),
-        (
-            ["--optimizer.name", "Muon", "--model.converters", "lora"],
-            "optimizer.name='Muon': LoRA adapters",
-        ),
     ],
 )
 def test_bad_settings_are_one_line_errors(args, message):

@@ -140,22 +140,22 @@ def build_optimizers(
 def muon_split(
     model_parts: list[nn.Module], patterns: list[str]
 ) -> tuple[list[list[nn.Parameter]], list[list[nn.Parameter]], dict[str, int]]:
-    """Per part, (Muon's parameters, AdamW's parameters) and how many parameters each
-    ``optimizer.muon.adamw_params`` pattern matched: Muon takes the trainable 2-D weights and
-    3-D expert stacks that no pattern names, AdamW the rest."""
+    """Per part, (Muon's parameters, AdamW's parameters) and how many parameters (trainable
+    or frozen) each ``optimizer.muon.adamw_params`` pattern matched: Muon takes the trainable
+    2-D weights (LoRA adapters too) and 3-D expert stacks that no pattern names, AdamW the
+    rest."""
     matches = dict.fromkeys(patterns, 0)
     muon, adamw = [], []
     for part in model_parts:
         muon.append([])
         adamw.append([])
         for name, p in part.named_parameters():
-            if not p.requires_grad:
-                continue
             fqn = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
             hits = [pattern for pattern in patterns if fnmatch.fnmatchcase(fqn, pattern)]
             for pattern in hits:
                 matches[pattern] += 1
-            (muon[-1] if p.ndim in (2, 3) and not hits else adamw[-1]).append(p)
+            if p.requires_grad:
+                (muon[-1] if p.ndim in (2, 3) and not hits else adamw[-1]).append(p)
     return muon, adamw, matches
 
 

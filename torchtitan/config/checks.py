@@ -192,7 +192,7 @@ def check_job_config(config: Any) -> None:
     _check_profiler_schedule(config.profiling)
     _check_training_dtype(config.training)
     _check_loss_kernel(config.training, config.parallelism)
-    _check_muon(config.optimizer, config.model.converters)
+    _check_muon(config.optimizer)
     ac_error = check_ac_config(
         config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
     )
@@ -358,7 +358,7 @@ def _check_loss_kernel(training: Any, parallelism: Any) -> None:
         )
 
 
-def _check_muon(optimizer: Any, converters: list[str]) -> None:
+def _check_muon(optimizer: Any) -> None:
     if optimizer.name != "Muon":
         defaults = type(optimizer.muon)()
         for name in defaults.__dataclass_fields__:
@@ -368,15 +368,6 @@ def _check_muon(optimizer: Any, converters: list[str]) -> None:
                     f"{optimizer.name!r}; set optimizer.name = 'Muon' or drop it"
                 )
         return
-    if "lora" in converters:
-        raise ConfigError(
-            "optimizer.name='Muon': LoRA adapters are not trained by Muon yet; use AdamW"
-        )
-    if optimizer.early_step_in_backward:
-        raise ConfigError(
-            "optimizer.early_step_in_backward: Muon orthogonalises whole matrices after the "
-            "backward; use it with AdamW"
-        )
 
 
 def check_ac_config(mode: str, selective_option: str) -> str | None:
