@@ -1,16 +1,17 @@
 """Muon trains like Muon on one process on every layout: per-step loss and grad norm (1e-4)
 under FSDP 2 (also with gradient accumulation), FSDP 4, HSDP 2 x 2, TP 2, FSDP 2 x TP 2 and
-PP 2, with expert parallel on the DeepSeek-V3 MoE (EP 2, FSDP 2 x EP 2), and with LoRA
-adapters (FSDP 2, TP 2); a checkpoint saved under FSDP 4 resumes bitwise under FSDP 4 and
-under FSDP 2 x TP 2 continues the one-process losses. The Newton-Schulz iteration runs in
-fp32 here (bf16, the default, rounds the whole matrix: layouts would differ by its rounding,
-not by 1e-4)."""
+PP 2, with expert parallel on the DeepSeek-V3 MoE (EP 2, FSDP 2 x EP 2), with LoRA adapters
+(FSDP 2, TP 2) and with float8 linears (FSDP 2); a checkpoint saved under FSDP 4 resumes
+bitwise under FSDP 4 and under FSDP 2 x TP 2 continues the one-process losses. The
+Newton-Schulz iteration runs in fp32 here (bf16, the default, rounds the whole matrix:
+layouts would differ by its rounding, not by 1e-4)."""
 
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.integration_tests.test_parity_float8 import FLOAT8, FLOAT8_RTOL, FSDP_FLOAT8
 from tests.parity import assert_parity, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
@@ -79,6 +80,14 @@ def test_lora_adapters_with_muon_train_like_one_process(tmp_path):
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.3, "LoRA with Muon did not learn"
     assert_parity(reference, train(2, tmp_path / "fsdp2", LORA_MUON))
     assert_parity(reference, train(2, tmp_path / "tp2", LORA_MUON + [TP, "2"], dp=1))
+
+
+def test_muon_with_float8_linears(tmp_path):
+    """Float8 linears (emulated) keep high-precision weights that Muon updates; under FSDP 2
+    with float8 all-gather the losses and grad norms follow one process within the float8
+    tolerance of test_parity_float8.py."""
+    one = train(1, tmp_path / "one", MUON + FLOAT8)
+    assert_parity(one, train(2, tmp_path / "fsdp2", MUON + FSDP_FLOAT8), rtol=FLOAT8_RTOL)
 
 
 def test_checkpoint_from_fsdp4_resumes_under_fsdp2_tp2(muon_reference, tmp_path):
