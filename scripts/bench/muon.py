@@ -41,7 +41,7 @@ COMMON = [
 ]
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon.adamw_lr", "8e-4"]
 STEP_MODELS = {"debug model": "debugmodel", "1B dimensions, 1 block": "1B_1layer"}
-SWEEP = {"AdamW": ["4e-4", "8e-4", "1.6e-3"], "Muon": ["1e-2", "2e-2", "4e-2"]}
+SWEEP = {"AdamW": ["8e-4", "1.6e-3", "3.2e-3"], "Muon": ["1e-2", "2e-2", "4e-2"]}
 LOSS_STEPS = 200
 
 

@@ -35,8 +35,8 @@ def newton_schulz(
     order a 2-D input follows exactly; a 3-D input is a batch of matrices)."""
     a, b, c = coefficients
     x = update.to(dtype)
-    wide = update.size(-2) > update.size(-1)
-    if wide:
+    tall = update.size(-2) > update.size(-1)
+    if tall:
         x = x.mT
     if x.ndim == 2:
         x = x.div(x.norm().clamp(min=eps))
@@ -48,7 +48,7 @@ def newton_schulz(
         for _ in range(steps):
             gram = x @ x.mT
             x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if wide else x
+    return x.mT if tall else x
 
 
 def adjusted_lr(lr: float, adjust: str, shape: torch.Size) -> float:
