@@ -12,7 +12,8 @@ AdamW's step exchanges nothing beyond FSDP's own collectives, which both runs sh
 
 Part ``loss``: the debug model on one process, seq 256 x local batch 8, 200 steps, each
 optimizer at the learning rates of a small sweep (Muon's AdamW part at 8e-4); the table
-gives the mean loss of the last 10 steps per run, the plot the best run of each.
+gives the mean loss of the last 10 steps per run, the plot the best run of each (every
+curve goes to a JSON file beside the plot).
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ COMMON = [
 ]
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon.adamw_lr", "8e-4"]
 STEP_MODELS = {"debug model": "debugmodel", "1B dimensions, 1 block": "1B_1layer"}
-SWEEP = {"AdamW": ["8e-4", "1.6e-3", "3.2e-3"], "Muon": ["1e-2", "2e-2", "4e-2"]}
+SWEEP = {
+    "AdamW": ["8e-4", "1.6e-3", "3.2e-3", "6.4e-3"],
+    "Muon": ["1e-2", "2e-2", "4e-2", "8e-2"],
+}
 LOSS_STEPS = 200
 
 
@@ -129,10 +133,12 @@ def loss_part(plot: Path | None) -> list[str]:
         "| --- | ---: | ---: | ---: |",
     ]
     best: dict[str, tuple[float, str, list[float]]] = {}
+    curves: dict[str, list[float]] = {}
     for optimizer, lrs in SWEEP.items():
         for lr in lrs:
             with tempfile.TemporaryDirectory() as tmp:
                 losses = train_losses(optimizer, lr, Path(tmp))
+            curves[f"{optimizer} {lr}"] = losses
             final = statistics.mean(losses[-10:])
             lines.append(f"| {optimizer} | {lr} | {losses[0]:.4f} | {final:.4f} |")
             print(lines[-1], flush=True)
@@ -145,6 +151,7 @@ def loss_part(plot: Path | None) -> list[str]:
         f"{best['Muon'][1]} {best['Muon'][0]:.4f}: Muon lower by {gap:.4f}.",
     ]
     if plot is not None:
+        plot.with_suffix(".json").write_text(json.dumps(curves))
         import matplotlib
 
         matplotlib.use("Agg")
