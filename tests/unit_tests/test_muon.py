@@ -27,7 +27,11 @@ def tiny_model() -> Transformer:
 
 
 def config(*args: str):
-    return ConfigManager().parse_args(["--optimizer.name", "Muon", *args])
+    """Muon with torch.optim.Muon's bf16 iteration (auto would pick fp32 on a CPU that
+    emulates bf16)."""
+    return ConfigManager().parse_args(
+        ["--optimizer.name", "Muon", "--optimizer.muon.ns_dtype", "bfloat16", *args]
+    )
 
 
 def batches() -> list[torch.Tensor]:
@@ -152,6 +156,15 @@ def test_state_is_one_momentum_buffer_per_matrix_and_round_trips():
 def test_bad_settings_are_one_line_errors(args, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_job_config(ConfigManager().parse_args(args))
+
+
+def test_auto_iteration_dtype_follows_the_device():
+    from torchtitan.tools.cpu_precision import matmul_speed
+
+    cpu = "bfloat16" if matmul_speed(torch.bfloat16).native else "float32"
+    assert muon_module.resolve_ns_dtype("auto", "cpu") == cpu
+    assert muon_module.resolve_ns_dtype("auto", "cuda") == "bfloat16"
+    assert muon_module.resolve_ns_dtype("float32", "cuda") == "float32"
 
 
 def test_a_pattern_that_matches_nothing_is_refused():

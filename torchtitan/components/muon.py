@@ -19,9 +19,24 @@ import math
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torchtitan.tools.cpu_precision import matmul_speed
+
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_ns_dtype(setting: str, device_type: str) -> str:
+    """``optimizer.muon.ns_dtype`` for a run on ``device_type``: "auto" is bfloat16 unless
+    this is a CPU that emulates bf16 matmuls (~80x slower than float32 there)."""
+    if setting != "auto":
+        return setting
+    if device_type != "cpu":
+        return "bfloat16"
+    with unset_fake_temporarily():
+        native = matmul_speed(torch.bfloat16).native
+    return "bfloat16" if native else "float32"
 
 
 def newton_schulz(

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.muon import Muon
+from torchtitan.components.muon import Muon, resolve_ns_dtype
 from torchtitan.config import ConfigError
 from torchtitan.layers.moe import moe_layers, update_expert_biases
 from torchtitan.tools.logging import logger
@@ -173,6 +173,8 @@ def _build_muon(
         "lr": cfg.lr if m.adamw_lr is None else m.adamw_lr,
         "weight_decay": cfg.weight_decay if m.adamw_weight_decay is None else m.adamw_weight_decay,
     }
+    device_type = next(p for part in model_parts for p in part.parameters()).device.type
+    ns_dtype = resolve_ns_dtype(m.ns_dtype, device_type)
     pairs = []
     for part, muon_params, adamw_params in zip(model_parts, muon, adamw):
         if muon_params:
@@ -189,7 +191,7 @@ def _build_muon(
                         ns_steps=m.ns_steps,
                         eps=m.eps,
                         adjust_lr=m.adjust_lr,
-                        ns_dtype=m.ns_dtype,
+                        ns_dtype=ns_dtype,
                     ),
                 )
             )
@@ -198,7 +200,8 @@ def _build_muon(
     counts = [sum(p.numel() for p in group) for group in (sum(muon, []), sum(adamw, []))]
     logger.info(
         f"optimizer: Muon on {sum(map(len, muon))} weight matrices ({counts[0]:,} values on "
-        f"this rank), AdamW on {sum(map(len, adamw))} other parameters ({counts[1]:,})"
+        f"this rank; Newton-Schulz in {ns_dtype}), AdamW on {sum(map(len, adamw))} other "
+        f"parameters ({counts[1]:,})"
     )
     return OptimizersContainer.of(model_parts, pairs)
 

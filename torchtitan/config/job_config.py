@@ -148,8 +148,10 @@ class MuonConfig:
     ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
     """The quintic iteration's three coefficients (a, b, c)."""
 
-    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Dtype of the Newton-Schulz iteration (torch.optim.Muon's is bfloat16)."""
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Dtype of the Newton-Schulz iteration: "auto" is bfloat16 (torch.optim.Muon's) on CUDA
+    and on CPUs with native bf16 matmuls, float32 on CPUs that emulate them (measured once
+    per machine, as training.cpu_low_precision does)."""
 
     eps: float = 1e-7
     """Floor of the Frobenius norm the update is divided by before the iteration."""

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from torchtitan.components.lora import LORA, matches_target
+from torchtitan.components.muon import resolve_ns_dtype
 from torchtitan.components.qlora import (
     NF4_BYTES_PER_VALUE,
     QUANTIZE_BYTES_PER_VALUE,
@@ -835,7 +836,9 @@ def from_job_config(
         param_bytes=param_bytes,
         foreach_optimizer=job_config.optimizer.implementation == "foreach",
         muon_ns_bytes=(
-            {"bfloat16": 2, "float32": 4}[job_config.optimizer.muon.ns_dtype]
+            {"bfloat16": 2, "float32": 4}[
+                resolve_ns_dtype(job_config.optimizer.muon.ns_dtype, target)
+            ]
             if job_config.optimizer.name == "Muon"
             else 0
         ),
