@@ -203,3 +203,19 @@ def test_bf16_weight_gradient_summed_over_chunks_is_as_exact_as_the_full_path():
     """30 chunks: the weight gradient adds up in fp32, so it is no further from fp64 than
     the full logits' one bf16 matmul (a bf16 running sum is ~3x further)."""
     assert _weight_grad_error(10) <= 1.5 * _weight_grad_error(None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frozen_output_weight_gets_no_gradient(dtype):
+    """LoRA without an output adapter: the output weight is frozen, h still gets its gradient
+    (fp32 and under bf16 autocast)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(40, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (40,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        chunked_linear_cross_entropy(h, weight, labels, 16).backward()
+        expected = h.detach().clone().requires_grad_()
+        F.cross_entropy(F.linear(expected, weight).float(), labels, reduction="sum").backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(h.grad, expected.grad, rtol=tol, atol=tol)

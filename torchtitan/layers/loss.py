@@ -117,6 +117,17 @@ def _logsumexp_(logits: torch.Tensor) -> torch.Tensor:
     return top.squeeze(1) + logits.sub_(top).exp_().sum(dim=-1).log_()
 
 
+def _add_weight_grad(grad_w: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+    """``grad_w += grad_logits.T @ h``, summed in ``grad_w``'s dtype (fp32 for low-precision
+    inputs): CPU multiplies in fp32 (most CPUs emulate bf16 matmuls), CUDA in the inputs'."""
+    if grad_w.dtype == h.dtype:
+        grad_w.addmm_(grad_logits.T, h)
+    elif grad_w.device.type == "cpu":
+        grad_w.addmm_(grad_logits.T.float(), h.float())
+    else:
+        grad_w += grad_logits.T @ h
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``h @ weight.T`` (scored in fp32, or fp64 for fp64 inputs)
     one chunk of tokens at a time, without the logits: the forward keeps each token's
@@ -164,13 +175,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = grad_logits.mul_(row_scale[rows, None]).to(h.dtype)
             if grad_h is not None:
                 torch.mm(grad_logits, weight, out=grad_h[rows])
-            if grad_w is not None and grad_w.dtype == h.dtype:
-                grad_w.addmm_(grad_logits.T, h[rows])
-            elif grad_w is not None and grad_w.device.type == "cpu":
-                # fp32 matmuls on CPU (most CPUs emulate bf16 ones)
-                grad_w.addmm_(grad_logits.T.float(), h[rows].float())
-            else:
-                grad_w += grad_logits.T @ h[rows]
+            if grad_w is not None:
+                _add_weight_grad(grad_w, grad_logits, h[rows])
             del grad_logits
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
