@@ -29,7 +29,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from scripts.bench.benchmark import _git, _run, machine, run_trainer  # noqa: E402
+from scripts.bench.benchmark import _git, machine, run_trainer  # noqa: E402
+from scripts.bench.chunked_loss import train  # noqa: E402
 
 CONFIG = "train_configs/debug_model.toml"
 COMMON = [
@@ -96,35 +97,9 @@ def step_part() -> list[str]:
 
 def train_losses(optimizer: str, lr: str, folder: Path) -> list[float]:
     extra = MUON if optimizer == "Muon" else []
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=1",
-            "-m",
-            "torchtitan.train",
-            "--job.config_file",
-            CONFIG,
-            *COMMON,
-            *extra,
-            "--optimizer.lr",
-            lr,
-            "--training.local_batch_size",
-            "8",
-            "--training.steps",
-            str(LOSS_STEPS),
-            "--lr_scheduler.warmup_steps",
-            "20",
-            "--metrics.log_freq",
-            "1",
-            "--job.dump_folder",
-            str(folder),
-        ],
-        2,
-    )
-    return [json.loads(line)["loss"] for line in open(folder / "metrics.jsonl") if line.strip()]
+    flags = ["--job.config_file", CONFIG, *COMMON, *extra, "--optimizer.lr", lr]
+    flags += ["--training.local_batch_size", "8", "--lr_scheduler.warmup_steps", "20"]
+    return train(flags, LOSS_STEPS, folder)["losses"]
 
 
 def loss_part(plot: Path | None) -> list[str]:
