@@ -6,9 +6,11 @@
 Part ``step``: the trainer (``benchmark.py``'s run, profiled last step) with AdamW and with
 Muon under FSDP 2 and FSDP 4 on the debug model and on Llama 3 1B's dimensions with one
 block (``extra_flavors.py``; byte tokenizer), fp32, seq 256: the median step, the profiled
-step's ``Optimizer.step`` time, and the bytes each rank exchanges in Muon's step (one
-all-gather and one reduce-scatter of every weight matrix in fp32, (n - 1) / n of it each way;
-AdamW's step exchanges nothing beyond FSDP's own collectives, which both runs share).
+step's ``Optimizer.step`` time, and the bytes a rank sends plus receives in Muon's step,
+averaged over the ranks (each fp32 weight matrix crosses the network once to the rank that
+orthogonalises it and once back, less that rank's own block: (n - 1) / n of it each way, an
+n-th of it per rank; AdamW's step exchanges nothing beyond FSDP's own collectives, which
+both runs share).
 
 Part ``loss``: the debug model on one process, seq 256 x local batch 8, 200 steps, each
 optimizer at the learning rates of a small sweep (Muon's AdamW part at 8e-4); the table
@@ -51,8 +53,9 @@ LOSS_STEPS = 200
 
 
 def muon_exchange_bytes(flavor: str, ranks: int) -> int:
-    """Bytes one rank sends plus receives in Muon's step: every weight matrix of the blocks
-    all-gathered and reduce-scattered in fp32."""
+    """Bytes a rank sends plus receives in Muon's step, averaged over the ranks: of every
+    fp32 weight matrix of the blocks, all but the owner's block goes to its owner and back,
+    each byte sent by one rank and received by another."""
     import torch
 
     from scripts.bench import extra_flavors  # noqa: F401  (registers the flavors)
@@ -64,7 +67,8 @@ def muon_exchange_bytes(flavor: str, ranks: int) -> int:
     matrices = sum(
         p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2
     )
-    return int(2 * 4 * matrices * (ranks - 1) / ranks)
+    moved_each_way = 4 * matrices * (ranks - 1) / ranks
+    return int(2 * 2 * moved_each_way / ranks)
 
 
 def step_part() -> list[str]:

@@ -6,14 +6,17 @@ bitwise under FSDP 4 and under FSDP 2 x TP 2 continues the one-process losses. T
 Newton-Schulz iteration runs in fp32 here (bf16, the default, rounds the whole matrix:
 layouts would differ by its rounding, not by 1e-4)."""
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.integration_tests.test_parity_float8 import FLOAT8, FLOAT8_RTOL, FSDP_FLOAT8
+from tests.launcher import REPO_ROOT, run_torchrun
 from tests.parity import assert_parity, train
 
+PROBE = REPO_ROOT / "tests" / "integration_tests" / "scripts" / "muon_layout_probe.py"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 MUON = [
@@ -107,3 +110,14 @@ def test_checkpoint_from_fsdp4_resumes_under_fsdp2_tp2(muon_reference, tmp_path)
     resumed = train(4, tmp_path / "fsdp2_tp2", MUON + ckpt + [TP, "2"], dp=2)
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert_parity(muon_reference[5:], resumed)
+
+
+def test_sharded_muon_equals_whole_muon_on_awkward_layouts(tmp_path):
+    """4 processes: uneven and empty shards, a partial round, 2 x 2 cuts, FSDP's strided
+    shard, expert stacks: the weights after 3 steps equal Muon on the whole tensors (1e-6)."""
+    run_torchrun(4, [], script=str(PROBE), env={"OUT_DIR": str(tmp_path)}, timeout=170)
+    results = [json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")]
+    assert len(results) == 4
+    for result in results:
+        assert result["moved"] > 1e-2, result  # the weights did change
+        assert result["worst"] < 1e-6, result

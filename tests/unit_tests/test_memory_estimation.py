@@ -504,9 +504,10 @@ def test_plan_prints_its_progress(capsys):
     ids=["fsdp2", "fsdp2_fp32_iteration", "fsdp2_tp2"],
 )
 def test_muon_step_closed_form_matches_the_trace(world_size, overrides):
-    """Muon keeps one fp32 buffer per weight matrix (AdamW two) and its step holds one whole
-    matrix at a time: the closed form's optimizer step within 1.5 % of the trace's (-0.4 to
-    +1.1 % measured), below AdamW's."""
+    """Muon keeps one fp32 buffer per weight matrix (AdamW two) and its step holds five
+    whole matrices in flight (six under FSDP x TP): the closed form's optimizer step within
+    1.5 % of the trace's, below AdamW's under FSDP 2 (under FSDP 2 x TP 2 the debug model's
+    quarter of a second buffer is smaller than those whole matrices)."""
     steps = {}
     for name in ("AdamW", "Muon"):
         args = ["--job.config_file", "train_configs/debug_model.toml", "--optimizer.name", name]
@@ -523,4 +524,5 @@ def test_muon_step_closed_form_matches_the_trace(world_size, overrides):
         traced = outcome.result.phase_peaks[(2, "optimizer_step")]
         assert abs(closed_form / traced - 1) < 0.015, (name, closed_form, traced)
         steps[name] = traced
-    assert steps["Muon"] < steps["AdamW"], steps
+    if world_size == 2:
+        assert steps["Muon"] < steps["AdamW"], steps

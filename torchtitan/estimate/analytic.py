@@ -635,10 +635,12 @@ def _muon_block_sharded(g: Geometry, lay: Layout) -> float:
     return (1 - share) * matrices(False) + share * matrices(True)
 
 
-def _muon_step_bytes(g: Geometry, run: Run) -> float:
-    """Muon's step orthogonalises one whole matrix at a time (the largest bounds it): the
-    gathered fp32 update, the fp32 result (or zeros) sent back, and the iteration's copy,
-    Gram matrix, its polynomial and next iterate. Experts count as one stack."""
+def _muon_step_bytes(g: Geometry, lay: Layout, run: Run) -> float:
+    """Muon's step (components/muon._exchange_and_iterate) holds five fp32 whole matrices of
+    the largest size at its peak (the one iterated, the next received, the last result sent
+    back, this rank's blocks of the next and the last round) and the iteration's copy, Gram
+    matrix, its polynomial and next iterate; under FSDP x TP one more (the update and its
+    result re-laid out over the second cut). Experts count as one stack."""
     largest = max(
         (rows * cols, min(rows, cols) ** 2)
         for moe in ((False, True) if g.experts is not None else (False,))
@@ -646,7 +648,8 @@ def _muon_step_bytes(g: Geometry, run: Run) -> float:
         if cols > 1
     )
     whole, gram = largest
-    return 8 * whole + run.muon_ns_bytes * (2 * whole + 2 * gram)
+    held = 6 if lay.fsdp and lay.tp > 1 else 5
+    return 4 * held * whole + run.muon_ns_bytes * (2 * whole + 2 * gram)
 
 
 def _mean_block_numel(g: Geometry, lay: Layout) -> tuple[float, float, int]:
@@ -677,7 +680,7 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
         + grads
         + st.opt
         + (grads if run.foreach_optimizer else 0)
-        + (_muon_step_bytes(g, run) if run.muon_ns_bytes else 0),
+        + (_muon_step_bytes(g, lay, run) if run.muon_ns_bytes else 0),
         # the output weight's gradient exists from the loss backward on (the embedding's
         # comes after the blocks)
         "layer backward": _layer_backward(st, g, lay, a, base)
