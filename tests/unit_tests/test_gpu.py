@@ -74,6 +74,27 @@ def test_flex_block_causal_forward_and_backward_on_cuda_match_a_dense_mask():
         torch.testing.assert_close(g, r, rtol=2e-3, atol=2e-3)
 
 
+def test_flex_with_sinks_on_cuda_matches_the_dense_definition():
+    """Attention sinks through the compiled FlexAttention kernel's log-sum-exp, with its
+    backward (the sinks' gradient included), under documents and a window."""
+    from tests.unit_tests.test_attention_sinks import dense_with_sinks
+    from torchtitan.layers.attention import FlexAttention, MaskSpec
+
+    docs = torch.tensor([[0] * 40 + [1] * 70 + [2] * 146, [0] * 256]).cuda()
+    kernel = FlexAttention(MaskSpec(block_causal=True, sliding_window=96))
+    q, k, v = (torch.randn(2, 3, 256, 8, device="cuda", requires_grad=True) for _ in range(3))
+    sinks = torch.tensor([0.5, -1.0, 2.0], device="cuda", requires_grad=True)
+    mask = kernel.prepare(docs, q.device)
+    assert mask.block_mask is not None, "CUDA must use compiled flex"
+    out = kernel(q, k, v, mask=mask, scale=8**-0.5, sinks=sinks)
+    ref = dense_with_sinks(q, k, v, sinks, docs, 96)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, sinks))
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=2e-3, atol=2e-3)
+
+
 def _loss_and_grads(kernel: str | None, h, weight, labels, dtype=torch.float32):
     """Summed loss and the (h, weight) gradients: full logits (kernel None) or chunked."""
     from torchtitan.layers.loss import LinearCrossEntropy, cross_entropy_sum

@@ -8,12 +8,17 @@ alternative kernel replace these modules instead of patching each model.
 Kernels here:
 
 - :class:`ScaledDotProductAttention` (``model.attn_type = "sdpa"``): causal SDPA, no mask
-  object.
+  object; with attention sinks (which need the log-sum-exp SDPA does not return) the
+  block-by-block kernel on the causal mask.
 - :class:`FlexAttention` (``"flex"``): causal, ``block_causal`` (documents of a packed
   sequence never see each other) and sliding-window masks. It runs the compiled FlexAttention
   kernel with a ``BlockMask`` built once per batch, except where FlexAttention has no
   backward (the CPU, in 2.11 - 2.13): training there runs the same mask block by block
   (``torchtitan/layers/blockwise_attention.py``), skipping fully masked blocks.
+
+Attention sinks (gpt-oss: a learned logit per head added to every softmax's denominator,
+``sinks`` ``[heads]``) rescale a kernel's output by its log-sum-exp
+(``blockwise_attention.add_sinks``), so no kernel materialises ``[seq, seq]`` for them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import nn
 
 from torchtitan.layers.blockwise_attention import (
     BlockPlan,
+    add_sinks,
     blockwise_attention,
     build_block_plan,
     visible,
@@ -65,10 +71,11 @@ class PreparedMask:
 
 
 class AttentionKernel(nn.Module):
-    """``forward(q, k, v, *, mask, scale)`` on ``[batch, heads, seq, head_dim]`` tensors where
-    ``k``/``v`` already have as many heads as ``q`` (callers expand grouped KV heads first);
-    returns a tensor shaped like ``q``. ``scale``: softmax scale, by default
-    ``1 / sqrt(head_dim)``. ``mask`` is what :meth:`prepare` returned for this batch."""
+    """``forward(q, k, v, *, mask, scale, sinks)`` on ``[batch, heads, seq, head_dim]`` tensors
+    where ``k``/``v`` already have as many heads as ``q`` (callers expand grouped KV heads
+    first); returns a tensor shaped like ``q``. ``scale``: softmax scale, by default
+    ``1 / sqrt(head_dim)``. ``mask`` is what :meth:`prepare` returned for this batch.
+    ``sinks``: None, or ``[heads]`` logits added to every softmax's denominator."""
 
     spec: MaskSpec = MaskSpec()
 
@@ -91,8 +98,14 @@ class ScaledDotProductAttention(AttentionKernel):
         *,
         mask: Any = None,
         scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        if sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        plan = _local_plan(None, q.shape[2], None, q.device)
+        chunks = list(range(q.shape[2] // plan.size))
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return blockwise_attention(q, k, v, plan, chunks, chunks, scale, sinks)
 
 
 @functools.cache
@@ -188,16 +201,26 @@ class FlexAttention(AttentionKernel):
         *,
         mask: PreparedMask | None = None,
         scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if mask is None:  # no document ids (generation, direct calls): any length, so on the
             # CPU the eager block kernel rather than a compilation per length
             blockwise = _blockwise(q.device) or not flex_has_backward(q.device)
             mask = _position_only_mask(self.spec, q.shape[2], q.device, blockwise)
+        if mask.plan is None and sinks is not None and not flex_has_backward(q.device):
+            # the CPU's compiled FlexAttention returns no log-sum-exp: the block kernel
+            window = self.spec.sliding_window
+            plan = _local_plan(mask.document_ids, q.shape[2], window, q.device)
+            mask = PreparedMask(mask.document_ids, plan=plan)
         if mask.plan is not None:
             chunks = list(range(q.shape[2] // mask.plan.size))
             scale = q.shape[-1] ** -0.5 if scale is None else scale
-            return blockwise_attention(q, k, v, mask.plan, chunks, chunks, scale)
-        return compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, scale=scale)
+            return blockwise_attention(q, k, v, mask.plan, chunks, chunks, scale, sinks)
+        flex = compiled_flex_attention()
+        if sinks is None:
+            return flex(q, k, v, block_mask=mask.block_mask, scale=scale)
+        out, lse = flex(q, k, v, block_mask=mask.block_mask, scale=scale, return_lse=True)
+        return add_sinks(out, lse, sinks)[0]
 
     def extra_repr(self) -> str:
         return f"block_causal={self.spec.block_causal}, sliding_window={self.spec.sliding_window}"

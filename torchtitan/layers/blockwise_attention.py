@@ -349,25 +349,61 @@ def _backward(q, k, v, out, lse, grad_out, plan: BlockPlan, q_chunks, k_chunks, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def add_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the keys plus one learned logit per head (``sinks`` ``[heads]``, gpt-oss)
+    whose value is zero: ``out * sigmoid(lse - sink)`` and the log-sum-exp with the sink.
+    Applied once to the result over ALL keys (after any merge), so the sink counts once."""
+    sink = sinks.to(lse.dtype)[None, :, None]
+    total = torch.logaddexp(lse, sink)
+    kept = torch.exp(lse - total).unsqueeze(-1)
+    return (out.to(lse.dtype) * kept).to(out.dtype), total
+
+
+def sink_grad(
+    out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """The sinks' gradient from the output and log-sum-exp that include them: the sink's
+    probability times ``-rowsum(grad_out * out)``, summed over batch and queries."""
+    delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    p_sink = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     """Masked attention with an O(seq x chunk) memory forward and backward. Block math runs
-    in fp32 with autocast off."""
+    in fp32 with autocast off. With sinks, the saved output and log-sum-exp include them: the
+    key gradients then follow from the same block backward (its probabilities and
+    ``rowsum(grad_out * out)`` are those of the softmax with the sink)."""
 
     @staticmethod
     def forward(
-        ctx, q, k, v, plan: BlockPlan, q_chunks: list[int], k_chunks: list[int], scale: float
+        ctx,
+        q,
+        k,
+        v,
+        plan: BlockPlan,
+        q_chunks: list[int],
+        k_chunks: list[int],
+        scale: float,
+        sinks: torch.Tensor | None,
     ):
         with torch.autocast(q.device.type, enabled=False):
             out, lse = _forward(q, k, v, plan, q_chunks, k_chunks, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+            if sinks is not None:
+                out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.layout = plan, q_chunks, k_chunks, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         with torch.autocast(grad_out.device.type, enabled=False):
-            grads = _backward(*ctx.saved_tensors, grad_out, *ctx.layout)
-        return *grads, None, None, None, None
+            grads = _backward(q, k, v, out, lse, grad_out, *ctx.layout)
+            d_sinks = None if sinks is None else sink_grad(out, lse, grad_out, sinks)
+        return *grads, None, None, None, None, d_sinks
 
 
 def blockwise_attention(
@@ -378,8 +414,11 @@ def blockwise_attention(
     q_chunks: list[int],
     k_chunks: list[int],
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[batch, heads, len(q_chunks) * size, head_dim]``, its chunks the
     global chunks ``q_chunks`` in order) over ``k``/``v`` (chunks ``k_chunks``) following
-    ``plan``. Every query must see at least one key (true of any causal mask: itself)."""
-    return _BlockwiseAttention.apply(q, k, v, plan, q_chunks, k_chunks, scale)
+    ``plan``; ``sinks`` ``[heads]``: a learned extra logit per head in every softmax (see
+    :func:`add_sinks`). Every query must see at least one key (true of any causal mask:
+    itself)."""
+    return _BlockwiseAttention.apply(q, k, v, plan, q_chunks, k_chunks, scale, sinks)
