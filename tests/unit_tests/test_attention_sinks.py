@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit_tests.test_document_masking import DOC_LENGTHS, _document_ids
+from tests.unit_tests.test_document_masking import DOC_LENGTHS, _document_ids, dense_mask
 from torchtitan.layers.attention import (
     FlexAttention,
     MaskSpec,
     ScaledDotProductAttention,
 )
-from torchtitan.layers.blockwise_attention import blockwise_attention, build_block_plan, visible
+from torchtitan.layers.blockwise_attention import blockwise_attention, build_block_plan
 
 SEQ, HEADS, HEAD_DIM = 32, 3, 8
 SCALE = HEAD_DIM**-0.5
@@ -22,16 +22,7 @@ SCALE = HEAD_DIM**-0.5
 
 def dense_with_sinks(q, k, v, sinks, document_ids=None, window=None):
     """The definition: softmax over [scores, sink] per query row, the sink column dropped."""
-    pos = torch.arange(q.shape[2], device=q.device)
-    docs = document_ids
-    mask = visible(
-        pos[:, None],
-        pos[None, :],
-        None if docs is None else docs[:, :, None],
-        None if docs is None else docs[:, None, :],
-        window,
-    )
-    mask = mask.unsqueeze(1) if mask.dim() == 3 else mask
+    mask = dense_mask(q, document_ids, window)
     scores = (q @ k.transpose(-2, -1) * SCALE).masked_fill(~mask, float("-inf"))
     sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

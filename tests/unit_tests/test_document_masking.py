@@ -28,8 +28,9 @@ def _document_ids(lengths: list[list[int]]) -> torch.Tensor:
     )
 
 
-def _dense_reference(q, k, v, document_ids, window):
-    pos = torch.arange(q.shape[2])
+def dense_mask(q, document_ids, window) -> torch.Tensor:
+    """The ``[batch or 1, 1, seq, seq]`` bool mask of :func:`visible` for ``q``'s sequence."""
+    pos = torch.arange(q.shape[2], device=q.device)
     docs = document_ids
     mask = visible(
         pos[:, None],
@@ -38,8 +39,11 @@ def _dense_reference(q, k, v, document_ids, window):
         None if docs is None else docs[:, None, :],
         window,
     )
-    mask = mask.unsqueeze(1) if mask.dim() == 3 else mask
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return mask.unsqueeze(1) if mask.dim() == 3 else mask
+
+
+def _dense_reference(q, k, v, document_ids, window):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(q, document_ids, window))
 
 
 @pytest.mark.parametrize(
