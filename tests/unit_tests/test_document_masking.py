@@ -209,3 +209,23 @@ def test_block_causal_with_sdpa_stops_run_train_with_one_line():
     errors = [line for line in result.stdout.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "--model.attn_type flex" in errors[0], result.stdout
     assert "Traceback" not in result.stdout
+
+
+@pytest.mark.parametrize("block_causal", [True, False])
+def test_layers_with_different_windows_each_get_their_own_mask(block_causal):
+    """gpt-oss alternates a sliding window with full attention: one forward prepares one
+    mask per spec, and each layer's kernel attends under its own (its neighbour's mask would
+    give other outputs)."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        FlexAttention(MaskSpec(block_causal=block_causal, sliding_window=w)) for w in (6, None)
+    )
+    document_ids = _document_ids(DOC_LENGTHS)
+    q, k, v = (torch.randn(2, 3, 32, 8) for _ in range(3))
+    mask = prepare_mask(layers, document_ids, q.device)
+    docs = document_ids if block_causal else None
+    outs = [kernel(q, k, v, mask=mask) for kernel in layers]
+    refs = [_dense_reference(q, k, v, docs, window) for window in (6, None)]
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+    assert (refs[0] - refs[1]).abs().max() > 1e-2  # the windows do differ here

@@ -47,7 +47,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.layers.attention import LOCAL_KERNELS, AttentionKernel, MaskSpec, chunk_size
+from torchtitan.layers.attention import (
+    LOCAL_KERNELS,
+    AttentionKernel,
+    MaskSpec,
+    chunk_size,
+    own_mask,
+)
 from torchtitan.layers.blockwise_attention import (
     BlockPlan,
     block_backward,
@@ -532,6 +538,7 @@ class ContextParallelAttention(AttentionKernel):
                 f"head_dim] (expand KV heads first); got {tuple(q.shape)}, {tuple(k.shape)}, "
                 f"{tuple(v.shape)}"
             )
+        mask = own_mask(mask, self.spec)
         cp = self.cp_mesh.size()
         _chunk_size(q.shape[2] * cp, cp, self.load_balancer)
         group = self.cp_mesh.get_group()

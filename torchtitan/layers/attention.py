@@ -203,6 +203,7 @@ class FlexAttention(AttentionKernel):
         scale: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        mask = own_mask(mask, self.spec)
         if mask is None:  # no document ids (generation, direct calls): any length, so on the
             # CPU the eager block kernel rather than a compilation per length
             blockwise = _blockwise(q.device) or not flex_has_backward(q.device)
@@ -239,11 +240,32 @@ def build_attention(attn_type: str, spec: MaskSpec) -> AttentionKernel:
     return ScaledDotProductAttention()
 
 
+@dataclass(frozen=True)
+class MaskSet:
+    """The batch's masks of a model whose layers differ in mask (gpt-oss alternates a
+    sliding window with full attention), one per :class:`MaskSpec`."""
+
+    masks: dict[MaskSpec, Any]
+
+
+def own_mask(mask: Any, spec: MaskSpec) -> Any:
+    """A kernel's own mask out of what :func:`prepare_mask` returned."""
+    return mask.masks[spec] if isinstance(mask, MaskSet) else mask
+
+
 def prepare_mask(layers: nn.Module, document_ids: torch.Tensor | None, device: torch.device) -> Any:
-    """The batch's mask from the first attention kernel under ``layers`` (all layers of a
-    model use one kernel type); None when there is none (a stage without layers)."""
-    kernel = next((m for m in layers.modules() if isinstance(m, AttentionKernel)), None)
-    return None if kernel is None else kernel.prepare(document_ids, device)
+    """The batch's mask, prepared once per forward by the first attention kernel under
+    ``layers`` of each distinct :class:`MaskSpec` (a :class:`MaskSet` when there are several;
+    all layers of a model use one kernel type); None when there is no kernel (a stage
+    without layers)."""
+    kernels: dict[MaskSpec, AttentionKernel] = {}
+    for module in layers.modules():
+        if isinstance(module, AttentionKernel):
+            kernels.setdefault(module.spec, module)
+    if len(kernels) <= 1:
+        kernel = next(iter(kernels.values()), None)
+        return None if kernel is None else kernel.prepare(document_ids, device)
+    return MaskSet({spec: k.prepare(document_ids, device) for spec, k in kernels.items()})
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
