@@ -40,6 +40,7 @@ def test_the_debug_configs_are_marked():
         "qwen3_debug",
         "qwen3_moe_debug",
         "deepseek_v3_debug",
+        "gpt_oss_debug",
     }
 
 

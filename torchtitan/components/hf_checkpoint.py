@@ -9,6 +9,8 @@ a time with the ``safetensors`` library and keeps only this rank's piece
 full model. Saving gathers one parameter at a time; the first rank of each pipeline stage
 writes that stage's file, rank 0 writes the index and ``config.json``. Parameters are
 exported in ``export_dtype``; buffers (DeepSeek-V3's expert bias) keep their own dtype.
+Tensors stored as MXFP4 blocks and scales (gpt-oss's released experts) load dequantised
+(``components/mxfp4.py``); exports are never quantised.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.components import mxfp4
 from torchtitan.components.safe_loading import (
     LoadError,
     open_safetensors,
@@ -94,6 +97,9 @@ def _check_keys(
     expert sets). Only conversion is checked, not that this rank holds the result: under
     pipeline parallel the other stages' keys belong to other ranks."""
     meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
+    for key, (blocks, scales) in mxfp4.packed_keys(set(shapes)).items():
+        del meta[blocks], meta[scales]
+        meta[key] = torch.empty(mxfp4.dense_shape(shapes[blocks]), device="meta")
     try:
         adapter.from_hf(meta)
     except (ValueError, RuntimeError) as e:
@@ -109,15 +115,24 @@ def _hf_keys_of(adapter: StateDictAdapter, fqn: str, tensor: torch.Tensor, field
         raise HFCheckpointError(f"{field}: {e}") from None
 
 
-def _read(index: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
+def _read(
+    index: dict[str, Path], keys: list[str], packed: dict[str, tuple[str, str]]
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``keys``; a key stored as MXFP4 blocks and scales (``packed``) is
+    dequantised."""
+    stored = [part for key in keys for part in (packed[key] if key in packed else (key,))]
     by_file: dict[Path, list[str]] = defaultdict(list)
-    for key in keys:
+    for key in stored:
         by_file[index[key]].append(key)
     out = {}
     for path, file_keys in by_file.items():
         with open_safetensors(path) as f:
             for key in file_keys:
                 out[key] = f.tensor(key)
+    for key in keys:
+        if key in packed:
+            blocks, scales = packed[key]
+            out[key] = mxfp4.dequantize(out.pop(blocks), out.pop(scales))
     return out
 
 
@@ -155,6 +170,7 @@ class HFWeights:
         with self._load_errors():
             _check_config(self.folder, adapter, field)
             self.index, shapes = _scan(self.folder)
+            self.packed = mxfp4.packed_keys(set(self.index))
             _check_keys(shapes, adapter, self.folder, field)
 
     @torch.no_grad()
@@ -175,13 +191,13 @@ class HFWeights:
         field, folder = self.field, self.folder
         full_shape = tensor.shape  # a DTensor's shape is the global one
         hf_keys = _hf_keys_of(self.adapter, fqn, tensor, field)
-        missing = [k for k in hf_keys if k not in self.index]
+        missing = [k for k in hf_keys if k not in self.index and k not in self.packed]
         if missing:
             raise HFCheckpointError(
                 f"{field}: missing key {_describe(missing)} (for {fqn}) in {folder}"
             )
         try:
-            value = self.adapter.from_hf(_read(self.index, hf_keys)).get(fqn)
+            value = self.adapter.from_hf(_read(self.index, hf_keys, self.packed)).get(fqn)
         except (ValueError, RuntimeError) as e:
             raise HFCheckpointError(f"{field}: {_describe(hf_keys)} (for {fqn}): {e}") from None
         if value is None:
@@ -242,7 +258,7 @@ def save_hf_weights(
     pp_rank, pp_size, writer = _stage_writer(parallel_dims)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    tensors = {}
+    ours = {}
     model_tensors, buffers = _model_tensors(model_parts)
     adapted = {f"{fqn}.weight": m for fqn, m in adapted_linears(model_parts).items()}
     for fqn, tensor in model_tensors.items():
@@ -254,7 +270,9 @@ def save_hf_weights(
             dtype = (
                 tensor.dtype if fqn in buffers or not tensor.is_floating_point() else export_dtype
             )
-            tensors.update(adapter.to_hf({fqn: full.detach().to("cpu", dtype)}))
+            ours[fqn] = full.detach().to("cpu", dtype)
+    # converted together: some Hugging Face tensors fuse several of ours (gpt-oss experts)
+    tensors = adapter.to_hf(ours) if writer else {}
     filename = (
         "model.safetensors"
         if pp_size == 1

@@ -191,6 +191,8 @@ class ReplicatedRouter(ParallelStyle):
 
 _ROWS, _COLS = {"w1": 0, "w2": 1, "w3": 0}, {"w1": 1, "w2": 2, "w3": 1}
 """The hidden dim of the shared experts' 2-D and the routed experts' 3-D weights."""
+_EXPERT_BIASES = ("b1", "b2", "b3")
+"""Routed experts' biases (gpt-oss), ``[experts, ...]``: split by expert like the weights."""
 
 
 def _on_hidden(
@@ -214,7 +216,7 @@ def parallelize_moe(moe: MoE, parallel_dims: ParallelDims) -> None:
             style = ExpertParallel(_on_hidden(_COLS, [Shard(0)]), sum_input_grad_dim=1)
             parallelize_module(moe.experts, mesh[("ep", "tp")], style)
         else:
-            style = ExpertParallel({name: [Shard(0)] for name in _COLS})
+            style = ExpertParallel({name: [Shard(0)] for name in (*_COLS, *_EXPERT_BIASES)})
             parallelize_module(moe.experts, mesh["ep"], style)
     if not parallel_dims.tp_enabled:
         return
@@ -236,7 +238,11 @@ def parallelize_moe(moe: MoE, parallel_dims: ParallelDims) -> None:
         shared = ShardWeights(_on_hidden(_ROWS), 0) if etp else ShardWeights(_replicated(_ROWS))
         parallelize_module(moe.shared_experts, tp_mesh, shared)
     if not parallel_dims.ep_enabled:
-        experts = ShardWeights(_on_hidden(_COLS), 0) if etp else ShardWeights(_replicated(_COLS))
+        experts = (
+            ShardWeights(_on_hidden(_COLS), 0)
+            if etp
+            else ShardWeights(_replicated((*_COLS, *_EXPERT_BIASES)))
+        )
         parallelize_module(moe.experts, tp_mesh, experts)
 
 

@@ -47,6 +47,7 @@ class KVCacheAttention(AttentionKernel):
         *,
         mask: Any = None,
         scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
@@ -61,14 +62,32 @@ class KVCacheAttention(AttentionKernel):
         self.values[:, :, start:end] = v
         self.length = end
         keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        if sinks is not None:
+            return _attention_with_sinks(
+                q, keys, values, self._visible(start, end, q), scale, sinks
+            )
         if q.shape[2] == 1 and (self.sliding_window is None or end <= self.sliding_window):
             return F.scaled_dot_product_attention(
                 q, keys, values, scale=scale
             )  # sees every cached key
+        visible_keys = self._visible(start, end, q)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible_keys, scale=scale)
+
+    def _visible(self, start: int, end: int, q: torch.Tensor) -> torch.Tensor:
+        """``[new, end]``: which cached keys each new query sees."""
         q_pos = torch.arange(start, end, device=q.device)[:, None]
         k_pos = torch.arange(end, device=q.device)[None, :]
-        visible_keys = visible(q_pos, k_pos, None, None, self.sliding_window)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible_keys, scale=scale)
+        return visible(q_pos, k_pos, None, None, self.sliding_window)
+
+
+def _attention_with_sinks(q, keys, values, seen, scale, sinks) -> torch.Tensor:
+    """Softmax over the visible cached keys and one sink logit per head (whose value is
+    zero). Few queries per call, so the ``[new, cached]`` scores are small."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.float() @ keys.float().transpose(-2, -1) * scale).masked_fill(~seen, float("-inf"))
+    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ values.float()).to(q.dtype)
 
 
 @contextmanager

@@ -27,6 +27,7 @@ from torchtitan.layers.init import (
     normal_init,
     ones_init,
     trunc_normal_init,
+    zeros_init,
 )
 from torchtitan.layers.moe import MoE
 from torchtitan.layers.rope import rope_table
@@ -44,10 +45,12 @@ class InitRules:
     """Which block parameters (their FQN after ``layers.N.``) draw from truncated normals of
     std 0.02 (``plain``) and which of std ``0.02 / sqrt(2 * depth)`` (``depth_scaled``): the
     projections that write into the residual stream, so deeper layers add smaller updates
-    (``w3`` shares the rule, as in Llama 3). Norm weights start at one."""
+    (``w3`` shares the rule, as in Llama 3). Norm weights start at one, and the parameters
+    ``zeros`` matches (gpt-oss's projection and expert biases) at zero."""
 
     plain: re.Pattern
     depth_scaled: re.Pattern
+    zeros: re.Pattern | None = None
 
     @classmethod
     def for_attention(cls, input_projections: tuple[str, ...]) -> InitRules:
@@ -205,6 +208,8 @@ class Decoder(nn.Module):
             return ones_init
         match = _LAYER_PARAM.fullmatch(fqn)
         rest = match.group(2) if match else ""
+        if self._init_rules.zeros is not None and self._init_rules.zeros.fullmatch(rest):
+            return zeros_init
         if self._init_rules.plain.fullmatch(rest):
             return trunc_normal_init(BASE_STD)
         if self._init_rules.depth_scaled.fullmatch(rest):

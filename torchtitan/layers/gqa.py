@@ -1,8 +1,10 @@
 """Grouped-query attention with RoPE around the attention seam (``layers/attention.py``).
 
 Queries, keys and values come from ``wq``/``wk``/``wv``; with ``qk_norm_eps`` set, each
-query and key head is RMS-normalised over its channels before RoPE (Qwen3). Head counts are
-read from the projections' outputs at run time, so tensor parallel can shard heads.
+query and key head is RMS-normalised over its channels before RoPE (Qwen3). gpt-oss adds
+biases to the four projections and a learned attention sink per head (``sinks``). Head
+counts are read from the projections' outputs at run time, so tensor parallel can shard
+heads.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from torchtitan.layers.attention import MaskSpec, build_attention
+from torchtitan.layers.moe import local
 from torchtitan.layers.rope import apply_rotary_emb
 
 
@@ -36,14 +39,18 @@ class GQAttention(nn.Module):
         mask_spec: MaskSpec,
         qk_norm_eps: float | None = None,
         softmax_scale: float | None = None,
+        bias: bool = False,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.softmax_scale = softmax_scale  # None: head_dim ** -0.5
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        # one logit per (query) head in every softmax's denominator (layers/attention.py)
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
         self.qk_norm = qk_norm_eps is not None
         if self.qk_norm:
             self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
@@ -73,5 +80,6 @@ class GQAttention(nn.Module):
             xv.transpose(1, 2),
             mask=mask,
             scale=self.softmax_scale,
+            sinks=None if self.sinks is None else local(self.sinks),
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))

@@ -62,6 +62,11 @@ def ones_init(t: torch.Tensor, g: torch.Generator) -> None:
     torch.nn.init.ones_(t)
 
 
+def zeros_init(t: torch.Tensor, g: torch.Generator) -> None:
+    del g  # deterministic
+    torch.nn.init.zeros_(t)
+
+
 @torch.no_grad()
 def init_param_(param: torch.Tensor, fqn: str, seed: int, init_fn: InitFn) -> None:
     """Initialise ``param`` in place with its slice of the full tensor that

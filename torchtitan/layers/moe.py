@@ -1,8 +1,10 @@
 """Mixture-of-experts layer shared by MoE models.
 
-A token-choice top-k router (softmax or sigmoid scores, optional group-limited routing),
-routed experts held as stacked 3-D SwiGLU weights (``w1``/``w3``: ``[experts, hidden,
-dim]``, ``w2``: ``[experts, dim, hidden]``), optional shared experts, and auxiliary-loss-free
+A token-choice top-k router (softmax or sigmoid scores, optional group-limited routing; or
+gpt-oss's softmax over the chosen logits, with a router bias), routed experts held as
+stacked 3-D SwiGLU weights (``w1``/``w3``: ``[experts, hidden, dim]``, ``w2``: ``[experts,
+dim, hidden]``; gpt-oss adds per-expert biases ``b1``/``b3`` ``[experts, hidden]`` and ``b2``
+``[experts, dim]`` and clamps its SwiGLU), optional shared experts, and auxiliary-loss-free
 load balancing (DeepSeek-V3): a per-expert bias added to the scores only when *choosing*
 experts, nudged before every optimizer step towards balance by :func:`update_expert_biases` (the
 optimizer side hooks it in: ``components/optimizer.build_moe_optimizers``).
@@ -15,6 +17,7 @@ are sharded and how tokens reach the experts; this module never communicates.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,7 +36,9 @@ class MoEArgs:
     num_experts: int = 8
     num_shared_experts: int = 1
     top_k: int = 2
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    # "topk_softmax" (gpt-oss): choose by the logits, weigh by a softmax over the chosen ones.
+    score_func: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
+    router_bias: bool = False  # the router's linear layer has a bias (gpt-oss)
     # Divide the top-k scores by their sum (DeepSeek-V3's norm_topk_prob).
     route_norm: bool = False
     route_scale: float = 1.0
@@ -48,6 +53,17 @@ class MoEArgs:
     # Route round-robin by sequence position (debug.moe_force_load_balance).
     force_load_balance: bool = False
     use_grouped_mm: bool = True
+    # gpt-oss experts: biases on every projection, and the clamped SwiGLU
+    # (up + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), up within +-limit.
+    expert_biases: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+    @property
+    def activation(self) -> Activation:
+        if self.swiglu_limit is None:
+            return _silu_glu
+        return functools.partial(_clamped_glu, limit=self.swiglu_limit, alpha=self.swiglu_alpha)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +89,7 @@ def _recomputing() -> bool:
 class TokenChoiceTopKRouter(nn.Module):
     def __init__(self, dim: int, args: MoEArgs) -> None:
         super().__init__()
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(dim, args.num_experts, bias=args.router_bias)
         self.args = args
 
     def forward(
@@ -83,7 +99,10 @@ class TokenChoiceTopKRouter(nn.Module):
         ``[tokens, top_k]`` fp32, chosen experts ``[tokens, top_k]``, scores ``[tokens,
         experts]`` fp32). The bias only steers the choice; weights are unbiased scores."""
         args = self.args
-        logits = F.linear(x.float(), local(self.gate.weight).float())
+        bias = None if self.gate.bias is None else local(self.gate.bias).float()
+        logits = F.linear(x.float(), local(self.gate.weight).float(), bias)
+        if args.score_func == "topk_softmax":
+            return self._topk_softmax(logits, expert_bias, seq_len)
         scores = logits.sigmoid() if args.score_func == "sigmoid" else logits.softmax(dim=-1)
         if args.force_load_balance:
             chosen = self._round_robin(x.shape[0], seq_len, x.device)
@@ -96,6 +115,20 @@ class TokenChoiceTopKRouter(nn.Module):
         if args.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * args.route_scale, chosen, scores
+
+    def _topk_softmax(
+        self, logits: torch.Tensor, expert_bias: torch.Tensor | None, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gpt-oss: the top-k logits chosen (the balancing bias, if any, only steers the
+        choice), their softmax the weights; scores for balance losses: softmax of all."""
+        args = self.args
+        if args.force_load_balance:
+            chosen = self._round_robin(logits.shape[0], seq_len, logits.device)
+        else:
+            choice = logits if expert_bias is None else logits + expert_bias
+            chosen = choice.topk(args.top_k, dim=-1).indices
+        weights = logits.gather(1, chosen).softmax(dim=-1)
+        return weights * args.route_scale, chosen, logits.softmax(dim=-1)
 
     def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
         args = self.args
@@ -114,20 +147,53 @@ class TokenChoiceTopKRouter(nn.Module):
 
 
 # ---------------------------------------------------------------------------- experts
-def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(gate, up) -> hidden`` of a gated feed-forward."""
 
 
-def _experts_loop(x, counts, w1, w2, w3) -> torch.Tensor:
+def _silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _clamped_glu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def _swiglu(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    biases: tuple | None = None,
+    act: Activation = _silu_glu,
+) -> torch.Tensor:
+    b1, b2, b3 = biases if biases is not None else (None, None, None)
+    return F.linear(act(F.linear(x, w1, b1), F.linear(x, w3, b3)), w2, b2)
+
+
+def _experts_loop(x, counts, w1, w2, w3, biases=None, act=_silu_glu) -> torch.Tensor:
     chunks = x.split(host_counts(counts, x.shape[0]))
-    return torch.cat([_swiglu(c, w1[e], w2[e], w3[e]) for e, c in enumerate(chunks)])
+    return torch.cat(
+        [
+            _swiglu(c, w1[e], w2[e], w3[e], None if biases is None else [b[e] for b in biases], act)
+            for e, c in enumerate(chunks)
+        ]
+    )
 
 
-def _experts_grouped(x, counts, w1, w2, w3) -> torch.Tensor:
+def _experts_grouped(x, counts, w1, w2, w3, biases=None, act=_silu_glu) -> torch.Tensor:
     offsets = counts.cumsum(0).to(torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+
+    def project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        out = torch._grouped_mm(h, w.transpose(-2, -1), offs=offsets)
+        if b is None:
+            return out
+        # each row's expert bias, without a host sync (the row count is known)
+        return out + b.repeat_interleave(counts, dim=0, output_size=h.shape[0])
+
+    b1, b2, b3 = biases if biases is not None else (None, None, None)
+    return project(act(project(x, w1, b1), project(x, w3, b3)), w2, b2)
 
 
 @functools.cache
@@ -164,24 +230,44 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden:
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU FFNs applied to tokens already sorted by expert."""
+    """``num_experts`` SwiGLU FFNs applied to tokens already sorted by expert (``biases``:
+    per-expert ``b1``/``b3`` ``[experts, hidden]`` and ``b2`` ``[experts, dim]``)."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        use_grouped_mm: bool,
+        biases: bool = False,
+        activation: Activation = _silu_glu,
+    ) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        if biases:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        self.has_biases = biases
+        self.activation = activation
         self.use_grouped_mm = use_grouped_mm
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x`` ``[n, dim]`` with the first ``num_tokens_per_expert[0]`` rows for (local)
         expert 0, and so on."""
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        biases = None
+        if self.has_biases:
+            biases = (local(self.b1), local(self.b2), local(self.b3))
         x = x.to(w1.dtype)
         dim, hidden = w1.shape[2], w1.shape[1]
         if self.use_grouped_mm and grouped_mm_works(x.device, x.dtype, dim, hidden):
-            return _experts_grouped(x, num_tokens_per_expert, w1, w2, w3)
-        return _experts_loop(x, num_tokens_per_expert, w1, w2, w3)
+            experts = _experts_grouped
+        else:
+            experts = _experts_loop
+        return experts(x, num_tokens_per_expert, w1, w2, w3, biases, self.activation)
 
 
 class SharedExperts(nn.Module):
@@ -220,7 +306,14 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = TokenChoiceTopKRouter(dim, args)
-        self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.experts = GroupedExperts(
+            dim,
+            hidden_dim,
+            args.num_experts,
+            args.use_grouped_mm,
+            biases=args.expert_biases,
+            activation=args.activation,
+        )
         self.shared_experts = (
             SharedExperts(dim, hidden_dim * args.num_shared_experts)
             if args.num_shared_experts > 0

@@ -49,10 +49,12 @@ def yarn_scaled(
     original_max_len: int,
     beta_fast: float,
     beta_slow: float,
+    truncate: bool = True,
 ) -> torch.Tensor:
     """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context
     are divided by ``factor``, those turning more than ``beta_fast`` times are kept, and a
-    linear ramp over the channel index blends the band between."""
+    linear ramp over the channel index blends the band between (its ends rounded to whole
+    channels unless ``truncate`` is False, as gpt-oss's config says)."""
 
     def channel(rotations: float) -> float:
         """The channel index whose frequency turns ``rotations`` times over the context."""
@@ -62,8 +64,10 @@ def yarn_scaled(
             / (2 * math.log(theta))
         )
 
-    low = max(math.floor(channel(beta_fast)), 0)
-    high = min(math.ceil(channel(beta_slow)), rotary_dim - 1)
+    low, high = channel(beta_fast), channel(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     index = torch.arange(rotary_dim // 2, device=inv_freq.device, dtype=torch.float32)
     keep = 1 - ((index - low) / max(high - low, 1e-3)).clamp(0, 1)
     return inv_freq / factor * (1 - keep) + inv_freq * keep
