@@ -23,8 +23,11 @@ DEBUG_FLAVORS = [
 ]
 # MLA with YaRN: its softmax scale is not 1 / sqrt(head_dim), so a cache that dropped the
 # scale would give other logits.
+# gpt-oss with a window of 4: the 7-token prompt and the new tokens outrun it, so the cache
+# must drop keys beyond the window on its sliding layers (and keep them on the full ones).
 CASES = [(name, flavor, {}) for name, flavor in DEBUG_FLAVORS] + [
     ("deepseek_v3", "debugmodel", {"rope_factor": 40.0, "rope_original_seq_len": 16}),
+    ("gpt_oss", "debugmodel", {"attention_window": 4}),
 ]
 
 
