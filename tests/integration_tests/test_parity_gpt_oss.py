@@ -1,7 +1,8 @@
 """gpt-oss trains like one process (per-step loss and grad norm within 1e-4, fp32): the debug
 model (sinks, alternating 16-token windows, biased clamped-SwiGLU experts; forced-balanced
 routing, so routing cannot flip on ties) under FSDP 2, TP 2 (sinks sharded with the heads),
-PP 2, EP 2, FSDP 2 x EP 2 and TP 2 x EP 2."""
+PP 2, EP 2, FSDP 2 x EP 2 and TP 2 x EP 2; with packed documents (``block_causal`` with the
+window) under FSDP 2."""
 
 import pytest
 
@@ -29,6 +30,7 @@ CASES = {
     "fsdp2_ep2": (4, 4, EP2),
     "tp2_ep2": (4, 2, TP2 + EP2),
 }
+BLOCK_CAUSAL = ["--model.attn_type", "flex", "--model.attn_mask_type", "block_causal"]
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +44,8 @@ def reference(tmp_path_factory):
 def test_parity_with_one_process(case, reference, tmp_path):
     nproc, dp, overrides = CASES[case]
     assert_parity(reference, train(nproc, tmp_path, GPT_OSS + overrides, dp=dp))
+
+
+def test_block_causal_with_windows_under_fsdp2(tmp_path):
+    reference = train(1, tmp_path / "one", GPT_OSS + BLOCK_CAUSAL)
+    assert_parity(reference, train(2, tmp_path / "fsdp2", GPT_OSS + BLOCK_CAUSAL, dp=2))
