@@ -1,8 +1,10 @@
 """gpt-oss trains like one process (per-step loss and grad norm within 1e-4, fp32): the debug
 model (sinks, alternating 16-token windows, biased clamped-SwiGLU experts; forced-balanced
 routing, so routing cannot flip on ties) under FSDP 2, TP 2 (sinks sharded with the heads),
-PP 2, EP 2, FSDP 2 x EP 2 and TP 2 x EP 2; with packed documents (``block_causal`` with the
-window) under FSDP 2."""
+PP 2, EP 2, FSDP 2 x EP 2 and TP 2 x EP 2; CP 2 with each rotate method, the 16-token
+window spanning several CP chunks (seq 32: chunks of 8) and within one (seq 128: chunks of
+32), the sink counted once per query; with packed documents (``block_causal`` with the
+window) under FSDP 2 and CP 2."""
 
 import pytest
 
@@ -33,11 +35,45 @@ CASES = {
 BLOCK_CAUSAL = ["--model.attn_type", "flex", "--model.attn_mask_type", "block_causal"]
 
 
+# name: (sequence length, rotate method)
+CP_CASES = {
+    "allgather_window_over_chunks": (32, "allgather"),
+    "alltoall_window_over_chunks": (32, "alltoall"),
+    "alltoall_window_within_a_chunk": (128, "alltoall"),
+    "ulysses_window_within_a_chunk": (128, "ulysses"),
+}
+
+
+def seq(length: int) -> list[str]:
+    return ["--training.seq_len", str(length)]
+
+
+def cp2(method: str) -> list[str]:
+    return [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_rotate_method",
+        method,
+    ]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    records = train(1, tmp_path_factory.mktemp("gpt_oss_reference"), GPT_OSS)
-    assert_loss_falls(records)
-    return records
+def references(tmp_path_factory):
+    """The 1-process runs by their extra overrides, trained once per module on first use."""
+    runs = {}
+
+    def get(*extra: str) -> list[dict]:
+        if extra not in runs:
+            runs[extra] = train(1, tmp_path_factory.mktemp("gpt_oss_one"), GPT_OSS + list(extra))
+            assert_loss_falls(runs[extra])
+        return runs[extra]
+
+    return get
+
+
+@pytest.fixture
+def reference(references):
+    return references()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -46,6 +82,15 @@ def test_parity_with_one_process(case, reference, tmp_path):
     assert_parity(reference, train(nproc, tmp_path, GPT_OSS + overrides, dp=dp))
 
 
-def test_block_causal_with_windows_under_fsdp2(tmp_path):
-    reference = train(1, tmp_path / "one", GPT_OSS + BLOCK_CAUSAL)
-    assert_parity(reference, train(2, tmp_path / "fsdp2", GPT_OSS + BLOCK_CAUSAL, dp=2))
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_context_parallel_with_windows_and_sinks(case, references, tmp_path):
+    length, method = CP_CASES[case]
+    overrides = GPT_OSS + seq(length) + cp2(method)
+    assert_parity(references(*seq(length)), train(2, tmp_path, overrides))
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "cp2"])
+def test_block_causal_with_windows(layout, references, tmp_path):
+    extra = ["--parallelism.context_parallel_degree", "2"] if layout == "cp2" else []
+    run = train(2, tmp_path, GPT_OSS + BLOCK_CAUSAL + extra, dp=2 if layout == "fsdp2" else 1)
+    assert_parity(references(*BLOCK_CAUSAL), run)

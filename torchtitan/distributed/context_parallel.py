@@ -56,6 +56,7 @@ from torchtitan.layers.attention import (
 )
 from torchtitan.layers.blockwise_attention import (
     BlockPlan,
+    add_sinks,
     block_backward,
     block_forward,
     blockwise_attention,
@@ -64,6 +65,7 @@ from torchtitan.layers.blockwise_attention import (
     fused_partial_backward,
     fused_partial_forward,
     merge_blocks,
+    sink_grad,
 )
 
 RotateMethod = Literal["allgather", "alltoall", "ulysses"]
@@ -395,18 +397,23 @@ class _RingAttention(torch.autograd.Function):
         load_balancer: str,
         scale: float,
         plan: BlockPlan,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         with torch.autocast(q.device.type, enabled=False):
             out, lse = _ring_forward(q, k, v, group, load_balancer, scale, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
+            if sinks is not None:  # once, on the result over every rank's keys
+                out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.layout = group, load_balancer, scale, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         with torch.autocast(grad_out.device.type, enabled=False):
-            grads = _ring_backward(*ctx.saved_tensors, grad_out, *ctx.layout)
-        return *grads, None, None, None, None
+            grads = _ring_backward(q, k, v, out, lse, grad_out, *ctx.layout)
+            d_sinks = None if sinks is None else sink_grad(out, lse, grad_out, sinks)
+        return *grads, None, None, None, None, d_sinks
 
 
 # ---------------------------------------------------------------------------- the other methods
@@ -418,6 +425,7 @@ def _allgather_attention(
     load_balancer: str,
     scale: float,
     plan: BlockPlan | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``plan`` None: the causal mask through SDPA; else the plan's blocks of every key."""
     shards = _AllGather.apply(torch.stack([k, v]), group).unbind(0)
@@ -428,7 +436,7 @@ def _allgather_attention(
         per_chunk = size // plan.size
         fine_q = _fine_ids(len(shards), dist.get_rank(group), load_balancer, per_chunk)
         all_ids = list(range(kv.shape[3] // plan.size))
-        return blockwise_attention(q, kv[0], kv[1], plan, fine_q, all_ids, scale)
+        return blockwise_attention(q, kv[0], kv[1], plan, fine_q, all_ids, scale, sinks)
     outs = []
     for chunk_id, q_chunk in zip(q_ids, q.split(size, dim=2)):
         end = (chunk_id + 1) * size  # keys after this chunk's last query are all masked
@@ -452,8 +460,10 @@ def _ulysses_attention(
     load_balancer: str,
     scale: float,
     plan: BlockPlan | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``plan`` None: causal SDPA over the full sequence; else the plan's blocks."""
+    """``plan`` None: causal SDPA over the full sequence; else the plan's blocks. This rank
+    attends with head group ``rank`` (its slice of ``sinks``)."""
     cp = dist.get_world_size(group)
     heads = q.shape[1]
     # [3, B, H, S_l, D] -> [cp (head group), 3, B, H/cp, S_l, D] -> sequence-complete head groups
@@ -463,7 +473,9 @@ def _ulysses_attention(
         out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True, scale=scale)
     else:
         all_ids = list(range(qkv.shape[3] // plan.size))
-        out = blockwise_attention(qkv[0], qkv[1], qkv[2], plan, all_ids, all_ids, scale)
+        if sinks is not None:
+            sinks = sinks.unflatten(0, (cp, heads // cp))[dist.get_rank(group)]
+        out = blockwise_attention(qkv[0], qkv[1], qkv[2], plan, all_ids, all_ids, scale, sinks)
     # back to [cp (head group), B, H/cp, S_l, D] -> [B, H, S_l, D]
     out = _AllToAll.apply(_to_rank_major(out, -2, cp, load_balancer), group)
     return out.movedim(0, 1).flatten(1, 2)
@@ -531,6 +543,7 @@ class ContextParallelAttention(AttentionKernel):
         *,
         mask: BlockPlan | None = None,
         scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not q.shape == k.shape == v.shape:
             raise ValueError(
@@ -543,17 +556,20 @@ class ContextParallelAttention(AttentionKernel):
         _chunk_size(q.shape[2] * cp, cp, self.load_balancer)
         group = self.cp_mesh.get_group()
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if mask is None and (self.rotate_method == "alltoall" or not self.spec.causal_only):
+        # sinks need the log-sum-exp: the block kernels' paths, never plain SDPA
+        if mask is None and (
+            self.rotate_method == "alltoall" or not self.spec.causal_only or sinks is not None
+        ):
             mask = self._plan(q.shape[2], None, q.device)
         if self.rotate_method == "allgather":
-            return _allgather_attention(q, k, v, group, self.load_balancer, scale, mask)
+            return _allgather_attention(q, k, v, group, self.load_balancer, scale, mask, sinks)
         if self.rotate_method == "alltoall":
-            return _RingAttention.apply(q, k, v, group, self.load_balancer, scale, mask)
+            return _RingAttention.apply(q, k, v, group, self.load_balancer, scale, mask, sinks)
         if q.shape[1] % cp != 0:
             raise ValueError(
                 f"ulysses context parallel needs heads ({q.shape[1]}) divisible by cp ({cp})"
             )
-        return _ulysses_attention(q, k, v, group, self.load_balancer, scale, mask)
+        return _ulysses_attention(q, k, v, group, self.load_balancer, scale, mask, sinks)
 
     def extra_repr(self) -> str:
         return (

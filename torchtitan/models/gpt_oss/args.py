@@ -112,11 +112,6 @@ class GptOssModelArgs(BaseModelArgs):
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)
         check_expert_layout(parallel_dims, self.moe, {"moe_hidden_dim": self.moe_hidden_dim})
         require(
-            parallel_dims.cp == 1,
-            "parallelism.context_parallel_degree: gpt-oss's attention sinks are not supported "
-            "under context parallel yet; use context_parallel_degree 1",
-        )
-        require(
             parallel_dims.etp == 1,
             "parallelism.expert_tensor_parallel_degree: gpt-oss's expert biases are not "
             "supported under expert tensor parallel yet; use expert_tensor_parallel_degree 1",
