@@ -1,7 +1,8 @@
 """gpt-oss trains like one process (per-step loss and grad norm within 1e-4, fp32): the debug
 model (sinks, alternating 16-token windows, biased clamped-SwiGLU experts; forced-balanced
 routing, so routing cannot flip on ties) under FSDP 2, TP 2 (sinks sharded with the heads),
-PP 2, EP 2, FSDP 2 x EP 2 and TP 2 x EP 2; CP 2 with each rotate method, the 16-token
+PP 2, EP 2, FSDP 2 x EP 2 and TP 2 x EP 2 x ETP 2 (the experts' output bias added once
+over the partial sums); CP 2 with each rotate method, the 16-token
 window spanning several CP chunks (seq 32: chunks of 8) and within one (seq 128: chunks of
 32), the sink counted once per query; with packed documents (``block_causal`` with the
 window) under FSDP 2 and CP 2."""
@@ -30,7 +31,7 @@ CASES = {
     "pp2": (2, 1, PP2),
     "ep2": (2, 2, EP2),
     "fsdp2_ep2": (4, 4, EP2),
-    "tp2_ep2": (4, 2, TP2 + EP2),
+    "tp2_ep2_etp2": (4, 2, TP2 + EP2 + ["--parallelism.expert_tensor_parallel_degree", "2"]),
 }
 BLOCK_CAUSAL = ["--model.attn_type", "flex", "--model.attn_mask_type", "block_causal"]
 

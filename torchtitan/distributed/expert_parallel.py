@@ -201,6 +201,12 @@ def _on_hidden(
     return {name: [*prefix, Shard(dim)] for name, dim in dims.items()}
 
 
+def _expert_biases_on_hidden(prefix: Sequence[Placement] = ()) -> dict[str, list[Placement]]:
+    """Under expert tensor parallel: ``b1``/``b3`` split on the hidden dim with ``w1``/``w3``,
+    ``b2`` (on the partial-sum output, see ``layers/moe._SplitBias``) replicated."""
+    return {"b1": [*prefix, Shard(1)], "b3": [*prefix, Shard(1)], "b2": [*prefix, Replicate()]}
+
+
 def _replicated(names: Sequence[str]) -> dict[str, list[Placement]]:
     return {name: [Replicate()] for name in names}
 
@@ -213,7 +219,8 @@ def parallelize_moe(moe: MoE, parallel_dims: ParallelDims) -> None:
     etp = parallel_dims.etp_enabled
     if parallel_dims.ep_enabled:
         if etp:
-            style = ExpertParallel(_on_hidden(_COLS, [Shard(0)]), sum_input_grad_dim=1)
+            placements = _on_hidden(_COLS, [Shard(0)]) | _expert_biases_on_hidden([Shard(0)])
+            style = ExpertParallel(placements, sum_input_grad_dim=1)
             parallelize_module(moe.experts, mesh[("ep", "tp")], style)
         else:
             style = ExpertParallel({name: [Shard(0)] for name in (*_COLS, *_EXPERT_BIASES)})
@@ -239,7 +246,7 @@ def parallelize_moe(moe: MoE, parallel_dims: ParallelDims) -> None:
         parallelize_module(moe.shared_experts, tp_mesh, shared)
     if not parallel_dims.ep_enabled:
         experts = (
-            ShardWeights(_on_hidden(_COLS), 0)
+            ShardWeights(_on_hidden(_COLS) | _expert_biases_on_hidden(), 0)
             if etp
             else ShardWeights(_replicated((*_COLS, *_EXPERT_BIASES)))
         )

@@ -17,6 +17,7 @@ are sharded and how tokens reach the experts; this module never communicates.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -229,6 +230,32 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden:
     return True
 
 
+class _SplitBias(torch.autograd.Function):
+    """``bias / ways`` forward, the gradient unchanged backward: the output bias of experts
+    whose outputs are partial sums over ``ways`` expert-tensor-parallel ranks, added once in
+    the sum. Each rank's output gradient is the whole one (the sum's gradient), so each
+    gets the bias's whole gradient and the replicated bias stays equal on every rank."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, ways: int) -> torch.Tensor:
+        return bias / ways
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _partial_ways(w2: torch.Tensor) -> int:
+    """Over how many ranks the experts' outputs are partial sums: those that split ``w2``'s
+    hidden dim (expert tensor parallel); 1 otherwise."""
+    if not isinstance(w2, DTensor):
+        return 1
+    mesh = w2.device_mesh
+    return math.prod(
+        mesh.size(i) for i, p in enumerate(w2.placements) if p.is_shard() and p.dim == 2
+    )
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU FFNs applied to tokens already sorted by expert (``biases``:
     per-expert ``b1``/``b3`` ``[experts, hidden]`` and ``b2`` ``[experts, dim]``)."""
@@ -260,7 +287,10 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
         biases = None
         if self.has_biases:
-            biases = (local(self.b1), local(self.b2), local(self.b3))
+            b2, ways = local(self.b2), _partial_ways(self.w2)
+            if ways > 1:
+                b2 = _SplitBias.apply(b2, ways)
+            biases = (local(self.b1), b2, local(self.b3))
         x = x.to(w1.dtype)
         dim, hidden = w1.shape[2], w1.shape[1]
         if self.use_grouped_mm and grouped_mm_works(x.device, x.dtype, dim, hidden):

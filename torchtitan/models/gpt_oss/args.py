@@ -111,11 +111,6 @@ class GptOssModelArgs(BaseModelArgs):
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)
         check_expert_layout(parallel_dims, self.moe, {"moe_hidden_dim": self.moe_hidden_dim})
-        require(
-            parallel_dims.etp == 1,
-            "parallelism.expert_tensor_parallel_degree: gpt-oss's expert biases are not "
-            "supported under expert tensor parallel yet; use expert_tensor_parallel_degree 1",
-        )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token (``common/args.py``); attention adds
