@@ -68,7 +68,9 @@ class Geometry:
 
     @classmethod
     def from_model_args(cls, args) -> Geometry | None:
-        """None for model args that are not a decoder of Llama, Qwen3 or DeepSeek-V3 style."""
+        """None for model args that are not a decoder of Llama, Qwen3, DeepSeek-V3 or gpt-oss
+        style (gpt-oss: a MoE in every block; its biases and sinks are below 0.1 % of its
+        weights and not counted)."""
         try:
             if hasattr(args, "kv_lora_rank"):
                 return cls._deepseek(args)
@@ -78,7 +80,7 @@ class Geometry:
                 n_heads=args.n_heads,
                 n_kv_heads=args.kv_heads,
                 head_dim=args.head_dim,
-                ffn_dim=args.ffn_hidden_dim,
+                ffn_dim=getattr(args, "ffn_hidden_dim", None) or args.moe_hidden_dim,
                 vocab_size=args.vocab_size,
                 qk_norm=getattr(args, "qk_norm", False),
                 tied_embeddings=getattr(args, "tie_word_embeddings", False),
