@@ -68,3 +68,19 @@ def test_kv_cache_logits_equal_the_training_forward(name, flavor, overrides):
             model(tokens[:, p : p + 1], positions=torch.arange(p, p + 1)) for p in range(5, 9)
         ]
     torch.testing.assert_close(torch.cat(pieces, dim=1), model(tokens), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_sliding_layer_caches_only_its_window():
+    """gpt-oss with a window of 4: after a 7-token prompt and 8 tokens one at a time, its
+    sliding layers hold the last 3 positions (all a next query can see), its full layers
+    all 15; the logits still equal the training forward's."""
+    model = build("gpt_oss", "debugmodel", {"attention_window": 4})
+    tokens = torch.randint(0, 256, (1, 15), generator=torch.Generator().manual_seed(1))
+    with kv_cache(model, max_len=15) as caches:
+        logits = [model(tokens[:, :7], positions=torch.arange(7))]
+        for p in range(7, 15):
+            logits.append(model(tokens[:, p : p + 1], positions=torch.arange(p, p + 1)))
+    held = {(c.sliding_window, c.keys.shape[2] if c.sliding_window else c.length) for c in caches}
+    assert held == {(4, 3), (None, 15)}, held
+    torch.testing.assert_close(torch.cat(logits, dim=1), model(tokens), rtol=1e-4, atol=1e-4)

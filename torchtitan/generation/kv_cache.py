@@ -23,12 +23,14 @@ from torchtitan.layers.blockwise_attention import visible
 
 
 class KVCacheAttention(AttentionKernel):
-    """Causal attention over every key/value seen since the cache was installed.
+    """Causal attention over the keys/values seen since the cache was installed.
 
     Each call appends its ``k``/``v`` (``[batch, heads, seq, head_dim]``, heads already
-    expanded from the KV heads by the model) and attends its queries to all cached
-    positions up to their own. Buffers are allocated on the first call, when the local
-    head count (smaller under tensor parallel), dtype and device are known.
+    expanded from the KV heads by the model) and attends its queries to the cached positions
+    up to their own. Without a sliding window the cache holds every position (buffers of
+    ``max_len`` allocated on the first call, when the local head count, dtype and device are
+    known); with a window ``w`` it keeps only the last ``w - 1`` positions, all a later query
+    can see, so its memory is bounded by the window rather than the sequence.
     """
 
     def __init__(self, max_len: int, sliding_window: int | None = None) -> None:
@@ -54,29 +56,44 @@ class KVCacheAttention(AttentionKernel):
             raise ValueError(
                 f"KV cache holds {self.max_len} positions; position {end - 1} does not fit"
             )
+        keys, values = self._append(k, v, start, end)
+        self.length = end
+        first = end - keys.shape[2]  # the position of the first key held
+        if sinks is not None:
+            return _attention_with_sinks(
+                q, keys, values, self._visible(start, end, first, q), scale, sinks
+            )
+        if q.shape[2] == 1 and (self.sliding_window is None or end <= self.sliding_window):
+            return F.scaled_dot_product_attention(
+                q, keys, values, scale=scale
+            )  # sees every cached key
+        visible_keys = self._visible(start, end, first, q)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible_keys, scale=scale)
+
+    def _append(
+        self, k: torch.Tensor, v: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values; return every key/value this call attends over."""
+        if self.sliding_window is not None:
+            keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+            values = v if self.values is None else torch.cat([self.values, v], dim=2)
+            held = min(self.sliding_window - 1, keys.shape[2])
+            self.keys = keys[:, :, keys.shape[2] - held :].clone()
+            self.values = values[:, :, values.shape[2] - held :].clone()
+            return keys, values
         if self.keys is None:
             batch, heads, _, head_dim = k.shape
             self.keys = k.new_empty(batch, heads, self.max_len, head_dim)
             self.values = v.new_empty(batch, heads, self.max_len, v.shape[-1])
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v
-        self.length = end
-        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
-        if sinks is not None:
-            return _attention_with_sinks(
-                q, keys, values, self._visible(start, end, q), scale, sinks
-            )
-        if q.shape[2] == 1 and (self.sliding_window is None or end <= self.sliding_window):
-            return F.scaled_dot_product_attention(
-                q, keys, values, scale=scale
-            )  # sees every cached key
-        visible_keys = self._visible(start, end, q)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible_keys, scale=scale)
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def _visible(self, start: int, end: int, q: torch.Tensor) -> torch.Tensor:
-        """``[new, end]``: which cached keys each new query sees."""
+    def _visible(self, start: int, end: int, first: int, q: torch.Tensor) -> torch.Tensor:
+        """``[new, held]``: which held keys (positions ``first .. end - 1``) each new query
+        sees."""
         q_pos = torch.arange(start, end, device=q.device)[:, None]
-        k_pos = torch.arange(end, device=q.device)[None, :]
+        k_pos = torch.arange(first, end, device=q.device)[None, :]
         return visible(q_pos, k_pos, None, None, self.sliding_window)
 
 
