@@ -38,10 +38,9 @@ BLOCK_CAUSAL = ["--model.attn_type", "flex", "--model.attn_mask_type", "block_ca
 
 # name: (sequence length, rotate method)
 CP_CASES = {
-    "allgather_window_over_chunks": (32, "allgather"),
-    "alltoall_window_over_chunks": (32, "alltoall"),
-    "alltoall_window_within_a_chunk": (128, "alltoall"),
-    "ulysses_window_within_a_chunk": (128, "ulysses"),
+    f"{method}_window_{where}": (length, method)
+    for method in ("allgather", "alltoall", "ulysses")
+    for where, length in (("over_chunks", 32), ("within_a_chunk", 128))
 }
 
 
