@@ -1,0 +1,208 @@
+"""Gated DeltaNet: the linear-attention mixer of Qwen3.5 and Qwen3-Next.
+
+Per head, a ``[k_dim, v_dim]`` state ``S`` is decayed and corrected token by token (the gated
+delta rule): ``S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T`` and the output
+is ``S_t^T q_t``, with ``g_t = -exp(A_log) softplus(a_t + dt_bias)`` (a per-head decay) and
+``beta_t = sigmoid(b_t)``. Queries, keys and values come from one projection through a short
+causal depthwise convolution and SiLU; queries and keys are L2-normalised (queries also scaled
+by ``k_dim ** -0.5``); the output passes a gated RMSNorm (``norm(o) * silu(z)``) and an output
+projection.
+
+Training runs the chunked form (:func:`chunk_gated_delta_rule`, pure PyTorch, fp32, chunks of
+``chunk_size`` tokens): within a chunk the delta rule's sequential corrections are one
+unit-lower-triangular solve (the WY / UT form of DeltaNet), across chunks the state is carried
+one chunk at a time. Generation runs the recurrent form (:func:`recurrent_gated_delta_rule`).
+Written here: torch has no delta-rule op, and the fla kernels (CUDA/Triton only) are an
+optional dependency.
+
+Packed documents (``document_ids``, non-decreasing along a sequence): the state and the
+convolution restart at every document start, so documents never see each other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the fla kernels' normalisation)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def causal_depthwise_conv(
+    x: torch.Tensor, weight: torch.Tensor, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out_t = sum_j weight[:, K - 1 - j] * x_{t - j}`` over ``j < K`` for ``x`` ``[batch,
+    seq, channels]`` and ``weight`` ``[channels, K]``: earlier positions outside the sequence
+    or in another document count as zero."""
+    kernel = weight.shape[-1]
+    seq = x.shape[1]
+    out = x * weight[:, kernel - 1]
+    for j in range(1, kernel):
+        earlier = F.pad(x, (0, 0, j, 0))[:, :seq]
+        if document_ids is not None:
+            same = F.pad(document_ids, (j, 0), value=-1)[:, :seq] == document_ids
+            earlier = earlier * same.unsqueeze(-1)
+        out = out + earlier * weight[:, kernel - 1 - j]
+    return out
+
+
+def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``[batch, heads, seq, ...] -> [batch, heads, chunks, size, ...]``."""
+    return x.unflatten(2, (-1, size))
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int,
+    document_ids: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over ``q``/``k`` ``[batch, heads, seq, k_dim]`` (queries already
+    scaled), ``v`` ``[batch, heads, seq, v_dim]``, log-decays ``g`` and ``beta`` ``[batch,
+    heads, seq]``, in fp32 whatever the inputs; returns (output like ``v`` in fp32, final state
+    ``[batch, heads, k_dim, v_dim]``). ``initial_state`` continues the first token's document.
+    """
+    batch, heads, seq, k_dim = k.shape
+    v_dim = v.shape[-1]
+    pad = (-seq) % chunk_size
+    q, k, v = (F.pad(t.float(), (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t.float(), (0, pad)) for t in (g, beta))
+    docs = torch.zeros(batch, seq, dtype=torch.long, device=q.device)
+    if document_ids is not None:
+        docs = document_ids
+    docs = F.pad(docs, (0, pad), mode="replicate")[:, None]  # [batch, 1, padded seq]
+    # the document of the state entering each chunk: the token before it (the first token's
+    # own for the first chunk)
+    previous = torch.cat([docs[..., :1], docs[..., :-1]], dim=-1)
+    q, k, v, docs, previous = (_chunked(t, chunk_size) for t in (q, k, v, docs, previous))
+    g, beta = _chunked(g, chunk_size), _chunked(beta, chunk_size)
+    entering = previous[..., :1]  # [batch, 1, chunks, 1]
+    cum = g.cumsum(-1)
+    visible = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    same = (docs.unsqueeze(-1) == docs.unsqueeze(-2)) & visible  # [b, 1, n, C, C]
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~same, float("-inf")).exp()
+    continues = (docs == entering).float()  # reads the state that enters the chunk
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    corrections = (k_beta @ k.transpose(-1, -2)) * decay
+    eye = torch.eye(chunk_size, device=q.device)
+    system = corrections.tril(-1) + eye
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    reads = (cum.exp() * continues).unsqueeze(-1)
+    w = torch.linalg.solve_triangular(system, k_beta * reads, upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    last_doc = docs[..., -1:]
+    tail = ((cum[..., -1:] - cum).exp() * (docs == last_doc)).unsqueeze(-1)  # [b, h, n, C, 1]
+    carry = cum[..., -1].exp() * (last_doc == entering)[..., 0]  # [b, h, n]
+    state = q.new_zeros(batch, heads, k_dim, v_dim)
+    if initial_state is not None:
+        state = initial_state.float()
+    outs = []
+    for c in range(q.shape[2]):
+        v_new = u[:, :, c] - w[:, :, c] @ state
+        outs.append((q[:, :, c] * reads[:, :, c]) @ state + intra[:, :, c] @ v_new)
+        state = (
+            state * carry[:, :, c, None, None]
+            + (k[:, :, c] * tail[:, :, c]).transpose(-1, -2) @ v_new
+        )
+    out = torch.cat(outs, dim=2)[:, :, :seq]
+    return out, state
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule one token at a time (generation, and the reference of the chunked form);
+    shapes as :func:`chunk_gated_delta_rule`, one document."""
+    batch, heads, seq, k_dim = k.shape
+    if state is None:
+        state = q.new_zeros(batch, heads, k_dim, v.shape[-1], dtype=torch.float32)
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    outs = []
+    for t in range(seq):
+        state = state * g[:, :, t, None, None].exp()
+        predicted = (k[:, :, t].unsqueeze(-2) @ state).squeeze(-2)
+        correction = (v[:, :, t] - predicted) * beta[:, :, t, None]
+        state = state + k[:, :, t].unsqueeze(-1) * correction.unsqueeze(-2)
+        outs.append((q[:, :, t].unsqueeze(-2) @ state).squeeze(-2))
+    return torch.stack(outs, dim=2), state
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm(x) * silu(gate)`` over the last dim, normalised in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The mixer (see the module docstring): ``forward(x, document_ids)`` on ``[batch, seq,
+    dim]``. ``n_v_heads`` may be a multiple of ``n_k_heads`` (each query/key head then serves
+    consecutive value heads)."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_k_heads: int,
+        n_v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        conv_kernel: int,
+        norm_eps: float,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__()
+        self.n_k_heads, self.n_v_heads = n_k_heads, n_v_heads
+        self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
+        self.chunk_size = chunk_size
+        key_dim, value_dim = n_k_heads * k_head_dim, n_v_heads * v_head_dim
+        self.in_proj_qkv = nn.Linear(dim, 2 * key_dim + value_dim, bias=False)
+        self.in_proj_z = nn.Linear(dim, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(dim, n_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, n_v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(2 * key_dim + value_dim, conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(n_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(n_v_heads))
+        self.norm = GatedRMSNorm(v_head_dim, norm_eps)
+        self.out_proj = nn.Linear(value_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        mixed = F.silu(causal_depthwise_conv(self.in_proj_qkv(x), self.conv_weight, document_ids))
+        key_dim = self.n_k_heads * self.k_head_dim
+        q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+        q, k = (t.unflatten(-1, (self.n_k_heads, self.k_head_dim)).float() for t in (q, k))
+        q = l2_normalize(q) * self.k_head_dim**-0.5
+        k = l2_normalize(k)
+        repeat = self.n_v_heads // self.n_k_heads
+        if repeat > 1:
+            q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+        v = v.unflatten(-1, (self.n_v_heads, self.v_head_dim))
+        beta = torch.sigmoid(self.in_proj_b(x).float())
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out, _ = chunk_gated_delta_rule(
+            *(t.transpose(1, 2) for t in (q, k, v, g, beta)),
+            chunk_size=self.chunk_size,
+            document_ids=document_ids,
+        )
+        out = out.transpose(1, 2).to(x.dtype)
+        z = self.in_proj_z(x).unflatten(-1, (self.n_v_heads, self.v_head_dim))
+        return self.out_proj(self.norm(out, z).reshape(batch, seq, -1))
