@@ -128,27 +128,27 @@ class _Spread:
         return out.redistribute(u.device_mesh, u.placements)
 
 
-def _spread(update: DTensor) -> _Spread | None:
-    """The exchange plan of a sharded parameter's update; None where this rank holds whole matrices
-    (replicated, or only the experts split)."""
-    placements = tuple(update.placements)
+def _spread(param: DTensor) -> _Spread | None:
+    """The exchange plan of a sharded parameter's update; None where this rank holds whole
+    matrices (replicated, or only the experts split)."""
+    placements = tuple(param.placements)
     cuts = [
         i
         for i, p in enumerate(placements)
         # a cut: Shard, or the _StridedShard that FSDP puts over a TP shard of the same dim
-        if not (p.is_replicate() or p.is_partial()) and not (update.ndim == 3 and p.dim == 0)
+        if not (p.is_replicate() or p.is_partial()) and not (param.ndim == 3 and p.dim == 0)
     ]
     if not cuts:
         return None
     # the work is spread over one cutting mesh dim, a plain Shard first (no re-layout), the
     # largest next; the other cuts are gathered, and their ranks repeat the same work
-    spread = max(cuts, key=lambda i: (type(placements[i]) is Shard, update.device_mesh.size(i)))
+    spread = max(cuts, key=lambda i: (type(placements[i]) is Shard, param.device_mesh.size(i)))
     dim = placements[spread].dim
     target = tuple(
         (p if type(p) is Shard else Shard(dim)) if i == spread else Replicate() if i in cuts else p
         for i, p in enumerate(placements)
     )
-    return _Spread(update, target, spread, dim)
+    return _Spread(param, target, spread, dim)
 
 
 def _rounds(spreads: list[_Spread], width: int) -> list[list[_Spread]]:
@@ -173,7 +173,7 @@ def _all_to_all(
     send: list[torch.Tensor], receive: list[int], group, like: torch.Tensor
 ) -> _Exchange:
     """Send ``send[r]`` to rank r of ``group`` and receive ``receive[r]`` values from it."""
-    sent = torch.cat([t.reshape(-1) for t in send]) if send else like.new_empty(0)
+    sent = torch.cat([t.reshape(-1) for t in send])
     received = like.new_empty(sum(receive))
     work = dist.all_to_all_single(
         received, sent, receive, [t.numel() for t in send], group=group, async_op=True
