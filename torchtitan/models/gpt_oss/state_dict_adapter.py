@@ -94,7 +94,7 @@ class GptOssStateDictAdapter(DecoderStateDictAdapter):
         """Expert halves (``w1``/``w3``, ``b1``/``b3``) fuse only together; a lone half
         converts only on the meta device (listing the keys a parameter needs)."""
         rest, out = {}, {}
-        halves: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        fused: dict[str, dict[int, torch.Tensor]] = {}  # HF key -> {half: tensor}
         for key, value in state_dict.items():
             match = _LAYER_KEY.fullmatch(key)
             if match is None or match.group(2) not in _EXPERTS:
@@ -107,15 +107,11 @@ class GptOssStateDictAdapter(DecoderStateDictAdapter):
             if half is None:
                 out[hf_key] = converted
             else:
-                halves.setdefault((hf_key, key), {})[half] = converted
-        fused: dict[str, dict[int, torch.Tensor]] = {}
-        for (hf_key, _), by_half in halves.items():
-            fused.setdefault(hf_key, {}).update(by_half)
+                fused.setdefault(hf_key, {})[half] = converted
         for hf_key, by_half in fused.items():
             if len(by_half) == 2:
                 out[hf_key] = _interleave(by_half[0], by_half[1])
-            elif next(iter(by_half.values())).is_meta:
-                only = next(iter(by_half.values()))
+            elif (only := next(iter(by_half.values()))).is_meta:
                 out[hf_key] = _interleave(only, only)
             else:
                 raise ValueError(f"{hf_key} fuses gate and up: convert both expert halves together")
