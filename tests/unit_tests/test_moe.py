@@ -183,3 +183,19 @@ def test_bias_updates_balance_a_frozen_router():
         update_expert_biases([moe], dp_cp_group=None)
         imbalance.append(moe_load_metrics([_in_layer(moe, "1")])["moe/layer1_imbalance"])
     assert imbalance[0] > 1.5 and max(imbalance[-10:]) < 1.2, [round(i, 2) for i in imbalance]
+
+
+@pytest.mark.parametrize(
+    "name, flavor",
+    [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("gpt_oss", "debugmodel")],
+)
+def test_force_load_balance_reaches_every_moe_model_without_touching_its_flavor(name, flavor):
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec(name)
+    args = spec.flavor_args(flavor)
+    model = ConfigManager().parse_args([]).model
+    args.update_from_config(model, max_seq_len=64, moe_force_load_balance=True)
+    assert args.moe.force_load_balance
+    assert not spec.model_args[flavor].moe.force_load_balance

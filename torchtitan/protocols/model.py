@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -47,7 +47,8 @@ class BaseModelArgs(ABC):
         the attention kernel and mask (``model.attn_type``, ``attn_mask_type``,
         ``sliding_window``) and ``max_seq_len`` (the longest sequence of training and
         validation). MoE models also adopt ``moe_force_load_balance``
-        (``debug.moe_force_load_balance``). Subclasses without ``vocab_size``/``max_seq_len``
+        (``debug.moe_force_load_balance``) into a fresh ``moe`` (a flavor's own MoEArgs is
+        shared by every copy of the flavor). Subclasses without ``vocab_size``/``max_seq_len``
         fields, or with more to adopt, override it."""
         if tokenizer is not None:
             self.vocab_size = tokenizer.vocab_size
@@ -55,6 +56,9 @@ class BaseModelArgs(ABC):
         self.attn_mask_type = model.attn_mask_type
         self.sliding_window = model.sliding_window
         self.max_seq_len = max_seq_len
+        moe = getattr(self, "moe", None)
+        if moe is not None:
+            self.moe = replace(moe, force_load_balance=moe_force_load_balance)
 
     @abstractmethod
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

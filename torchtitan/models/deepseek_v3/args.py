@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -18,9 +18,7 @@ from torchtitan.models.common.args import (
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
-    from torchtitan.config import ModelConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.tokenizer import BaseTokenizer
 
 
 @dataclass
@@ -57,18 +55,6 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
     @property
     def softmax_scale(self) -> float:
         return self.qk_head_dim**-0.5 * yarn_mscale(self.rope_factor, self.rope_mscale) ** 2
-
-    def update_from_config(
-        self,
-        model: ModelConfig,
-        *,
-        max_seq_len: int,
-        tokenizer: BaseTokenizer | None = None,
-        moe_force_load_balance: bool = False,
-    ) -> None:
-        super().update_from_config(model, max_seq_len=max_seq_len, tokenizer=tokenizer)
-        # A fresh MoEArgs: the flavor's own instance is shared by every copy of the flavor.
-        self.moe = replace(self.moe, force_load_balance=moe_force_load_balance)
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, inter_dim=self.inter_dim)

@@ -105,8 +105,12 @@ class GptOssModelArgs(BaseModelArgs):
             "model.sliding_window: gpt-oss's sliding layers take their window from the flavor "
             "(config.json sliding_window); leave model.sliding_window unset",
         )
-        super().update_from_config(model, max_seq_len=max_seq_len, tokenizer=tokenizer)
-        self.moe = replace(self.moe, force_load_balance=moe_force_load_balance)
+        super().update_from_config(
+            model,
+            max_seq_len=max_seq_len,
+            tokenizer=tokenizer,
+            moe_force_load_balance=moe_force_load_balance,
+        )
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)

@@ -4,18 +4,13 @@ tensor-parallel ranks like its heads."""
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
-from torchtitan.config import (
-    ActivationCheckpointConfig,
-    CompileConfig,
-    ParallelismConfig,
-    TrainingConfig,
-)
-from torchtitan.distributed import ParallelDims
 from torchtitan.layers.decoder import TransformerBlock
 from torchtitan.models.common.parallelize import gqa_block_tp_plan, parallelize_decoder
 
@@ -39,21 +34,5 @@ def gpt_oss_block_tp_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
     return gqa_block_tp_plan(block) | {"attention": _AttentionInputAndSinks()}
 
 
-def parallelize_gpt_oss(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    *,
-    training: TrainingConfig,
-    parallelism: ParallelismConfig,
-    activation_checkpoint: ActivationCheckpointConfig,
-    compile_config: CompileConfig,
-) -> nn.Module:
-    return parallelize_decoder(
-        model,
-        parallel_dims,
-        training=training,
-        parallelism=parallelism,
-        activation_checkpoint=activation_checkpoint,
-        compile_config=compile_config,
-        block_plan=gpt_oss_block_tp_plan,
-    )
+parallelize_gpt_oss = functools.partial(parallelize_decoder, block_plan=gpt_oss_block_tp_plan)
+"""The shared decoder's parallelisms with gpt-oss's block plan."""

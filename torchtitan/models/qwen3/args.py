@@ -3,7 +3,7 @@ feed-forward a MoE layer of ``moe.num_experts`` routed experts, no shared expert
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
@@ -20,9 +20,7 @@ from torchtitan.models.common.args import (
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
-    from torchtitan.config import ModelConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.tokenizer import BaseTokenizer
 
 
 @dataclass
@@ -71,18 +69,6 @@ class Qwen3ModelArgs(BaseModelArgs):
         if factor is None:
             factor = yarn_mscale(self.rope_factor, 1.0)
         return self.head_dim**-0.5 * factor**2
-
-    def update_from_config(
-        self,
-        model: ModelConfig,
-        *,
-        max_seq_len: int,
-        tokenizer: BaseTokenizer | None = None,
-        moe_force_load_balance: bool = False,
-    ) -> None:
-        super().update_from_config(model, max_seq_len=max_seq_len, tokenizer=tokenizer)
-        if self.moe is not None:  # a fresh MoEArgs: the flavor's own is shared by its copies
-            self.moe = replace(self.moe, force_load_balance=moe_force_load_balance)
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)
