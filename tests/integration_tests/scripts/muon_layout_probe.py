@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan.components.muon import Muon
+from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
 
 SETTINGS = dict(
     lr=0.02,
@@ -72,8 +73,9 @@ def main() -> None:
     Path(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.json").write_text(
         json.dumps({"worst": worst, "moved": moved})
     )
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":
     main()
+    exit_skipping_static_destructors(0)
