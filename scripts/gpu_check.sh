@@ -4,7 +4,8 @@
 # for the other dependencies.
 #
 # Checks, each printing "PASS: <what> (<numbers>)" or "FAIL: <what> (<numbers>)":
-#   - the gpu-marked tests (pytest -m gpu) pass;
+#   - the gpu-marked tests (pytest -m gpu) pass, among them fla's fused gated delta rule
+#     against ours (tests/unit_tests/test_fla_delta_rule.py; skipped without the fla_core wheel);
 #   - a short Llama 3 1B bf16 training run completes, its loss stays finite and falls by 5 %
 #     or more, its MFU is above 1 % and at most 100 %, and its peak memory lies between
 #     16 bytes per parameter (fp32 weights, gradients and two AdamW states) and the GPU's memory;

@@ -48,11 +48,30 @@ def theirs() -> torch.nn.Module:
     return module
 
 
-def ours_from(hf: torch.nn.Module) -> GatedDeltaNet:
-    ours = GatedDeltaNet(DIM, **SHAPE, norm_eps=1e-6, chunk_size=CHUNK)
-    state = {k: v for k, v in hf.state_dict().items() if k != "conv1d.weight"}
-    state["conv_weight"] = hf.conv1d.weight.squeeze(1)
-    ours.load_state_dict(state, strict=True)
+KEY_DIM = SHAPE["n_k_heads"] * SHAPE["k_head_dim"]
+SPLIT = [KEY_DIM, KEY_DIM, SHAPE["n_v_heads"] * SHAPE["v_head_dim"]]
+RENAMED = {"in_proj_z": "z_proj", "in_proj_b": "b_proj", "in_proj_a": "a_proj"}
+
+
+def ours_state(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' names -> ours: the fused q/k/v projection and convolution split."""
+    state = {}
+    for name, value in hf_state.items():
+        module = name.split(".")[0]
+        if module == "in_proj_qkv":
+            state |= dict(
+                zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"), value.split(SPLIT))
+            )
+        elif module == "conv1d":
+            state |= dict(zip(("q_conv", "k_conv", "v_conv"), value.squeeze(1).split(SPLIT)))
+        else:
+            state[name.replace(module, RENAMED.get(module, module), 1)] = value
+    return state
+
+
+def ours_from(hf: torch.nn.Module, block_causal: bool = False) -> GatedDeltaNet:
+    ours = GatedDeltaNet(DIM, **SHAPE, norm_eps=1e-6, chunk_size=CHUNK, block_causal=block_causal)
+    ours.load_state_dict(ours_state(hf.state_dict()), strict=True)
     return ours
 
 
@@ -64,7 +83,7 @@ def grads(module: torch.nn.Module, x: torch.Tensor, **kwargs) -> tuple[torch.Ten
     x = x.clone().requires_grad_()
     out = module(x, **kwargs)
     (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-    return out.detach(), {"input": x.grad} | {n: p.grad for n, p in module.named_parameters()}
+    return out.detach(), {n: p.grad for n, p in module.named_parameters()} | {"input": x.grad}
 
 
 def test_same_outputs_and_gradients_as_transformers():
@@ -74,7 +93,7 @@ def test_same_outputs_and_gradients_as_transformers():
     ref, hf_grads = grads(hf, inputs())
     assert ref.std() > 0.1
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    hf_grads["conv_weight"] = hf_grads.pop("conv1d.weight").squeeze(1)
+    hf_grads = ours_state(hf_grads)
     for name, grad in hf_grads.items():
         scale = grad.abs().max().item()
         torch.testing.assert_close(ours_grads[name], grad, rtol=1e-4, atol=1e-5 * scale)
@@ -97,11 +116,11 @@ def test_chunked_rule_equals_the_recurrence():
 
 def test_packed_documents_give_each_document_alone():
     """Three documents of 13, 20 and 7 tokens (boundaries inside chunks and between them)."""
-    ours = ours_from(theirs())
+    ours = ours_from(theirs(), block_causal=True)
     lengths = [13, 20, 7]
     document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, -1)
     x = inputs(seed=3)
-    packed, packed_grads = grads(ours, x, document_ids=document_ids)
+    packed, packed_grads = grads(ours, x, mask=document_ids)
     starts = [0, 13, 33]
     for start, n in zip(starts, lengths):
         alone, _ = grads(ours, x[:, start : start + n])
@@ -124,12 +143,13 @@ def test_planted_errors_fail_the_comparison(planted, monkeypatch):
         monkeypatch.setattr(
             gated_deltanet,
             "chunk_gated_delta_rule",
-            lambda q, k, v, g, beta, **kw: rule(q, k, v, -g, beta, **kw),
+            lambda q, k, v, g, beta, *args, **kw: rule(q, k, v, -g, beta, *args, **kw),
         )
     elif planted == "gate skipped":
-        monkeypatch.setattr(ours.norm, "forward", lambda x, gate: x)
+        monkeypatch.setattr(ours, "gate_output", lambda normed, z: normed)
     else:
         with torch.no_grad():
-            ours.conv_weight[:, :-1] = 0
+            for weight in (ours.q_conv, ours.k_conv, ours.v_conv):
+                weight[:, :-1] = 0
     with torch.no_grad():  # a blown-up (non-finite) output fails as well
         assert not torch.allclose(ours(inputs()), hf(inputs()), rtol=1e-3, atol=1e-3)

@@ -189,6 +189,23 @@ class ReplicatedRouter(ParallelStyle):
         return distribute_module(module, device_mesh, output_fn=output_fn)
 
 
+class ReplicatedSharedGate(ParallelStyle):
+    """The shared experts' gate replicated over tp. With expert-TP it scales the shared
+    experts' partial sums, so its output's gradient is partial and is summed over tp."""
+
+    def __init__(self, partial_shared_outputs: bool) -> None:
+        super().__init__()
+        self.partial_shared_outputs = partial_shared_outputs
+
+    @staticmethod
+    def _sum_grad(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return _SumGradOver.apply(output, mesh.get_group())
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        output_fn = self._sum_grad if self.partial_shared_outputs else None
+        return distribute_module(module, device_mesh, output_fn=output_fn)
+
+
 _ROWS, _COLS = {"w1": 0, "w2": 1, "w3": 0}, {"w1": 1, "w2": 2, "w3": 1}
 """The hidden dim of the shared experts' 2-D and the routed experts' 3-D weights."""
 _EXPERT_BIASES = ("b1", "b2", "b3")
@@ -244,6 +261,8 @@ def parallelize_moe(moe: MoE, parallel_dims: ParallelDims) -> None:
     if moe.shared_experts is not None:
         shared = ShardWeights(_on_hidden(_ROWS), 0) if etp else ShardWeights(_replicated(_ROWS))
         parallelize_module(moe.shared_experts, tp_mesh, shared)
+    if moe.shared_gate is not None:
+        parallelize_module(moe.shared_gate, tp_mesh, ReplicatedSharedGate(etp))
     if not parallel_dims.ep_enabled:
         experts = (
             ShardWeights(_on_hidden(_COLS) | _expert_biases_on_hidden(), 0)

@@ -36,6 +36,10 @@ BASE_STD = 0.02
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.(.+)")
 _FFNS = r"(feed_forward|moe\.experts|moe\.shared_experts)"
 
+NormFactory = Callable[[int, float], nn.Module]
+"""``(dim, eps) -> module``: the RMSNorm of a model (``nn.RMSNorm``, or a zero-centred one,
+``layers/norms.py``)."""
+
 RopeFrequencies = Callable[[Any, "torch.device | None"], torch.Tensor]
 """``(model_args, device) -> [rotary_dim // 2]`` fp32 RoPE inverse frequencies."""
 
@@ -68,13 +72,21 @@ class InitRules:
 
 class TransformerBlock(nn.Module):
     """``h = x + attention(attention_norm(x))``, then ``h + ffn(ffn_norm(h))`` where the
-    feed-forward is a dense ``feed_forward`` or, when ``moe_enabled``, a ``moe`` layer."""
+    feed-forward is a dense ``feed_forward`` or, when ``moe_enabled``, a ``moe`` layer. The
+    ``attention`` may be any token mixer called like one (Gated DeltaNet)."""
 
-    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, ffn: nn.Module) -> None:
+    def __init__(
+        self,
+        dim: int,
+        norm_eps: float,
+        attention: nn.Module,
+        ffn: nn.Module,
+        norm: NormFactory = nn.RMSNorm,
+    ) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = norm(dim, eps=norm_eps)
         self.attention = attention
-        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = norm(dim, eps=norm_eps)
         self.moe_enabled = isinstance(ffn, MoE)
         if self.moe_enabled:
             self.moe = ffn
@@ -99,7 +111,7 @@ class Decoder(nn.Module):
     ``model_args`` needs ``vocab_size``, ``dim``, ``norm_eps`` and ``max_seq_len``.
     ``tie_word_embeddings``: the output layer uses the embedding's weight (one parameter,
     FQN ``tok_embeddings.weight``). ``depth_init``: depth-scaled stds use the layer's depth
-    (else ``n_layers``).
+    (else ``n_layers``). ``norm``: the final norm's type.
     """
 
     def __init__(
@@ -111,6 +123,7 @@ class Decoder(nn.Module):
         init_rules: InitRules,
         tie_word_embeddings: bool = False,
         depth_init: bool = True,
+        norm: NormFactory = nn.RMSNorm,
     ) -> None:
         super().__init__()
         self.model_args = model_args
@@ -123,7 +136,7 @@ class Decoder(nn.Module):
         )
         self.register_buffer("rope_cache", self.precompute_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict(layers)
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.norm: nn.Module | None = norm(model_args.dim, eps=model_args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         self.hidden_output = False
         self.tie_embeddings()

@@ -13,17 +13,33 @@ Training runs the chunked form (:func:`chunk_gated_delta_rule`, pure PyTorch, fp
 unit-lower-triangular solve (the WY / UT form of DeltaNet), across chunks the state is carried
 one chunk at a time. Generation runs the recurrent form (:func:`recurrent_gated_delta_rule`).
 Written here: torch has no delta-rule op, and the fla kernels (CUDA/Triton only) are an
-optional dependency.
+optional dependency. Where they are installed, :class:`DeltaRule` runs the rule on CUDA through
+fla's fused Triton chunked kernel instead (``layers/fla_delta_rule.py``, the same numbers).
 
 Packed documents (``document_ids``, non-decreasing along a sequence): the state and the
 convolution restart at every document start, so documents never see each other.
+
+The convolution and the rule run in a swappable kernel (:class:`DeltaRule`, the recurrent
+counterpart of the attention seam, ``layers/attention.py``): context parallel replaces it with
+one that hands states between ranks, generation with one that keeps the state and the
+convolution's tail between calls. Queries, keys and values have their own projections and
+convolution weights (Hugging Face fuses them in one ``in_proj_qkv`` / ``conv1d``; the
+state-dict adapter splits them), so tensor parallel shards each by heads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchtitan.layers.attention import AttentionKernel, MaskSpec, own_mask
+from torchtitan.layers.fla_delta_rule import fla_available, fla_gated_delta_rule
+from torchtitan.layers.init import InitFn, ones_init
+from torchtitan.layers.moe import local
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -139,24 +155,98 @@ def recurrent_gated_delta_rule(
     return torch.stack(outs, dim=2), state
 
 
-class GatedRMSNorm(nn.Module):
-    """``weight * rmsnorm(x) * silu(gate)`` over the last dim, normalised in fp32."""
+def uniform_init(low: float, high: float) -> InitFn:
+    def fill(t: torch.Tensor, g: torch.Generator) -> None:
+        t.uniform_(low, high, generator=g)
+
+    return fill
+
+
+def log_uniform_init(low: float, high: float) -> InitFn:
+    """``log(U(low, high))``: the decay rates ``exp(A_log)`` spread over ``[low, high]``
+    (Mamba's and Gated DeltaNet's initialisation)."""
+
+    def fill(t: torch.Tensor, g: torch.Generator) -> None:
+        t.uniform_(low, high, generator=g).log_()
+
+    return fill
+
+
+class HeadRMSNorm(nn.Module):
+    """``weight * rmsnorm(x)`` over the last dim (one head's channels), normalised in fp32.
+    Its output is then gated (:meth:`GatedDeltaNet.gate_output`); the two are apart so that
+    tensor parallel can treat the norm like attention's per-head q/k norms."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return self.weight * normed
+
+
+@dataclass(frozen=True)
+class RecurrentSpec(MaskSpec):
+    """A recurrent mixer's mask: only document starts (``block_causal``). A class of its own
+    so that :func:`~torchtitan.layers.attention.prepare_mask` prepares it apart from the
+    attention layers' masks."""
+
+
+class DeltaRule(AttentionKernel):
+    """The sequence part of :class:`GatedDeltaNet` on one device: the causal convolution
+    (:meth:`conv`) and the chunked gated delta rule (``forward``). Its prepared mask is the
+    batch's document ids (None without ``block_causal``)."""
+
+    def __init__(self, chunk_size: int, spec: RecurrentSpec = RecurrentSpec()) -> None:
+        super().__init__()
+        self.chunk_size = chunk_size
+        self.spec = spec
+
+    def prepare(self, document_ids: torch.Tensor | None, device: torch.device) -> Any:
+        return document_ids if self.spec.block_causal else None
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        """:func:`causal_depthwise_conv` of ``x`` ``[batch, seq, channels]``."""
+        return causal_depthwise_conv(x, weight, own_mask(mask, self.spec))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        mask: Any = None,
+    ) -> torch.Tensor:
+        """:func:`chunk_gated_delta_rule`'s output (fp32) for ``[batch, heads, seq, ...]``: by
+        fla's kernel where :func:`fla_available` (its backward too when gradients are needed),
+        else in pure PyTorch."""
+        document_ids = own_mask(mask, self.spec)
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+        if fla_available(q.device, backward=backward):
+            return fla_gated_delta_rule(q, k, v, g, beta, document_ids)
+        out, _ = chunk_gated_delta_rule(
+            q, k, v, g, beta, self.chunk_size, document_ids=document_ids
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}, block_causal={self.spec.block_causal}"
 
 
 class GatedDeltaNet(nn.Module):
-    """The mixer (see the module docstring): ``forward(x, document_ids)`` on ``[batch, seq,
-    dim]``. ``n_v_heads`` may be a multiple of ``n_k_heads`` (each query/key head then serves
-    consecutive value heads)."""
+    """The mixer (see the module docstring): ``forward(x, rope_cache, positions, mask)`` on
+    ``[batch, seq, dim]`` (called like an attention layer; RoPE is not used). ``n_v_heads``
+    may be a multiple of ``n_k_heads`` (each query/key head then serves that many consecutive
+    value heads). Head counts are read from the projections at run time, so tensor parallel
+    can shard heads. Its own parameters carry their initialisation (``param_init_fns``):
+    convolution taps uniform within ``1 / sqrt(kernel)`` (PyTorch's Conv1d default), decay
+    rates log-uniform over [1, 16], ``dt_bias`` one; the projections follow the model's
+    rules."""
 
     def __init__(
         self,
@@ -168,41 +258,64 @@ class GatedDeltaNet(nn.Module):
         conv_kernel: int,
         norm_eps: float,
         chunk_size: int = 64,
+        block_causal: bool = False,
     ) -> None:
         super().__init__()
-        self.n_k_heads, self.n_v_heads = n_k_heads, n_v_heads
         self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
-        self.chunk_size = chunk_size
         key_dim, value_dim = n_k_heads * k_head_dim, n_v_heads * v_head_dim
-        self.in_proj_qkv = nn.Linear(dim, 2 * key_dim + value_dim, bias=False)
-        self.in_proj_z = nn.Linear(dim, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(dim, n_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(dim, n_v_heads, bias=False)
-        self.conv_weight = nn.Parameter(torch.empty(2 * key_dim + value_dim, conv_kernel))
+        self.q_proj = nn.Linear(dim, key_dim, bias=False)
+        self.k_proj = nn.Linear(dim, key_dim, bias=False)
+        self.v_proj = nn.Linear(dim, value_dim, bias=False)
+        self.z_proj = nn.Linear(dim, value_dim, bias=False)
+        self.b_proj = nn.Linear(dim, n_v_heads, bias=False)
+        self.a_proj = nn.Linear(dim, n_v_heads, bias=False)
+        # depthwise causal convolution taps per channel, [channels, kernel]
+        self.q_conv = nn.Parameter(torch.empty(key_dim, conv_kernel))
+        self.k_conv = nn.Parameter(torch.empty(key_dim, conv_kernel))
+        self.v_conv = nn.Parameter(torch.empty(value_dim, conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(n_v_heads))
         self.A_log = nn.Parameter(torch.zeros(n_v_heads))
-        self.norm = GatedRMSNorm(v_head_dim, norm_eps)
+        self.norm = HeadRMSNorm(v_head_dim, norm_eps)
         self.out_proj = nn.Linear(value_dim, dim, bias=False)
+        self.inner_rule = DeltaRule(chunk_size, RecurrentSpec(block_causal=block_causal))
+        bound = conv_kernel**-0.5
+        self.param_init_fns: dict[str, InitFn] = {
+            "q_conv": uniform_init(-bound, bound),
+            "k_conv": uniform_init(-bound, bound),
+            "v_conv": uniform_init(-bound, bound),
+            "A_log": log_uniform_init(1.0, 16.0),
+            "dt_bias": ones_init,
+        }
 
-    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        mask: Any = None,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        mixed = F.silu(causal_depthwise_conv(self.in_proj_qkv(x), self.conv_weight, document_ids))
-        key_dim = self.n_k_heads * self.k_head_dim
-        q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
-        q, k = (t.unflatten(-1, (self.n_k_heads, self.k_head_dim)).float() for t in (q, k))
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        sizes = [q.shape[-1], k.shape[-1], v.shape[-1]]
+        weight = torch.cat([local(self.q_conv), local(self.k_conv), local(self.v_conv)])
+        mixed = F.silu(self.inner_rule.conv(torch.cat([q, k, v], dim=-1), weight, mask))
+        q, k, v = mixed.split(sizes, dim=-1)
+        q, k = (t.unflatten(-1, (-1, self.k_head_dim)).float() for t in (q, k))
         q = l2_normalize(q) * self.k_head_dim**-0.5
         k = l2_normalize(k)
-        repeat = self.n_v_heads // self.n_k_heads
+        v = v.unflatten(-1, (-1, self.v_head_dim))
+        repeat = v.shape[2] // k.shape[2]
         if repeat > 1:
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
-        v = v.unflatten(-1, (self.n_v_heads, self.v_head_dim))
-        beta = torch.sigmoid(self.in_proj_b(x).float())
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out, _ = chunk_gated_delta_rule(
-            *(t.transpose(1, 2) for t in (q, k, v, g, beta)),
-            chunk_size=self.chunk_size,
-            document_ids=document_ids,
-        )
+        beta = torch.sigmoid(self.b_proj(x).float())
+        decay_rate = local(self.A_log).float().exp()
+        g = -decay_rate * F.softplus(self.a_proj(x).float() + local(self.dt_bias))
+        out = self.inner_rule(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), mask=mask)
         out = out.transpose(1, 2).to(x.dtype)
-        z = self.in_proj_z(x).unflatten(-1, (self.n_v_heads, self.v_head_dim))
-        return self.out_proj(self.norm(out, z).reshape(batch, seq, -1))
+        z = self.z_proj(x).unflatten(-1, (-1, self.v_head_dim))
+        return self.out_proj(self.gate_output(self.norm(out), z).reshape(batch, seq, -1))
+
+    @staticmethod
+    def gate_output(normed: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated RMSNorm's gate: ``normed * silu(z)`` in fp32."""
+        return (normed.float() * F.silu(z.float())).to(normed.dtype)

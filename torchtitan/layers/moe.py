@@ -59,6 +59,9 @@ class MoEArgs:
     expert_biases: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Qwen3.5-MoE / Qwen2-MoE: the shared experts' output is scaled by sigmoid(x . w), one
+    # learned gate vector (moe.shared_gate) per layer.
+    shared_expert_gate: bool = False
 
     @property
     def activation(self) -> Activation:
@@ -314,6 +317,18 @@ class SharedExperts(nn.Module):
         return _swiglu(x, local(self.w1), local(self.w2), local(self.w3))
 
 
+class SharedExpertGate(nn.Module):
+    """``sigmoid(x . weight)`` per token: how much of the shared experts' output a token
+    takes (Qwen3.5-MoE). On local weights, like the shared experts."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, local(self.weight)))
+
+
 # ---------------------------------------------------------------------------- MoE layer
 class _AttachAuxLoss(torch.autograd.Function):
     """Identity on ``out``; in backward, feeds ``scale`` as the aux loss's gradient, so the
@@ -332,7 +347,12 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, args: MoEArgs) -> None:
+    """Routed experts of ``hidden_dim`` plus shared experts of ``shared_hidden_dim`` (default
+    ``hidden_dim * num_shared_experts``)."""
+
+    def __init__(
+        self, dim: int, hidden_dim: int, args: MoEArgs, shared_hidden_dim: int | None = None
+    ) -> None:
         super().__init__()
         self.args = args
         self.router = TokenChoiceTopKRouter(dim, args)
@@ -344,9 +364,14 @@ class MoE(nn.Module):
             biases=args.expert_biases,
             activation=args.activation,
         )
+        if shared_hidden_dim is None:
+            shared_hidden_dim = hidden_dim * args.num_shared_experts
         self.shared_experts = (
-            SharedExperts(dim, hidden_dim * args.num_shared_experts)
-            if args.num_shared_experts > 0
+            SharedExperts(dim, shared_hidden_dim) if args.num_shared_experts > 0 else None
+        )
+        self.shared_gate = (
+            SharedExpertGate(dim)
+            if args.shared_expert_gate and self.shared_experts is not None
             else None
         )
         # Only with aux-loss-free balancing (else no state-dict entry, as in checkpoints of
@@ -384,7 +409,10 @@ class MoE(nn.Module):
         top_k_out = unsorted.view(-1, self.args.top_k, dim).float() * weights.unsqueeze(-1)
         out = top_k_out.sum(dim=1).to(x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_gate is not None:
+                shared = shared * self.shared_gate(tokens)
+            out = out + shared
         if self.args.aux_loss_alpha > 0 and self.training:
             aux = self._sequence_balance_loss(scores, chosen, bsz, seq_len)
             out = _AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
