@@ -27,7 +27,8 @@ from torchtitan.components.lora import with_lora_styles
 from torchtitan.components.quantization import float8_tensorwise_tp, with_float8_styles
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac, keeps_attention_output
-from torchtitan.distributed.context_parallel import apply_cp
+from torchtitan.distributed.context_parallel import apply_cp, has_local_attention
+from torchtitan.distributed.context_parallel_linear import apply_cp_to_delta_rules
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward_policy
 from torchtitan.distributed.expert_parallel import apply_expert_fsdp, parallelize_moe
 from torchtitan.layers.decoder import Decoder, TransformerBlock
@@ -194,12 +195,10 @@ def parallelize_decoder(
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh, compiled=compile_config.enable)
     if parallel_dims.cp_enabled:
-        apply_cp(
-            model,
-            parallel_dims.world_mesh["cp"],
-            parallel_dims.cp_rotate_method,
-            parallel_dims.cp_load_balancer,
-        )
+        cp_mesh = parallel_dims.world_mesh["cp"]
+        linear = apply_cp_to_delta_rules(model, cp_mesh, parallel_dims.cp_load_balancer)
+        if not linear or has_local_attention(model):  # a stage may hold linear layers only
+            apply_cp(model, cp_mesh, parallel_dims.cp_rotate_method, parallel_dims.cp_load_balancer)
     moes = [block.moe for block in model.layers.values() if block.moe_enabled]
     for moe in moes:
         parallelize_moe(moe, parallel_dims)
