@@ -32,7 +32,8 @@ Masks follow global positions and the document ids of the whole sequences (the m
 them unsharded): each rank builds, once per batch, the :class:`BlockPlan` of the blocks its
 queries meet; fully masked blocks are skipped, and load balancing is unaffected.
 
-All communication is in this file; every collective runs on ``cp_mesh.get_group()`` and works
+All communication of the attention layers is in this file (Gated DeltaNet's state hand-off:
+``context_parallel_linear.py``); every collective runs on ``cp_mesh.get_group()`` and works
 on gloo (CPU) and NCCL (CUDA).
 """
 
@@ -577,6 +578,13 @@ class ContextParallelAttention(AttentionKernel):
             f"load_balancer={self.load_balancer!r}, block_causal={self.spec.block_causal}, "
             f"sliding_window={self.spec.sliding_window}"
         )
+
+
+def has_local_attention(model: nn.Module) -> bool:
+    """Whether ``model`` computes attention through a local ``inner_attention`` kernel."""
+    return any(
+        isinstance(getattr(m, "inner_attention", None), LOCAL_KERNELS) for m in model.modules()
+    )
 
 
 def apply_cp(
