@@ -1,4 +1,5 @@
-"""Text generation from a trained model: sampling with a KV cache and checkpoint loading.
+"""Text generation from a trained model: sampling with a KV cache (and, for Gated DeltaNet
+layers, a recurrent state cache) and checkpoint loading.
 
 The command-line entry point is ``scripts/generate/test_generate.py``.
 """
@@ -9,11 +10,12 @@ from torchtitan.generation.checkpoint import (
     resolve_checkpoint_folder,
 )
 from torchtitan.generation.generate import generate, sample_next_token
-from torchtitan.generation.kv_cache import KVCacheAttention, kv_cache
+from torchtitan.generation.kv_cache import KVCacheAttention, RecurrentStateCache, kv_cache
 
 __all__ = [
     "CheckpointError",
     "KVCacheAttention",
+    "RecurrentStateCache",
     "generate",
     "kv_cache",
     "load_model_weights",

@@ -1,5 +1,6 @@
 """Autoregressive sampling: greedy (temperature 0) or temperature / top-k sampling from a
-seeded generator, with or without a KV cache (both give the same tokens)."""
+seeded generator, with or without a KV cache (both give the same tokens; the cache context
+also carries Gated DeltaNet layers' recurrent state, ``kv_cache.RecurrentStateCache``)."""
 
 from __future__ import annotations
 

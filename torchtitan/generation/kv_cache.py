@@ -1,11 +1,17 @@
-"""A KV cache that plugs into the attention seam (``torchtitan/layers/attention.py``).
+"""The generation caches: a KV cache that plugs into the attention seam
+(``torchtitan/layers/attention.py``) and a recurrent state cache that plugs into Gated
+DeltaNet's kernel seam (``torchtitan/layers/gated_deltanet.py``).
 
 ``kv_cache(model, max_len)`` swaps every local attention kernel of the model (SDPA or
-FlexAttention) for a ``KVCacheAttention`` and restores them on exit. A prompt is one
-document: the cache applies the causal mask and the model's sliding window, if any. The
-model's own forward runs unchanged (so tensor-parallel hooks and RoPE apply as in training);
-the caller passes each call's absolute ``positions`` so that RoPE rotates the new tokens at
-their place in the sequence.
+FlexAttention) for a ``KVCacheAttention`` and every Gated DeltaNet kernel (exactly
+``DeltaRule``, a mixer's ``inner_rule``) for a ``RecurrentStateCache``, and restores them on
+exit. A prompt is one document: the KV cache applies the causal mask and the model's sliding
+window, if any. The recurrent state cache keeps what a linear-attention layer needs to go on
+from where the last call stopped: the convolution's last inputs and the delta rule's state, a
+memory constant in the sequence length (where the KV cache grows with it, up to ``max_len``
+or the window). The model's own forward runs unchanged (so tensor-parallel hooks and RoPE
+apply as in training); the caller passes each call's absolute ``positions`` so that RoPE
+rotates the new tokens at their place in the sequence.
 """
 
 from __future__ import annotations
@@ -18,8 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.layers.attention import LOCAL_KERNELS, AttentionKernel
+from torchtitan.layers.attention import LOCAL_KERNELS, AttentionKernel, own_mask
 from torchtitan.layers.blockwise_attention import visible
+from torchtitan.layers.gated_deltanet import (
+    DeltaRule,
+    RecurrentSpec,
+    causal_depthwise_conv,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 
 
 class KVCacheAttention(AttentionKernel):
@@ -107,22 +120,107 @@ def _attention_with_sinks(q, keys, values, seen, scale, sinks) -> torch.Tensor:
     return (probs @ values.float()).to(q.dtype)
 
 
+class RecurrentStateCache(DeltaRule):
+    """Gated DeltaNet's convolution and delta rule continued across calls: each call's tokens
+    follow those of the calls before it, as if the whole sequence had run at once.
+
+    Between calls it keeps the convolution's tail (the last ``K - 1`` inputs ``[batch, K - 1,
+    channels]`` of the ``K``-tap convolution, zeros before the first call, as the training
+    convolution pads) and the delta rule's state (``[batch, heads, k_dim, v_dim]``, fp32, none
+    before the first call). Both have fixed shapes, so the memory is constant in the sequence
+    length: the recurrent counterpart of the KV cache, which grows with it. A call of several
+    tokens (the prompt) runs the chunked rule from the stored state; a single token runs the
+    recurrent form (one state update), both in pure PyTorch on every device (not through
+    fla's kernel, which ``DeltaRule`` uses on CUDA where installed). A prompt is one document:
+    document ids are refused.
+    """
+
+    def __init__(self, chunk_size: int, spec: RecurrentSpec) -> None:
+        super().__init__(chunk_size, spec)
+        self.length = 0  # tokens seen
+        self.conv_tail: torch.Tensor | None = None
+        self.state: torch.Tensor | None = None
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        """The causal convolution of ``x`` ``[batch, seq, channels]`` preceded by the stored
+        tail; keeps the last ``K - 1`` inputs as the next call's tail."""
+        self._check_one_document(mask)
+        width = weight.shape[-1] - 1
+        tail = self.conv_tail
+        if tail is None:
+            tail = x.new_zeros(x.shape[0], width, x.shape[2])
+        extended = torch.cat([tail, x], dim=1)
+        self.conv_tail = extended[:, extended.shape[1] - width :].clone()
+        return causal_depthwise_conv(extended, weight)[:, width:]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        mask: Any = None,
+    ) -> torch.Tensor:
+        """The rule's output (fp32) for the new tokens ``[batch, heads, seq, ...]``, from the
+        stored state; stores the state after them."""
+        self._check_one_document(mask)
+        if q.shape[2] == 1:
+            out, state = recurrent_gated_delta_rule(q, k, v, g, beta, self.state)
+        else:
+            out, state = chunk_gated_delta_rule(
+                q, k, v, g, beta, self.chunk_size, initial_state=self.state
+            )
+        self.state = state.float()
+        self.length += q.shape[2]
+        return out
+
+    def _check_one_document(self, mask: Any) -> None:
+        if own_mask(mask, self.spec) is not None:
+            raise ValueError(
+                "the recurrent state cache continues one document per row: generate "
+                "without document_ids"
+            )
+
+    def extra_repr(self) -> str:
+        return f"length={self.length}, {super().extra_repr()}"
+
+
+Cache = KVCacheAttention | RecurrentStateCache
+
+
 @contextmanager
-def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[KVCacheAttention]]:
-    """Install a fresh ``KVCacheAttention`` of ``max_len`` positions in place of every local
-    attention kernel of ``model`` for the duration of the block."""
-    sites = [
+def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[Cache]]:
+    """For the duration of the block, install a fresh ``KVCacheAttention`` of ``max_len``
+    positions in place of every local attention kernel of ``model`` and a fresh
+    ``RecurrentStateCache`` (constant memory, whatever ``max_len``) in place of every Gated
+    DeltaNet ``DeltaRule``; yields the caches (the attention ones, then the recurrent ones,
+    each in module order) and restores the original kernels on exit."""
+    attention_sites = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, LOCAL_KERNELS)
     ]
-    if not sites:
+    # exactly DeltaRule: a subclass (context parallel's, or a cache already installed) stays
+    rule_sites = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is DeltaRule
+    ]
+    if not attention_sites and not rule_sites:
         raise ValueError(
-            f"{type(model).__name__} has no local attention kernel: the KV cache plugs "
-            "into the attention seam of torchtitan/layers/attention.py"
+            f"{type(model).__name__} has no local attention kernel or delta rule: the KV "
+            "cache plugs into the attention seam of torchtitan/layers/attention.py and the "
+            "recurrent state cache into Gated DeltaNet's DeltaRule"
         )
-    caches = [KVCacheAttention(max_len, child.spec.sliding_window) for _, _, child in sites]
+    caches: list[Cache] = [
+        KVCacheAttention(max_len, child.spec.sliding_window) for _, _, child in attention_sites
+    ]
+    caches += [RecurrentStateCache(child.chunk_size, child.spec) for _, _, child in rule_sites]
+    sites = attention_sites + rule_sites
     for (parent, name, _), cache in zip(sites, caches):
         setattr(parent, name, cache)
     try:
