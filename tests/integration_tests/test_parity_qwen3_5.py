@@ -4,7 +4,7 @@ model (three Gated DeltaNet layers, then one gated full-attention layer; delta-r
 parallel over 2 and 4 ranks (the linear layers hand their recurrent state and convolution
 tail from rank to rank, the attention layer keeps its CP method), also with packed documents
 (``block_causal``: the state and convolution restart at each document); the MoE debug model
-(gated shared expert; forced-balanced routing) under EP 2."""
+(gated shared expert; forced-balanced routing) under EP 2 and TP 2 x EP 2 x ETP 2."""
 
 import pytest
 
@@ -64,6 +64,15 @@ def test_context_parallel_with_packed_documents(references, tmp_path):
     assert_parity(references(*QWEN3_5, *BLOCK_CAUSAL), run)
 
 
-def test_moe_with_expert_parallel(references, tmp_path):
-    run = train(2, tmp_path, MOE + ["--parallelism.expert_parallel_degree", "2"], dp=2)
-    assert_parity(references(*MOE), run)
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+MOE_CASES = {
+    "ep2": (2, 2, EP2),
+    # the shared expert's hidden dim split over tp: its gate scales partial sums
+    "tp2_ep2_etp2": (4, 2, TP2 + EP2 + ["--parallelism.expert_tensor_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_with_expert_parallel(case, references, tmp_path):
+    nproc, dp, overrides = MOE_CASES[case]
+    assert_parity(references(*MOE), train(nproc, tmp_path, MOE + overrides, dp=dp))
