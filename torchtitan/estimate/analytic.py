@@ -1,6 +1,7 @@
 """Closed-form per-rank peak memory of a decoder (Llama, Qwen3 with q/k norms and tied
-embeddings, DeepSeek-V3's latent attention, MoE blocks under expert parallel), for instant
-sweeps (the planner, mode analytic) and as a cross-check of the traced figure.
+embeddings, DeepSeek-V3's latent attention, MoE blocks under expert parallel, Qwen3.5's
+hybrid of Gated DeltaNet and gated attention blocks), for instant sweeps (the planner, mode
+analytic) and as a cross-check of the traced figure.
 
 Assumptions: AdamW (two fp32 states), fp32 master parameters, two training iterations (the
 peak is a steady-state step), the model repeats KV heads before attention, and the kernels of
@@ -40,6 +41,7 @@ class Experts:
     hidden_dim: int  # one routed expert's
     shared_hidden_dim: int  # all shared experts together (0: none)
     dense_layers: int
+    shared_gate: bool = False  # the shared experts' output scaled by sigmoid(x . w) (Qwen3.5)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,33 @@ class LatentAttention:
     kv_lora_rank: int
     rope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """Qwen3.5's linear-attention mixer (``layers/gated_deltanet.py``) in the blocks
+    ``layer_ids`` (the others: gated full attention). Query/key heads serve ``n_v_heads /
+    n_k_heads`` value heads each; the chunked rule works on chunks of ``chunk_size`` tokens."""
+
+    layer_ids: tuple[int, ...]
+    n_k_heads: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    chunk_size: int
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -65,15 +94,20 @@ class Geometry:
     tied_embeddings: bool = False
     experts: Experts | None = None
     mla: LatentAttention | None = None
+    linear: GatedDeltaNet | None = None  # Gated DeltaNet blocks (the rest: full attention)
+    output_gate: bool = False  # wq also yields a sigmoid gate per attention output channel
+    zero_centred_norms: bool = False  # every RMSNorm is layers/norms.ZeroCenteredRMSNorm
 
     @classmethod
     def from_model_args(cls, args) -> Geometry | None:
-        """None for model args that are not a decoder of Llama, Qwen3, DeepSeek-V3 or gpt-oss
-        style (gpt-oss: a MoE in every block; its biases and sinks are below 0.1 % of its
-        weights and not counted)."""
+        """None for model args that are not a decoder of Llama, Qwen3, DeepSeek-V3, gpt-oss
+        or Qwen3.5 style (gpt-oss: a MoE in every block; its biases and sinks are below 0.1 %
+        of its weights and not counted)."""
         try:
             if hasattr(args, "kv_lora_rank"):
                 return cls._deepseek(args)
+            if hasattr(args, "linear_n_v_heads"):  # Gated DeltaNet layers
+                return cls._qwen3_5(args)
             return cls(
                 dim=args.dim,
                 n_layers=args.n_layers,
@@ -107,6 +141,53 @@ class Geometry:
             ),
         )
 
+    @classmethod
+    def _qwen3_5(cls, args) -> Geometry | None:
+        """Qwen3.5: Gated DeltaNet blocks by ``layer_types``, gated GQA in the others
+        (partial RoPE costs nothing extra), zero-centred norms, a dense SwiGLU or a MoE with
+        one gated shared expert of ``shared_expert_hidden_dim`` in every block. None for
+        other mixers in ``layer_types``."""
+        kinds = list(args.layer_types)
+        if len(kinds) != args.n_layers or set(kinds) - {"linear_attention", "full_attention"}:
+            return None
+        linear_layers = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+        experts = _experts(args.moe, args.moe_hidden_dim, dense_layers=0)
+        if experts is not None:
+            experts = dataclasses.replace(
+                experts,
+                shared_hidden_dim=args.shared_expert_hidden_dim
+                if args.moe.num_shared_experts
+                else 0,
+                shared_gate=args.moe.shared_expert_gate and args.moe.num_shared_experts > 0,
+            )
+        return cls(
+            dim=args.dim,
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            n_kv_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
+            # no dense block in a MoE flavor: its unused ffn_hidden_dim would count as the
+            # widest feed-forward
+            ffn_dim=args.ffn_hidden_dim if args.moe is None else args.moe_hidden_dim,
+            vocab_size=args.vocab_size,
+            qk_norm=True,
+            tied_embeddings=args.tie_word_embeddings,
+            experts=experts,
+            linear=GatedDeltaNet(
+                linear_layers,
+                args.linear_n_k_heads,
+                args.linear_n_v_heads,
+                args.linear_k_head_dim,
+                args.linear_v_head_dim,
+                args.linear_conv_kernel,
+                args.linear_chunk_size,
+            )
+            if linear_layers
+            else None,
+            output_gate=True,
+            zero_centred_norms=True,
+        )
+
     @property
     def v_dim(self) -> int:
         """All heads' value channels (the attention output width)."""
@@ -115,6 +196,24 @@ class Geometry:
     @property
     def moe_layers(self) -> int:
         return 0 if self.experts is None else self.n_layers - self.experts.dense_layers
+
+    @property
+    def linear_layers(self) -> int:
+        return 0 if self.linear is None else self.linear.layers
+
+    def block_kinds(self) -> list[tuple[float, bool, bool]]:
+        """(share of the blocks, Gated DeltaNet mixer, MoE feed-forward) of each kind of
+        block the model has. The mixer and the feed-forward are counted apart (their sizes
+        add), so the shares are products of the two: exact for every model here, in which
+        one of the two is the same in every block."""
+        linear = self.linear_layers / self.n_layers
+        moe = self.moe_layers / self.n_layers
+        return [
+            (mixer_share * ffn_share, is_linear, is_moe)
+            for is_linear, mixer_share in ((False, 1 - linear), (True, linear))
+            for is_moe, ffn_share in ((False, 1 - moe), (True, moe))
+            if mixer_share * ffn_share > 0
+        ]
 
 
 def _experts(moe, hidden_dim: int, dense_layers: int) -> Experts | None:
@@ -228,10 +327,11 @@ def _attention_shapes(g: Geometry) -> list[Shape]:
 
 
 def _dense_linears(g: Geometry) -> dict[str, Shape]:
-    """The linears of a block with grouped-query attention and a dense SwiGLU, by leaf name."""
+    """The linears of a block with grouped-query attention and a dense SwiGLU, by leaf name
+    (with an output gate, wq yields each head's query and as many gate logits)."""
     q, kv = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
     return {
-        "wq": (q, g.dim, "col"),
+        "wq": ((2 if g.output_gate else 1) * q, g.dim, "col"),
         "wk": (kv, g.dim, "col"),
         "wv": (kv, g.dim, "col"),
         "wo": (g.dim, q, "row"),
@@ -303,20 +403,32 @@ def _nf4_bases(g: Geometry, lay: Layout, run: Run, layers: int, last: bool) -> _
 
 
 def _ac_kept(
-    g: Geometry, lay: Layout, run: Run, tokens: float, a_in: float, a_layer: float
+    g: Geometry,
+    lay: Layout,
+    run: Run,
+    tokens: float,
+    a_in: float,
+    mixers: list[tuple[float, bool, float]],
 ) -> tuple[float, float]:
-    """(what one block keeps under the configured AC, what its recompute rebuilds)."""
-    # the attention output and its fp32 log-sum-exp, kept by a recomputed block (not rebuilt)
-    attention_kept = (
+    """(what one block keeps under the configured AC, the mean over the blocks; what the
+    recompute of the largest block rebuilds). ``mixers``: (share of the blocks, Gated
+    DeltaNet, what such a block keeps without AC) per kind of token mixer."""
+    # the attention output and its fp32 log-sum-exp, kept by a recomputed attention block
+    # (not rebuilt; only attention kernels are kept, none in Gated DeltaNet blocks)
+    attention_out = (
         tokens * (run.param_bytes * g.n_heads * g.head_dim + 4 * g.n_heads) / lay.tp
         if run.ac_keeps_attention
         else 0
     )
+    kept_out = {False: attention_out, True: 0.0}
+    a_layer = sum(share * a_kind for share, _, a_kind in mixers)
+    attention_kept = sum(share * kept_out[linear] for share, linear, _ in mixers)
+    recompute = max(a_kind - kept_out[linear] for _, linear, a_kind in mixers)
     if lay.ac == "full":
-        return a_in + attention_kept, a_layer - attention_kept
+        return a_in + attention_kept, recompute
     if lay.ac.startswith("selective:"):
         every = int(lay.ac.split(":")[1])
-        return (a_layer * (every - 1) + a_in + attention_kept) / every, a_layer - attention_kept
+        return (a_layer * (every - 1) + a_in + attention_kept) / every, recompute
     return a_layer, 0.0
 
 
@@ -339,9 +451,31 @@ def _latent_attention_shapes(g: Geometry, mla: LatentAttention) -> list[Shape]:
     ]
 
 
+def _linear_attention_shapes(d: GatedDeltaNet, dim: int) -> list[Shape]:
+    """A Gated DeltaNet mixer: the q/k/v/z/a/b projections, the convolution taps, decay rates
+    and dt_bias split by heads under TP (with the projections' rows), the per-head gated norm
+    replicated, out_proj row-wise."""
+    k, v, heads = d.key_dim, d.value_dim, d.n_v_heads
+    return [
+        (k, dim, "col"),  # q_proj
+        (k, dim, "col"),  # k_proj
+        (v, dim, "col"),  # v_proj
+        (v, dim, "col"),  # z_proj
+        (heads, dim, "col"),  # a_proj
+        (heads, dim, "col"),  # b_proj
+        (k, d.conv_kernel, "col"),  # q_conv
+        (k, d.conv_kernel, "col"),  # k_conv
+        (v, d.conv_kernel, "col"),  # v_conv
+        (heads, 1, "col"),  # dt_bias
+        (heads, 1, "col"),  # A_log
+        (d.v_head_dim, 1, "rep"),  # norm.weight
+        (dim, v, "row"),  # out_proj
+    ]
+
+
 def _ffn_shapes(g: Geometry, moe: bool) -> list[Shape]:
     """A dense SwiGLU, or a router, the routed experts (``exp``: split over expert parallel,
-    their hidden size over expert tensor parallel) and the shared experts."""
+    their hidden size over expert tensor parallel), the shared experts and their gate."""
     if not moe:
         linears = _dense_linears(g)
         return [linears[name] for name in ("w1", "w3", "w2")]
@@ -351,11 +485,14 @@ def _ffn_shapes(g: Geometry, moe: bool) -> list[Shape]:
     if e.shared_hidden_dim:
         s = e.shared_hidden_dim
         shapes += [(s, g.dim, "col"), (s, g.dim, "col"), (g.dim, s, "row")]
+    if e.shared_gate:
+        shapes.append((1, g.dim, "rep"))
     return shapes
 
 
-def _block_shapes(g: Geometry, moe: bool) -> list[Shape]:
-    return _attention_shapes(g) + _ffn_shapes(g, moe) + [(g.dim, 1, "rep"), (g.dim, 1, "rep")]
+def _block_shapes(g: Geometry, moe: bool, linear: bool = False) -> list[Shape]:
+    mixer = _linear_attention_shapes(g.linear, g.dim) if linear else _attention_shapes(g)
+    return mixer + _ffn_shapes(g, moe) + [(g.dim, 1, "rep"), (g.dim, 1, "rep")]
 
 
 def _root_shapes(g: Geometry, first: bool, last: bool) -> list[Shape]:
@@ -388,6 +525,16 @@ def _norm_kept_bytes(a: int, d: int, target: str) -> float:
     if target == "cuda":
         return a * d + 4
     return 4 * d + 4 * d + 4
+
+
+def _model_norm_kept_bytes(g: Geometry, a: int, d: int, target: str) -> float:
+    """:func:`_norm_kept_bytes` for the model's RMSNorms. A zero-centred one (``layers/
+    norms.py``) normalises an fp32 copy of its input (the input itself when fp32) without a
+    weight and scales by ``1 + weight`` after: on either target the fp32 input, an fp32 rstd
+    and the fp32 normalised values (kept by the scale)."""
+    if g.zero_centred_norms:
+        return 4 * d + 4 + 4 * d
+    return _norm_kept_bytes(a, d, target)
 
 
 def _attention_kept_per_token(g: Geometry, lay: Layout, run: Run, a: int) -> float:
@@ -445,7 +592,8 @@ def _projection_kept_per_token(g: Geometry, lay: Layout, target: str, a: int) ->
     """Per token, what attention keeps besides q, k, v and its output: Qwen3's per-head q/k
     norms keep their inputs; MLA's low-rank norms keep theirs and their outputs (saved by
     the up-projections; replicated under TP), and its output, computed with values padded
-    to the query head size, is sliced to the value heads into a copy that wo keeps."""
+    to the query head size, is sliced to the value heads into a copy that wo keeps.
+    Qwen3.5's output gate keeps its sigmoid and the gated output (what wo keeps)."""
     if g.mla is not None:
         kept = (
             _norm_kept_bytes(a, g.mla.kv_lora_rank, target)
@@ -455,9 +603,60 @@ def _projection_kept_per_token(g: Geometry, lay: Layout, target: str, a: int) ->
         if g.mla.q_lora_rank:
             kept += _norm_kept_bytes(a, g.mla.q_lora_rank, target) + a * g.mla.q_lora_rank
         return kept
+    gate = 2 * a * g.n_heads * g.head_dim / lay.tp if g.output_gate else 0.0
     if g.qk_norm:
-        return (g.n_heads + g.n_kv_heads) / lay.tp * _norm_kept_bytes(a, g.head_dim, target)
-    return 0.0
+        heads = (g.n_heads + g.n_kv_heads) / lay.tp
+        return gate + heads * _model_norm_kept_bytes(g, a, g.head_dim, target)
+    return gate
+
+
+def _linear_attention_kept_per_token(g: Geometry, lay: Layout, run: Run, a: int) -> float:
+    """Per local token, what one Gated DeltaNet mixer keeps for backward (its input, the
+    attention norm's output, is counted with the norms), from what autograd saves in
+    ``GatedDeltaNet.forward`` and the pure-PyTorch ``chunk_gated_delta_rule`` (heads split
+    over tp; checked against ``saved_tensors_hooks`` on one layer). ``e``: the bytes of its
+    element-wise values, the compute dtype under FSDP, fp32 otherwise (fp32 parameters, or
+    autocast, which leaves products with fp32 weights in fp32).
+
+    * convolution: its input (the q/k/v projections concatenated), one padded shifted copy
+      per further tap (K - 1 of them, each the sequence plus the shift), its output (SiLU's
+      input);
+    * q/k L2 norms: fp32 copies of q and k (of the whole SiLU output when that is fp32) and
+      an rsqrt per key head;
+    * gates and output: fp32 z and silu(z), the head norm's fp32 input and rsqrt, the gate's
+      fp32 normalised values, the normalised values, out_proj's input; softplus's input and
+      output, beta (sigmoid output): 4 fp32 scalars per value head;
+    * the chunked rule, fp32, over the sequence padded to whole chunks (per value head;
+      queries/keys repeated to the value heads): q, k, k * beta, w and the batched matmuls'
+      contiguous copies of q, k * beta and k^T (twice; none when the sequence is padded,
+      which makes them contiguous): 8 x k_dim; the loop's q * reads and
+      k * tail of every chunk but the last state's: 2 x k_dim; v, u and the corrected values
+      v_new: 3 x v_dim; per chunk five [C, C] matrices (decay, K K^T, the unit-triangular
+      system, Q K^T, the decayed intra-chunk attention): 5 x C per token; beta, reads, the
+      two exponentials of the cumulative decay and the tail: 5 scalars; the state entering
+      each chunk ([k_dim, v_dim]) and its carry: per token (k_dim v_dim + 2) / C; plus the
+      causal mask of each chunk ([C, C] bool, shared by the heads) and two per-token masks.
+    """
+    d, t = g.linear, lay.tp
+    e = a if lay.fsdp else 4
+    k, v = d.key_dim / t, d.value_dim / t
+    k_heads, heads = d.n_k_heads / t, d.n_v_heads / t
+    k_rep, c, taps = heads * d.k_head_dim, d.chunk_size, d.conv_kernel
+    seq = run.seq_len / lay.cp
+    chunks = math.ceil(seq / c)
+    mixed = 2 * k + v
+    conv = a * mixed * (taps + taps * (taps - 1) / (2 * seq)) + e * mixed
+    l2 = (8 * k if e < 4 else 4 * mixed) + 8 * k_heads
+    gates = 16 * v + e * v + a * v + 16 * heads
+    copies = 0 if seq % c else 4  # the batched matmuls' copies of non-contiguous operands
+    rule = (
+        4 * k_rep * (4 + copies + 2 * (1 - 1 / chunks))
+        + 12 * v
+        + heads * (20 * c + 20 + 4 * (d.k_head_dim * d.v_head_dim + 2) / c)
+        + c
+        + 5
+    )
+    return conv + l2 + gates + rule * chunks * c / seq
 
 
 def _ffn_kept_per_token(g: Geometry, lay: Layout, a: int, moe: bool, lora: LoRA | None) -> float:
@@ -466,14 +665,27 @@ def _ffn_kept_per_token(g: Geometry, lay: Layout, a: int, moe: bool, lora: LoRA 
     routing weights, three int64 index vectors (gather, dispatch, combine) and, per routed
     token (top_k per token; balanced routing), the dispatched input, the SwiGLU's four hidden
     tensors and the fp32 expert output that its routing weight scales; plus the shared
-    experts' SwiGLU."""
+    experts' SwiGLU (and, gated, their output and the gate)."""
     if not moe:
         product = lora is None or lora.keeps_input(("w2",))
         return (3 + product) * a * g.ffn_dim / lay.tp
     e = g.experts
     router = 4 * (g.dim + e.num_experts + e.top_k) + 3 * 8 * e.top_k
     routed = e.top_k * (a * (g.dim + 4 * e.hidden_dim / lay.etp) + 4 * g.dim)
-    return router + routed + 4 * a * e.shared_hidden_dim / lay.tp
+    # a gated shared expert: its output and the gate's sigmoid, both kept by their product
+    gate = a * (g.dim + 1) if e.shared_gate else 0
+    return router + routed + 4 * a * e.shared_hidden_dim / lay.tp + gate
+
+
+def _linear_backward_bytes(g: Geometry, lay: Layout, tokens: float) -> float:
+    """A Gated DeltaNet block's backward temporaries (the pure-PyTorch rule; 0 without such
+    blocks): about three fp32 gradients of its widest per-token tensor, over the value heads
+    [k_dim], [v_dim] or [C] (within about 20 % of tracked backwards of one layer)."""
+    if g.linear is None:
+        return 0.0
+    d = g.linear
+    widest = max(d.k_head_dim, d.v_head_dim, d.chunk_size)
+    return 3 * 4 * tokens * d.n_v_heads / lay.tp * widest
 
 
 def _ffn_width(g: Geometry, lay: Layout) -> float:
@@ -485,8 +697,56 @@ def _ffn_width(g: Geometry, lay: Layout) -> float:
     return max(dense, e.top_k * e.hidden_dim / lay.etp + e.shared_hidden_dim / lay.tp)
 
 
-def _layer_activation_bytes(g: Geometry, lay: Layout, run: Run, a: int, tokens: float) -> float:
-    """What one block keeps without AC (the mean over the model's dense and MoE blocks)."""
+def _mixer_activation_bytes(
+    g: Geometry, lay: Layout, run: Run, a: int, tokens: float
+) -> list[tuple[float, bool, float]]:
+    """(share of the blocks, Gated DeltaNet, what one such block keeps without AC) for each
+    kind of token mixer of the model (the feed-forward: the mean over dense and MoE)."""
+    linear_share = g.linear_layers / g.n_layers
+    return [
+        (share, linear, _layer_activation_bytes(g, lay, run, a, tokens, linear))
+        for share, linear in ((1 - linear_share, False), (linear_share, True))
+        if share > 0
+    ]
+
+
+def _hybrid_blocks(
+    g: Geometry,
+    lay: Layout,
+    run: Run,
+    tokens: float,
+    a_in: float,
+    mixers: list[tuple[float, bool, float]],
+) -> list[tuple[float, float]] | None:
+    """(what the block keeps under the configured AC, what its recompute rebuilds) of each
+    block in order, for a model of Gated DeltaNet and attention blocks on one pipeline stage
+    (None otherwise): which blocks every-N selective AC recomputes depends on their mixer."""
+    if g.linear is None or lay.pp > 1:
+        return None
+    a_kind = {linear: a for _, linear, a in mixers}
+    # a recomputed attention block keeps its attention output and log-sum-exp
+    kept_out = (
+        tokens * (run.param_bytes * g.n_heads * g.head_dim + 4 * g.n_heads) / lay.tp
+        if run.ac_keeps_attention
+        else 0.0
+    )
+    every = int(lay.ac.split(":")[1]) if lay.ac.startswith("selective:") else 1
+    blocks = []
+    for i in range(g.n_layers):
+        linear = i in g.linear.layer_ids
+        if lay.ac == "none" or (i + 1) % every:
+            blocks.append((a_kind[linear], 0.0))
+        else:
+            out = 0.0 if linear else kept_out
+            blocks.append((a_in + out, a_kind[linear] - out))
+    return blocks
+
+
+def _layer_activation_bytes(
+    g: Geometry, lay: Layout, run: Run, a: int, tokens: float, linear: bool = False
+) -> float:
+    """What one block keeps without AC (the mean over the model's dense and MoE blocks),
+    with an attention or (``linear``) a Gated DeltaNet mixer."""
     t = lay.tp
     sp = t  # sequence parallel shards the residual stream when TP is on
     moe_share = g.moe_layers / g.n_layers
@@ -494,6 +754,14 @@ def _layer_activation_bytes(g: Geometry, lay: Layout, run: Run, a: int, tokens: 
     ffn = (1 - moe_share) * _ffn_kept_per_token(g, lay, a, False, lora) + moe_share * (
         _ffn_kept_per_token(g, lay, a, True, lora) if g.experts else 0
     )
+    if linear:
+        mixer = _linear_attention_kept_per_token(g, lay, run, a)
+    else:
+        mixer = (
+            _attention_kept_per_token(g, lay, run, a)
+            + _projection_kept_per_token(g, lay, run.target, a)
+            + 4 * g.n_heads / t  # logsumexp
+        )
     # the norm outputs (all-gathered under SP), saved by the projections that take them
     norm_outputs = (
         2
@@ -502,21 +770,30 @@ def _layer_activation_bytes(g: Geometry, lay: Layout, run: Run, a: int, tokens: 
     )
     adapters = 0 if lora is None else len(lora.adapted - {"output"})
     per_token = (
-        2 * _norm_kept_bytes(a, g.dim, run.target) / sp  # attention_norm, ffn_norm
+        2 * _model_norm_kept_bytes(g, a, g.dim, run.target) / sp  # attention_norm, ffn_norm
         + norm_outputs * a * g.dim
         + adapters * a * (lora.rank if lora else 0)  # each adapter's [tokens, rank] middle
-        + _attention_kept_per_token(g, lay, run, a)
-        + _projection_kept_per_token(g, lay, run.target, a)
-        + 4 * g.n_heads / t  # logsumexp
+        + mixer
         + ffn
     )
-    return tokens * per_token + _attention_mask_bytes(lay, run, a)
+    return tokens * per_token + (0 if linear else _attention_mask_bytes(lay, run, a))
+
+
+def not_covered(g: Geometry, lay: Layout) -> str | None:
+    """Why the closed form does not cover this model on this layout, or None."""
+    if lay.ac == "selective:op":
+        return "op-level selective activation checkpointing"
+    if g.linear is not None and lay.cp > 1:
+        # context_parallel_linear keeps only the rule's inputs and received states and
+        # recomputes each chunk in backward: not what this model counts
+        return "context parallel over Gated DeltaNet layers"
+    return None
 
 
 def estimate(g: Geometry, lay: Layout, run: Run) -> AnalyticEstimate | None:
-    """The per-rank peak of the most loaded pipeline stage (None for op-level selective AC,
-    which this model does not cover)."""
-    if lay.ac == "selective:op":
+    """The per-rank peak of the most loaded pipeline stage (None where :func:`not_covered`
+    says why: op-level selective AC, context parallel over Gated DeltaNet layers)."""
+    if not_covered(g, lay) is not None:
         return None
     stages = [_stage(g, lay, run, first=(s == 0), last=(s == lay.pp - 1)) for s in range(lay.pp)]
     return max(stages, key=lambda e: e.peak_bytes)
@@ -540,11 +817,14 @@ class _Stage:
     layers: int
     tokens: float  # per micro-batch on this rank
     a_in: float  # one block's input (all that full AC keeps)
-    a_layer: float  # everything one block keeps without AC
+    a_layer: float  # everything one block keeps without AC (mean over blocks)
     kept: float  # what one block keeps under the configured AC (mean over blocks)
-    recompute: float  # what a recomputed block rebuilds in its backward (0 without AC)
+    recompute: float  # what the largest recomputed block rebuilds in its backward (0 without AC)
     ring_backward: float  # CP ring attention's backward temporaries
     base_load: float  # QLoRA: the NF4 base, one fp32 block and one weight being quantized
+    # (kept, rebuilt by its recompute) of each block in order, where blocks differ by mixer
+    # (Gated DeltaNet and attention; one pipeline stage); None: every block is the mean
+    blocks: list[tuple[float, float]] | None = None
 
 
 def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> _Stage:
@@ -587,8 +867,16 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         frozen_copies = a * (layer_local - trained_layer[0] - nf4.layer_local)
     # a block's input: the residual stream, fp32 without FSDP (autocast keeps fp32 weights)
     a_in = (a if lay.fsdp else 4) * tokens * g.dim / lay.tp
-    a_layer = _layer_activation_bytes(g, lay, run, a, tokens) + frozen_copies
-    kept, recompute = _ac_kept(g, lay, run, tokens, a_in, a_layer)
+    mixers = [
+        (share, linear, a_kind + frozen_copies)
+        for share, linear, a_kind in _mixer_activation_bytes(g, lay, run, a, tokens)
+    ]
+    a_layer = sum(share * a_kind for share, _, a_kind in mixers)
+    kept, recompute = _ac_kept(g, lay, run, tokens, a_in, mixers)
+    blocks = _hybrid_blocks(g, lay, run, tokens, a_in, mixers)
+    if blocks is not None:
+        kept = sum(k for k, _ in blocks) / len(blocks)
+        recompute = max(r for _, r in blocks)
     weights = 4 * params_sharded - (4 - NF4_BYTES_PER_VALUE) * nf4.stage_sharded
     optimizer_states = 8 * trained_sharded
     if run.muon_ns_bytes:  # one fp32 momentum buffer for the blocks' weight matrices
@@ -622,19 +910,16 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         + QUANTIZE_SCRATCH_BYTES
         if nf4.largest
         else 0,
+        blocks,
     )
 
 
 def _muon_block_sharded(g: Geometry, lay: Layout) -> float:
     """FSDP-sharded numel of the mean block's weight matrices (what Muon trains)."""
-
-    def matrices(moe: bool) -> float:
-        return _local_numel([s for s in _block_shapes(g, moe) if s[1] > 1], lay)[1]
-
-    if g.experts is None:
-        return matrices(False)
-    share = g.moe_layers / g.n_layers
-    return (1 - share) * matrices(False) + share * matrices(True)
+    return sum(
+        share * _local_numel([s for s in _block_shapes(g, moe, linear) if s[1] > 1], lay)[1]
+        for share, linear, moe in g.block_kinds()
+    )
 
 
 def _muon_step_bytes(g: Geometry, lay: Layout, run: Run) -> float:
@@ -645,8 +930,8 @@ def _muon_step_bytes(g: Geometry, lay: Layout, run: Run) -> float:
     result re-laid out over the second cut). Experts count as one stack."""
     largest = max(
         (rows * cols, min(rows, cols) ** 2)
-        for moe in ((False, True) if g.experts is not None else (False,))
-        for rows, cols, style in _block_shapes(g, moe)
+        for _, linear, moe in g.block_kinds()
+        for rows, cols, style in _block_shapes(g, moe, linear)
         if cols > 1
     )
     whole, gram = largest
@@ -655,15 +940,16 @@ def _muon_step_bytes(g: Geometry, lay: Layout, run: Run) -> float:
 
 
 def _mean_block_numel(g: Geometry, lay: Layout) -> tuple[float, float, int]:
-    """(local numel, FSDP-sharded numel) of the mean block over the model's dense and MoE
-    blocks, and the largest block's local numel (what one block gathers)."""
-    dense = _local_numel(_block_shapes(g, moe=False), lay)
-    if g.experts is None:
-        return dense[0], dense[1], dense[0]
-    moe = _local_numel(_block_shapes(g, moe=True), lay)
-    share = g.moe_layers / g.n_layers
-    mean = [(1 - share) * d + share * m for d, m in zip(dense, moe)]
-    return mean[0], mean[1], max(dense[0], moe[0])
+    """(local numel, FSDP-sharded numel) of the mean block over the model's kinds of block
+    (dense and MoE; attention and Gated DeltaNet), and the largest block's local numel (what
+    one block gathers)."""
+    kinds = [
+        (share, _local_numel(_block_shapes(g, moe, linear), lay))
+        for share, linear, moe in g.block_kinds()
+    ]
+    local = sum(share * numel[0] for share, numel in kinds)
+    sharded = sum(share * numel[1] for share, numel in kinds)
+    return local, sharded, max(numel[0] for _, numel in kinds)
 
 
 def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> AnalyticEstimate:
@@ -731,7 +1017,9 @@ def _loss_backward(
     output_kept = a * g.dim
     if run.lora is not None:
         output_kept = (a * (g.dim + run.lora.rank)) if "output" in run.lora.adapted else 0
-    final_norm = st.tokens * (_norm_kept_bytes(a, g.dim, run.target) / lay.tp + output_kept)
+    final_norm = st.tokens * (
+        _model_norm_kept_bytes(g, a, g.dim, run.target) / lay.tp + output_kept
+    )
     accum_grads = st.grads if run.grad_accum > 1 else 0
     if lay.pp > 1:  # later micro-batches: the stage's gradients and gathered parameters exist
         accum_grads = sum(_pipeline_held(st, lay, run, first, True))
@@ -796,7 +1084,9 @@ def _pipeline_backward(
     activations, the stage's held gradients, gathered parameters and buffers, the block's
     recomputation under AC and its gradient temporaries."""
     a = run.param_bytes
-    temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim) + (a + 4) * st.trained_layer_local
+    mlp_temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim)
+    temps = max(mlp_temps, _linear_backward_bytes(g, lay, st.tokens))
+    temps += (a + 4) * st.trained_layer_local
     return (
         base + sum(_pipeline_held(st, lay, run, first, last)) + activations + st.recompute + temps
     )
@@ -807,9 +1097,18 @@ def _layer_backward(st: _Stage, g: Geometry, lay: Layout, a: int, base: float) -
     their sharded fp32 gradients; plus this block's gathered parameters and the next one's
     (prefetch), its recomputed activations under AC, gradient temporaries, its low-precision
     gradients and fp32 reduce-scatter input. Linear in the block index, so the maximum is
-    at the first or the last block."""
+    at the first or the last block; with blocks of different mixers, the maximum over the
+    blocks."""
     mlp_temps = st.tokens * a * (2 * _ffn_width(g, lay) + 2 * g.dim)
-    temps = max(mlp_temps, st.ring_backward) + (a + 4) * st.trained_layer_local
+    linear_temps = _linear_backward_bytes(g, lay, st.tokens)
+    temps = max(mlp_temps, st.ring_backward, linear_temps) + (a + 4) * st.trained_layer_local
+    if st.blocks is not None:
+        peak, below = 0.0, 0.0
+        for i, (kept, recompute) in enumerate(st.blocks):
+            above = (st.layers - 1 - i) * 4 * st.trained_layer_sharded
+            peak = max(peak, base + 2 * st.u_layer + below + kept + recompute + temps + above)
+            below += kept
+        return peak
     current = base + 2 * st.u_layer + st.kept + st.recompute + temps
     top_block = current + (st.layers - 1) * st.kept
     bottom_block = current + (st.layers - 1) * 4 * st.trained_layer_sharded
@@ -870,10 +1169,10 @@ _BLOCK_MODULE = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": 
 def lora_from_config(job_config, g: Geometry) -> LoRA:
     """The linears that ``lora.target_modules`` adapts, matched as the converter matches them
     against this geometry's FQNs; ConfigError where the closed form cannot follow."""
-    if g.experts is not None or g.mla is not None:
+    if g.experts is not None or g.mla is not None or g.linear is not None:
         raise ConfigError(
             f"model.converters=['lora'] on {job_config.model.name!r}: the closed form covers "
-            "LoRA on dense decoders only; use --memory_estimation.mode estimate"
+            "LoRA on dense decoders only (no Gated DeltaNet); use --memory_estimation.mode estimate"
         )
     patterns = job_config.lora.target_modules
 

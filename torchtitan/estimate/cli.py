@@ -37,13 +37,10 @@ def closed_form_of(
         job_config, setup.model_args, setup.parallel_dims, setup.grad_accum_steps, target
     )
     if geometry is None:
-        return (
-            "analytic estimate: not available (the model args are not a Llama, Qwen3 or "
-            "DeepSeek-V3 decoder)"
-        )
+        return "analytic estimate: not available (the model args are not a decoder it knows)"
     closed_form = analytic.estimate(geometry, layout, run)
     if closed_form is None:
-        return "analytic estimate: not available for op-level selective activation checkpointing"
+        return f"analytic estimate: not available for {analytic.not_covered(geometry, layout)}"
     return closed_form
 
 
@@ -219,11 +216,16 @@ def analytic_fit(job_config: JobConfig) -> AnalyticFit:
     geometry, layout, run = analytic.from_job_config(
         job_config, model_args, parallel_dims, accum, me.target_device
     )
-    closed_form = None if geometry is None else analytic.estimate(geometry, layout, run)
+    if geometry is None:
+        raise ConfigError(
+            f"model.name={job_config.model.name!r}: the closed form does not cover this model; "
+            "use mode estimate"
+        )
+    closed_form = analytic.estimate(geometry, layout, run)
     if closed_form is None:
         raise ConfigError(
-            f"model.name={job_config.model.name!r}: the closed form does not cover this model or "
-            "op-level selective activation checkpointing; use mode estimate"
+            f"model.name={job_config.model.name!r}: the closed form does not cover "
+            f"{analytic.not_covered(geometry, layout)}; use mode estimate"
         )
     additions = report.device_additions(
         closed_form.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib

@@ -65,10 +65,11 @@ def plan_request(job_config: JobConfig) -> layout_search.PlanRequest:
     spec = get_train_spec(job_config.model.name)
     model_args = estimation_model_args(job_config, spec)
     geometry = analytic.Geometry.from_model_args(model_args)
-    if geometry is None or geometry.experts is not None:
+    if geometry is None or geometry.experts is not None or geometry.linear is not None:
         raise ConfigError(
-            f"model.name: the planner covers dense decoders (no expert-parallel layouts); "
-            f"{spec.name!r} {job_config.model.flavor!r} is not one; use mode analytic or estimate"
+            f"model.name: the planner covers dense attention decoders (no expert-parallel "
+            f"layouts, no linear-attention layers); {spec.name!r} {job_config.model.flavor!r} "
+            "is not one; use mode analytic or estimate"
         )
     global_batch = (
         training.global_batch_size
