@@ -119,14 +119,15 @@ def chunk_gated_delta_rule(
     state = q.new_zeros(batch, heads, k_dim, v_dim)
     if initial_state is not None:
         state = initial_state.float()
+    reading, writing = q * reads, (k * tail).transpose(-1, -2)
+    # one unbind per tensor, not an index per chunk: indexing's backward writes a zero tensor
+    # of the whole input per chunk, quadratic in the sequence length
+    per_chunk = zip(*(t.unbind(2) for t in (u, w, reading, intra, writing, carry[..., None, None])))
     outs = []
-    for c in range(q.shape[2]):
-        v_new = u[:, :, c] - w[:, :, c] @ state
-        outs.append((q[:, :, c] * reads[:, :, c]) @ state + intra[:, :, c] @ v_new)
-        state = (
-            state * carry[:, :, c, None, None]
-            + (k[:, :, c] * tail[:, :, c]).transpose(-1, -2) @ v_new
-        )
+    for u_c, w_c, reading_c, intra_c, writing_c, carry_c in per_chunk:
+        v_new = u_c - w_c @ state
+        outs.append(reading_c @ state + intra_c @ v_new)
+        state = state * carry_c + writing_c @ v_new
     out = torch.cat(outs, dim=2)[:, :, :seq]
     return out, state
 
@@ -146,12 +147,12 @@ def recurrent_gated_delta_rule(
         state = q.new_zeros(batch, heads, k_dim, v.shape[-1], dtype=torch.float32)
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     outs = []
-    for t in range(seq):
-        state = state * g[:, :, t, None, None].exp()
-        predicted = (k[:, :, t].unsqueeze(-2) @ state).squeeze(-2)
-        correction = (v[:, :, t] - predicted) * beta[:, :, t, None]
-        state = state + k[:, :, t].unsqueeze(-1) * correction.unsqueeze(-2)
-        outs.append((q[:, :, t].unsqueeze(-2) @ state).squeeze(-2))
+    for q_t, k_t, v_t, g_t, beta_t in zip(*(t.unbind(2) for t in (q, k, v, g, beta))):
+        state = state * g_t[..., None, None].exp()
+        predicted = (k_t.unsqueeze(-2) @ state).squeeze(-2)
+        correction = (v_t - predicted) * beta_t[..., None]
+        state = state + k_t.unsqueeze(-1) * correction.unsqueeze(-2)
+        outs.append((q_t.unsqueeze(-2) @ state).squeeze(-2))
     return torch.stack(outs, dim=2), state
 
 
