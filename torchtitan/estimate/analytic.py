@@ -827,6 +827,27 @@ class _Stage:
     blocks: list[tuple[float, float]] | None = None
 
 
+def _block_activations(
+    g: Geometry, lay: Layout, run: Run, tokens: float, frozen_copies: float
+) -> tuple[float, float, float, float, list[tuple[float, float]] | None]:
+    """A block's input bytes, its mean activation bytes, what AC keeps of a block and the
+    largest recompute, and the per-block (kept, recompute) of hybrid stacks (or None)."""
+    a = run.param_bytes
+    # a block's input: the residual stream, fp32 without FSDP (autocast keeps fp32 weights)
+    a_in = (a if lay.fsdp else 4) * tokens * g.dim / lay.tp
+    mixers = [
+        (share, linear, a_kind + frozen_copies)
+        for share, linear, a_kind in _mixer_activation_bytes(g, lay, run, a, tokens)
+    ]
+    a_layer = sum(share * a_kind for share, _, a_kind in mixers)
+    kept, recompute = _ac_kept(g, lay, run, tokens, a_in, mixers)
+    blocks = _hybrid_blocks(g, lay, run, tokens, a_in, mixers)
+    if blocks is not None:
+        kept = sum(k for k, _ in blocks) / len(blocks)
+        recompute = max(r for _, r in blocks)
+    return a_in, a_layer, kept, recompute, blocks
+
+
 def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> _Stage:
     a = run.param_bytes
     layers = math.ceil(g.n_layers / lay.pp)
@@ -865,18 +886,7 @@ def _stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) ->
         output_copy = 0 if nf4.root_local else a * g.vocab_size * g.dim / lay.tp
         u_root = a * trained_stage_local + (output_copy if last else 0)
         frozen_copies = a * (layer_local - trained_layer[0] - nf4.layer_local)
-    # a block's input: the residual stream, fp32 without FSDP (autocast keeps fp32 weights)
-    a_in = (a if lay.fsdp else 4) * tokens * g.dim / lay.tp
-    mixers = [
-        (share, linear, a_kind + frozen_copies)
-        for share, linear, a_kind in _mixer_activation_bytes(g, lay, run, a, tokens)
-    ]
-    a_layer = sum(share * a_kind for share, _, a_kind in mixers)
-    kept, recompute = _ac_kept(g, lay, run, tokens, a_in, mixers)
-    blocks = _hybrid_blocks(g, lay, run, tokens, a_in, mixers)
-    if blocks is not None:
-        kept = sum(k for k, _ in blocks) / len(blocks)
-        recompute = max(r for _, r in blocks)
+    a_in, a_layer, kept, recompute, blocks = _block_activations(g, lay, run, tokens, frozen_copies)
     weights = 4 * params_sharded - (4 - NF4_BYTES_PER_VALUE) * nf4.stage_sharded
     optimizer_states = 8 * trained_sharded
     if run.muon_ns_bytes:  # one fp32 momentum buffer for the blocks' weight matrices
