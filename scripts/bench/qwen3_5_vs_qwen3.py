@@ -28,9 +28,10 @@ Activation memory is the bytes of the tensors autograd saves for backward in one
 (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once, parameters and
 buffers (the RoPE table) left out: what a sequence keeps alive between forward and
 backward, measured on the first warm-up step (a storage is attributed to the block whose
-forward saved it first). Per-layer times come from module hooks on each block (forward, and
-``register_full_backward_pre_hook`` / ``register_full_backward_hook`` for its backward);
-what the blocks do not cover is the embedding, final norm, output layer and loss.
+forward saved it first). Per-layer times are the process CPU time between module hooks on
+each block (forward, and ``register_full_backward_pre_hook`` / ``register_full_backward_hook``
+for its backward); what the blocks do not cover is the embedding, final norm, output layer
+and loss. The full-attention share is the full-attention blocks' CPU time over the step's.
 """
 
 from __future__ import annotations
@@ -152,8 +153,9 @@ def describe(model: nn.Module) -> str:
 
 @dataclass
 class Probe:
-    """Per-block forward + backward seconds of one step (module hooks), and bytes saved
-    for backward per block while ``saving`` (``outside``: embedding, norm, output, loss)."""
+    """Per-block forward + backward process CPU seconds of one step (module hooks), and
+    bytes saved for backward per block while ``saving`` (``outside``: embedding, norm,
+    output, loss)."""
 
     model: nn.Module
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -176,7 +178,7 @@ class Probe:
 
     def _enter(self, name: str, backward: bool = False):
         def hook(*_):
-            self._start[name] = time.perf_counter()
+            self._start[name] = time.process_time()
             if not backward:
                 self._current = name
 
@@ -184,7 +186,7 @@ class Probe:
 
     def _leave(self, name: str, backward: bool = False):
         def hook(*_):
-            self.seconds[name] += time.perf_counter() - self._start[name]
+            self.seconds[name] += time.process_time() - self._start[name]
             if not backward:
                 self._current = "outside"
 
@@ -277,8 +279,8 @@ def measure(models: dict[str, nn.Module], seq: int, warmup: int, iters: int) -> 
                     result.layer_seconds[layer].append(probe.seconds[layer])
                 for kind, values in per_kind.items():
                     result.block_seconds[kind].append(statistics.mean(values))
-                result.full_share.append(sum(per_kind[FULL]) / seconds)
-                result.outside.append(seconds - sum(map(sum, per_kind.values())))
+                result.full_share.append(sum(per_kind[FULL]) / cpu)
+                result.outside.append(cpu - sum(map(sum, per_kind.values())))
     finally:
         for probe in probes.values():
             for handle in probe.handles:
@@ -341,6 +343,7 @@ def main() -> None:
         "| ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     per_token: dict[str, dict[int, float]] = defaultdict(dict)
+    per_token_cpu: dict[str, dict[int, float]] = defaultdict(dict)
     for seq in seq_lens:
         long = seq >= a.long_seq
         warmup, iters = (a.long_warmup, a.long_iters) if long else (a.warmup, a.iters)
@@ -349,6 +352,7 @@ def main() -> None:
         for name, result in results.items():
             model, median = models[name], result.median
             per_token[name][seq] = median / seq
+            per_token_cpu[name][seq] = statistics.median(result.cpu) / seq
             main_rows.append(
                 f"| {seq} | {name} | {seq / median:,.0f} | {1e3 * median:,.1f} | "
                 f"{1e3 * min(result.steps):,.1f} | {1e3 * statistics.median(result.cpu):,.1f} | "
@@ -371,16 +375,19 @@ def main() -> None:
 
     first, last = seq_lens[0], seq_lens[-1]
     growth_rows = [
-        f"| model | ms per 1k tokens at {first} | at {last} | growth ({last} / {first}) |",
-        "| --- | ---: | ---: | ---: |",
+        f"| model | ms per 1k tokens at {first} | at {last} | growth ({last} / {first}) "
+        f"| CPU ms per 1k tokens at {first} | at {last} | CPU growth |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, values in per_token.items():
+    for name, wall in per_token.items():
+        cpu = per_token_cpu[name]
         growth_rows.append(
-            f"| {name} | {1e6 * values[first]:,.2f} | {1e6 * values[last]:,.2f} | "
-            f"{values[last] / values[first]:.2f}x |"
+            f"| {name} | {1e6 * wall[first]:,.2f} | {1e6 * wall[last]:,.2f} | "
+            f"{wall[last] / wall[first]:.2f}x | {1e6 * cpu[first]:,.2f} | {1e6 * cpu[last]:,.2f} | "
+            f"{cpu[last] / cpu[first]:.2f}x |"
         )
     print("\n" + "\n".join(main_rows))
-    print("\nPer block (forward + backward; medians over the timed steps):\n")
+    print("\nPer block (forward + backward, process CPU time; medians over the timed steps):\n")
     print("\n".join(layer_rows))
     print("\nTime per token, shortest to longest sequence:\n")
     print("\n".join(growth_rows))
