@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv if needed, then (for the whole suite, what CI runs) lints
-# and format-checks the tree with ruff, then runs the suite (CPU, gloo).
-# Extra args go to pytest and skip the lint, e.g. `bash scripts/test.sh tests/unit_tests -k config`.
+# and format-checks the tree with ruff, runs the suite (CPU, gloo) in a random order, and runs
+# the fast suite once more as on a CPU of the other kind (bf16 matmuls native where this CPU
+# emulates them, emulated where it has them).
+# Extra args go to pytest and run only that, e.g. `bash scripts/test.sh tests/unit_tests -k config`.
+# The order's seed is printed first: TEST_ORDER_SEED=N repeats that order, and the pytest
+# flag --randomly-dont-reorganize keeps the files' own order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -17,4 +21,14 @@ export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-${TMPDIR:-/tmp}/torchtitan-py
 # each computing with half the cores (more threads than cores makes both spin and wait).
 threads=$(( $(nproc) / 2 ))
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
-exec .venv/bin/python -m pytest -q --durations=40 -n 2 --dist loadfile "${@:-tests}"
+seed=${TEST_ORDER_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
+echo "test order: --randomly-seed $seed (TEST_ORDER_SEED=$seed repeats it)"
+suite() { .venv/bin/python -m pytest -q -n 2 --dist loadfile --randomly-seed "$seed" "$@"; }
+if [ $# -gt 0 ]; then
+  suite --durations=40 "$@"
+  exit
+fi
+suite --durations=40 tests
+other=$(.venv/bin/python -m tests.hermetic)
+echo "the fast suite again with bf16 matmuls $other (this CPU's are not)"
+suite -m "not multiprocess and not slow" --cpu-bf16 "$other" tests

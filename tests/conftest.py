@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+pytest_plugins = ["tests.hermetic"]
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -22,8 +22,8 @@ def speed(monkeypatch):
     ratios: dict[torch.dtype, float] = {}
     monkeypatch.setattr(
         cpu_precision,
-        "cached_machine_measurement",
-        lambda name, measure: ratios[torch.bfloat16 if "bfloat16" in name else torch.float16],
+        "cached_measurement",
+        lambda name, measure, **_: ratios[torch.bfloat16 if "bfloat16" in name else torch.float16],
     )
     return ratios
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan.tools.utils import cached_machine_measurement
+from torchtitan.tools.machine_cache import cached_measurement
 
 if TYPE_CHECKING:
     from torchtitan.config import TrainingConfig
@@ -70,12 +70,26 @@ def measure_matmul_ratio(dtype: torch.dtype) -> float:
     return _best_seconds(torch.float32) / _best_seconds(dtype)
 
 
+def ratio_measurement_name(dtype: torch.dtype) -> str:
+    """The machine cache's name for ``dtype``'s speed against float32 (kept for any thread
+    count: native and emulated differ by two orders of magnitude at every count)."""
+    return f"matmul {dtype} / float32 at {PROBE_SIZE}"
+
+
 def matmul_speed(dtype: torch.dtype) -> MatmulSpeed:
     """``dtype``'s matmul speed against float32 on this CPU, measured once per machine."""
-    ratio = cached_machine_measurement(
-        f"matmul {dtype} / float32 at {PROBE_SIZE}", lambda: measure_matmul_ratio(dtype)
+    ratio = cached_measurement(
+        ratio_measurement_name(dtype), lambda: measure_matmul_ratio(dtype), per_thread_count=False
     )
     return MatmulSpeed(dtype, ratio, torch.backends.cpu.get_cpu_capability())
+
+
+def low_precision_native(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether a run on ``device_type`` computes ``dtype`` matmuls natively: always on a GPU,
+    measured on this CPU for a CPU run. Never asks the host about a GPU run."""
+    if device_type != "cpu":
+        return True
+    return matmul_speed(dtype).native
 
 
 _LOW_PRECISION_FIELDS = ("mixed_precision_param", "mixed_precision_reduce", "dtype")

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
-import os
-import platform
 import resource
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from torchtitan.tools.logging import logger
+from torchtitan.tools.machine_cache import cached_measurement
 
 # Dense bf16 peak FLOP/s per device (no sparsity), from vendor data sheets.
 _GPU_PEAK_BF16 = [
@@ -36,8 +31,6 @@ _GPU_PEAK_BF16 = [
     ("MI250X", 191.5e12),
 ]
 
-_CPU_PEAK_CACHE = Path(os.environ.get("TORCHTITAN_CACHE", Path.home() / ".cache" / "torchtitan"))
-
 
 def gpu_peak_flops(device_name: str) -> float | None:
     for key, flops in _GPU_PEAK_BF16:
@@ -46,51 +39,9 @@ def gpu_peak_flops(device_name: str) -> float | None:
     return None
 
 
-def cached_machine_measurement(name: str, measure: Callable[[], float]) -> float:
-    """``measure()`` once per machine (CPU model, core count, thread count, torch version),
-    cached on disk under ``$TORCHTITAN_CACHE`` (default ``~/.cache/torchtitan``); a lock
-    file keeps concurrent ranks from all measuring at once."""
-    key_src = (
-        f"{platform.processor()}|{platform.machine()}|{os.cpu_count()}|"
-        f"{torch.get_num_threads()}|{torch.__version__}|{name}"
-    )
-    key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
-    path = _CPU_PEAK_CACHE / f"cpu_{key}.json"
-    cached = _read_json(path)
-    if cached:
-        return cached["value"]
-    _CPU_PEAK_CACHE.mkdir(parents=True, exist_ok=True)
-    lock = path.with_suffix(".lock")
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        for _ in range(200):  # another rank is measuring: wait for its result
-            time.sleep(0.1)
-            cached = _read_json(path)
-            if cached:
-                return cached["value"]
-        return measure()
-    try:
-        value = measure()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"value": value, "machine": key_src}))
-        tmp.replace(path)
-        return value
-    finally:
-        os.close(fd)
-        lock.unlink(missing_ok=True)
-
-
 def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
     """Measured matmul peak of this machine for ``dtype`` with the current thread count."""
-    return cached_machine_measurement(f"matmul peak {dtype}", lambda: measure_matmul_flops(dtype))
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return cached_measurement(f"matmul peak {dtype}", lambda: measure_matmul_flops(dtype))
 
 
 def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 8) -> float:
