@@ -41,9 +41,20 @@ from torchtitan.recipe import grad_accumulation_steps
 from torchtitan.tools.logging import logger
 
 
-def preflight(job_config: JobConfig, world_size: int, device_type: str) -> ParallelDims:
-    """Validate the parallel layout for this config, world size and device; return the
-    ParallelDims (not yet holding a mesh)."""
+def local_gpu_capability(device_type: str) -> tuple[int, int] | None:
+    """This machine's GPU (major, minor) compute capability for a CUDA run, else None."""
+    return torch.cuda.get_device_capability() if device_type == "cuda" else None
+
+
+def preflight(
+    job_config: JobConfig,
+    world_size: int,
+    device_type: str,
+    gpu_capability: tuple[int, int] | None = None,
+) -> ParallelDims:
+    """Validate the parallel layout for this config, world size and device (for CUDA, of
+    ``gpu_capability``; None: a GPU not known yet, whose capability checks are left to the
+    run); return the ParallelDims (not yet holding a mesh)."""
     try:
         parallel_dims = parallel_dims_from_config(
             job_config.parallelism, job_config.fault_tolerance, world_size
@@ -56,7 +67,12 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str) -> Paral
     _check_layout(job_config, parallel_dims, model_args)
     _check_model_support(job_config, spec, model_args, parallel_dims)
     check_quantization(
-        job_config.model, job_config.quantize, parallel_dims, model_args, device_type
+        job_config.model,
+        job_config.quantize,
+        parallel_dims,
+        model_args,
+        device_type,
+        gpu_capability,
     )
     _check_hf_export(job_config, spec, model_args)
     _check_lora(job_config, spec, model_args, parallel_dims)
@@ -350,7 +366,7 @@ def _check(argv: list[str]) -> int:
     world_size = int(value)
     config = ConfigManager().parse_args(argv[:at] + argv[at + 2 :])
     device_type = default_device_type()
-    parallel_dims = preflight(config, world_size, device_type)
+    parallel_dims = preflight(config, world_size, device_type, local_gpu_capability(device_type))
     check_inputs(config, device_type)
     if print_loss_rank:
         print(loss_owner_rank(config.parallelism, parallel_dims))

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.components.batch import MicroBatch, model_inputs
 from torchtitan.components.loss import bind_output, build_loss_fn
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
-from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer import OptimizersContainer, resolve_optimizer_for_device
 from torchtitan.components.qlora import PendingBase, uses_nf4
 from torchtitan.config import (
     ConfigError,
@@ -49,6 +49,7 @@ from torchtitan.layers.moe import moe_layers
 from torchtitan.protocols import ModelConvertersContainer, TrainSpec
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.protocols.tokenizer import BaseTokenizer
+from torchtitan.tools.cpu_precision import resolve_cpu_precision
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
@@ -73,6 +74,19 @@ class _Unobserved:
 
 
 UNOBSERVED: StepObserver = _Unobserved()
+
+
+# ---------------------------------------------------------------------------- device choices
+def resolve_for_device(job_config: JobConfig, device_type: str) -> list[str]:
+    """Resolve in ``job_config``, once, every setting whose value depends on the machine that
+    trains: the CPU's low precision (``training.cpu_low_precision``), the optimizer's fused
+    kernels and Muon's ``ns_dtype = "auto"``. For ``device_type``: the trainer's own device,
+    the memory estimator's target (a GPU run is never planned from the CPU that computes the
+    plan). Returns one line per decision. A resolved config resolves to itself."""
+    precision = resolve_cpu_precision(job_config.training, device_type)
+    return ([precision] if precision else []) + resolve_optimizer_for_device(
+        job_config.optimizer, device_type
+    )
 
 
 # ---------------------------------------------------------------------------- derived quantities

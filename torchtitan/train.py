@@ -51,7 +51,7 @@ from torchtitan.distributed.utils import (
     set_pg_timeouts,
 )
 from torchtitan.layers.moe import moe_load_metrics
-from torchtitan.preflight import load_tokenizer, preflight
+from torchtitan.preflight import load_tokenizer, local_gpu_capability, preflight
 from torchtitan.protocols import TrainSpec, get_train_spec
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.recipe import (
@@ -59,10 +59,10 @@ from torchtitan.recipe import (
     build_recipe,
     mixed_precision_summary,
     model_args_from_config,
+    resolve_for_device,
     train_step,
 )
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory
-from torchtitan.tools.cpu_precision import resolve_cpu_precision
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
 from torchtitan.tools.profiling import maybe_enable_profiling, maybe_memory_snapshotter
@@ -129,11 +129,14 @@ class Trainer:
     def __init__(self, job_config: JobConfig) -> None:
         self.job_config = job_config
         logger.info(f"starting job: {job_config.job.description}")
-        precision = resolve_cpu_precision(job_config.training, default_device_type())
-        if precision is not None:
-            logger.info(precision)
+        for decision in resolve_for_device(job_config, default_device_type()):
+            logger.info(decision)
+        device_type = default_device_type()
         self.parallel_dims = preflight(
-            job_config, int(os.environ.get("WORLD_SIZE", "1")), default_device_type()
+            job_config,
+            int(os.environ.get("WORLD_SIZE", "1")),
+            device_type,
+            local_gpu_capability(device_type),
         )
         parallel_dims = self.parallel_dims
         self.device = init_distributed(

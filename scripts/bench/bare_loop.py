@@ -34,9 +34,8 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import apply_ac, keeps_attention_output  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
-from torchtitan.recipe import model_args_from_config  # noqa: E402
+from torchtitan.recipe import model_args_from_config, resolve_for_device  # noqa: E402
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory  # noqa: E402
-from torchtitan.tools.cpu_precision import resolve_cpu_precision  # noqa: E402
 from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: E402
 from torchtitan.tools.utils import peak_flops, peak_memory_gib  # noqa: E402
 
@@ -99,7 +98,7 @@ def train(job_config, trace: Path | None) -> dict:
     device = torch.device(default_device_type())
     # as the trainer: loops compared, not malloc or a different precision
     maybe_keep_freed_cpu_memory(job_config.training.cpu_keep_freed_memory, device)
-    resolve_cpu_precision(job_config.training, device.type)
+    resolve_for_device(job_config, device.type)
     dtype = TORCH_DTYPES[job_config.training.mixed_precision_param]
     steps = job_config.training.steps
     model, optimizer, lr_schedule, tokenizer, flops_per_token = build(job_config, device)

@@ -1,7 +1,8 @@
 """``--memory_estimation.mode measure`` under torchrun: real CPU processes (gloo) run the
-traced steps (FSDP 2, HSDP 2 x 2, FSDP 2 x CP 2, DeepSeek-V3 FSDP 4 x EP 2, PP 2 with
-1F1B and Interleaved1F1B, PP 2 x TP 2), and every rank's measured peak must match the
-estimate (under pipeline parallel: its pipeline rank's)."""
+traced steps (FSDP 2, DDP 2 with its gradient buckets, HSDP 2 x 2, FSDP 2 x CP 2,
+DeepSeek-V3 FSDP 4 x EP 2, PP 2 with 1F1B and Interleaved1F1B, PP 2 x TP 2), and every
+rank's measured peak must match the estimate (under pipeline parallel: its pipeline
+rank's)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 import pytest
 
 from tests.launcher import REPO_ROOT, run_torchrun
-from tests.layouts import HSDP_2X2
+from tests.layouts import DDP_2, HSDP_2X2
 
 ESTIMATION = REPO_ROOT / "scripts" / "estimate" / "estimation.py"
 MEASURE = ["--memory_estimation.mode", "measure", "--memory_estimation.target_device", "cpu"]
@@ -65,11 +66,12 @@ GLOO_ALLTOALL_STAGING = None
     ("nproc", "args", "allocator_rtol"),
     [
         (2, LLAMA, 0.02),
+        (2, LLAMA + DDP_2, 0.02),
         (4, LLAMA + HSDP_2X2, 0.02),
         (4, LLAMA + ["--parallelism.context_parallel_degree", "2"], GLOO_CP_STAGING),
         (4, DEEPSEEK_EP2, GLOO_ALLTOALL_STAGING),
     ],
-    ids=["fsdp2", "hsdp2x2", "fsdp2_cp2", "deepseek_fsdp4_ep2"],
+    ids=["fsdp2", "ddp2", "hsdp2x2", "fsdp2_cp2", "deepseek_fsdp4_ep2"],
 )
 def test_estimate_matches_real_cpu_processes(nproc, args, allocator_rtol: float | None):
     out = run_torchrun(nproc, args + MEASURE, script=str(ESTIMATION), timeout=280).stdout

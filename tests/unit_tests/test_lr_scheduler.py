@@ -83,6 +83,7 @@ def test_a_resumed_second_optimizer_keeps_its_own_lr():
     args = ["--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--optimizer.name"]
     args += ["Muon", "--optimizer.lr", "2e-2", "--optimizer.muon.adamw_lr", "1e-3"]
     args += ["--optimizer.muon.adamw_params", "1.*"]  # the LayerNorm
+    args += ["--optimizer.muon.ns_dtype", "float32"]
     config = ConfigManager().parse_args(args)
 
     def build():

@@ -26,6 +26,8 @@ TINY = [
     "4",
 ]
 GiB = 2**30
+FLOAT8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate"]
+FLOAT8 += ["--quantize.linear.float8.filter_fqns", "output"]
 
 
 def _config(*overrides: str):
@@ -68,6 +70,24 @@ def test_trace_equals_real_cpu_allocations(world_size, overrides):
     measured = measure_single_process(config, world_size)
     assert measured.peak_bytes == estimate
     assert measured.tracker.peak_bytes == estimate
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("world_size", "overrides"),
+    [(1, []), (2, ["--quantize.linear.float8.enable_fsdp_float8_all_gather"])],
+    ids=["one_process", "fsdp2_float8_all_gather"],
+)
+def test_trace_of_float8_linears_equals_real_cpu_tensors(world_size, overrides):
+    """Emulated float8 linears (torchao's Float8Linear; FSDP all-gathering float8 weights):
+    the trace equals the tensors of the real run exactly; the CPU allocator also sees the
+    emulated casts' scratch inside their kernels (measured +1.4 % and +2.3 % at the peak)."""
+    config = _config("--memory_estimation.target_device", "cpu", *FLOAT8, *overrides)
+    estimate = trace_training_memory(config, world_size, "cpu").result.peak_bytes
+    measured = measure_single_process(config, world_size)
+    assert measured.tracker.peak_bytes == estimate
+    assert 0 <= measured.peak_bytes / estimate - 1 < 0.03
 
 
 @pytest.mark.slow
@@ -420,7 +440,7 @@ def test_fake_routing_counts_are_balanced():
     from torchtitan.layers import moe
 
     assert moe.host_counts(torch.tensor([3, 0, 5]), 8) == [3, 0, 5]
-    with FakeTensorMode(), balanced_moe_routing():
+    with FakeTensorMode(), balanced_moe_routing("cpu"):
         host_counts = moe.host_counts
         counts = torch.zeros(3, dtype=torch.int64)
         assert host_counts(counts, 8) == [3, 3, 2]

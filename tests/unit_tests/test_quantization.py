@@ -107,8 +107,13 @@ def test_mx_linear_converts_weights():
     assert len(converted) == BLOCK_LINEARS
 
 
-def check(args: list[str], device_type: str = "cpu", world_size: int = 1):
-    return preflight(ConfigManager().parse_args(TINY + args), world_size, device_type)
+def check(
+    args: list[str],
+    device_type: str = "cpu",
+    world_size: int = 1,
+    capability: tuple[int, int] | None = None,
+):
+    return preflight(ConfigManager().parse_args(TINY + args), world_size, device_type, capability)
 
 
 @pytest.mark.parametrize(
@@ -144,15 +149,14 @@ def test_bad_quantize_setups_give_one_line(args, message):
         check(args)
 
 
-def test_float8_on_a_gpu_below_sm89_needs_emulate(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+def test_float8_on_a_gpu_below_sm89_needs_emulate():
     with pytest.raises(
         ConfigError,
         match=r"^quantize.linear.float8.emulate: this GPU \(SM80\) has no "
         r"float8 matmuls \(needs SM89\+\); set --quantize.linear.float8.emulate",
     ):
-        check(["--model.converters", "float8"], device_type="cuda")
-    check(EMULATED_FLOAT8, device_type="cuda")
+        check(["--model.converters", "float8"], device_type="cuda", capability=(8, 0))
+    check(EMULATED_FLOAT8, device_type="cuda", capability=(8, 0))
 
 
 def test_grouped_mm_on_cpu_is_refused():
@@ -259,14 +263,22 @@ def test_tensorwise_tp_plan_takes_torchao_float8_styles():
     assert type(root["output"]).__name__ == "ColwiseParallel"  # output stays nn.Linear
 
 
-def test_memory_estimator_says_converters_are_not_covered():
+def test_memory_estimator_covers_float8_linears_for_the_target():
+    """float8 linears are traced; the trainer's hardware check judges the target, not this
+    host: a CUDA target (of unknown kind) passes without emulation, a CPU target needs it.
+    MX and the grouped-GEMM converters are not covered."""
     from torchtitan.estimate.coverage import check_covered
 
-    # no emulate: the estimator's message comes before the preflight's CPU hardware check
-    config = ConfigManager().parse_args(TINY + ["--model.converters", "float8"])
+    float8 = TINY + ["--model.converters", "float8"]
+    check_covered(ConfigManager().parse_args(float8), 1)
+    with pytest.raises(ConfigError, match=r"^quantize.linear.float8.emulate: float8 matmuls"):
+        check_covered(
+            ConfigManager().parse_args(float8 + ["--memory_estimation.target_device", "cpu"]), 1
+        )
+    mx = ConfigManager().parse_args(TINY + ["--model.converters", "mx"])
     with pytest.raises(
         ConfigError,
-        match=r"^model.converters=\['float8'\]: low-precision training "
-        r"\(float8 / MX weights and all-gather buffers\) is not covered",
+        match=r"^model.converters=\['mx'\]: MX training and float8 / MX grouped GEMMs .* is "
+        r"not covered",
     ):
-        check_covered(config, 1)
+        check_covered(mx, 1)

@@ -132,15 +132,16 @@ def test_context_parallel_over_gated_deltanet_is_declined():
     geometry = analytic.Geometry.from_model_args(qwen3_5_flavors["9B"])
     cp = analytic.Layout(dp_shard=2, cp=2)
     run = analytic.Run(seq_len=8192, local_batch=1)
-    assert analytic.not_covered(geometry, cp) == "context parallel over Gated DeltaNet layers"
+    assert analytic.not_covered(geometry, cp, run) == "context parallel over Gated DeltaNet layers"
     assert analytic.estimate(geometry, cp, run) is None
     assert analytic.estimate(geometry, dataclasses.replace(cp, cp=1, dp_shard=4), run)
 
     args = dataclasses.replace(qwen3_5_flavors["debugmodel"], layer_types=[FULL] * 4)
     attention_only = analytic.Geometry.from_model_args(args)
     assert attention_only.linear is None and attention_only.output_gate
-    assert analytic.not_covered(attention_only, cp) is None
-    assert analytic.estimate(attention_only, cp, analytic.Run(seq_len=256, local_batch=2))
+    short = analytic.Run(seq_len=256, local_batch=2)
+    assert analytic.not_covered(attention_only, cp, short) is None
+    assert analytic.estimate(attention_only, cp, short)
 
 
 @pytest.mark.parametrize("ac", ["full", "selective:2", "selective:4"])

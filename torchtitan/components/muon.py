@@ -23,24 +23,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchtitan.tools.cpu_precision import matmul_speed
+from torchtitan.tools.cpu_precision import low_precision_native
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def resolve_ns_dtype(setting: str, device_type: str) -> str:
     """``optimizer.muon.ns_dtype`` for a run on ``device_type``: "auto" is bfloat16 unless
-    this is a CPU that emulates bf16 matmuls (~80x slower than float32 there)."""
+    the run is on a CPU that emulates bf16 matmuls (~80x slower than float32 there)."""
     if setting != "auto":
         return setting
-    if device_type != "cpu":
-        return "bfloat16"
-    with unset_fake_temporarily():
-        native = matmul_speed(torch.bfloat16).native
-    return "bfloat16" if native else "float32"
+    return "bfloat16" if low_precision_native(torch.bfloat16, device_type) else "float32"
 
 
 def newton_schulz(

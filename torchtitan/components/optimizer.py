@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.muon import Muon, resolve_ns_dtype
+from torchtitan.components.muon import NS_DTYPES, Muon, resolve_ns_dtype
 from torchtitan.config import ConfigError
 from torchtitan.layers.moe import moe_layers, update_expert_biases
 from torchtitan.tools.logging import logger
@@ -98,17 +98,8 @@ class OptimizersContainer(Stateful):
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=options)
 
 
-def _implementation_kwargs(implementation: str, device_type: str) -> dict[str, bool]:
-    if implementation == "fused":
-        if device_type in _fused_supported_devices():
-            return {"fused": True, "foreach": False}
-        logger.warning(
-            f"optimizer.implementation=fused is not available on {device_type}; using foreach"
-        )
-        return {"fused": False, "foreach": True}
-    if implementation == "foreach":
-        return {"fused": False, "foreach": True}
-    return {"fused": False, "foreach": False}
+def _implementation_kwargs(implementation: str) -> dict[str, bool]:
+    return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
 
 @functools.cache
@@ -118,19 +109,37 @@ def _fused_supported_devices() -> tuple[str, ...]:
     return tuple(_get_fused_kernels_supported_devices())
 
 
+def resolve_optimizer_for_device(optimizer: OptimizerConfig, device_type: str) -> list[str]:
+    """Resolve in place the optimizer settings that depend on the run's device: ``fused`` where
+    ``device_type`` has no fused kernels becomes ``foreach``, Muon's ``ns_dtype = "auto"``
+    becomes the iteration dtype for ``device_type``. Returns what was decided, a line each."""
+    lines = []
+    if optimizer.implementation == "fused" and device_type not in _fused_supported_devices():
+        optimizer.implementation = "foreach"
+        lines.append(
+            f"optimizer.implementation=fused: no fused kernels on {device_type}; using foreach"
+        )
+    if optimizer.name == "Muon" and optimizer.muon.ns_dtype == "auto":
+        optimizer.muon.ns_dtype = resolve_ns_dtype("auto", device_type)
+        lines.append(
+            f"optimizer.muon.ns_dtype=auto: Newton-Schulz in {optimizer.muon.ns_dtype} on "
+            f"{device_type}"
+        )
+    return lines
+
+
 def build_optimizers(
     model_parts: list[nn.Module], optimizer: OptimizerConfig, parallel_dims: ParallelDims | None
 ) -> OptimizersContainer:
     """One ``optimizer.name`` optimizer per model part over its trainable parameters (Muon:
     a Muon and an AdamW optimizer per part, see :func:`muon_split`)."""
     cfg = optimizer
-    param = next(p for part in model_parts for p in part.parameters())
     kwargs = {
         "lr": cfg.lr,
         "betas": (cfg.beta1, cfg.beta2),
         "eps": cfg.eps,
         "weight_decay": cfg.weight_decay,
-        **_implementation_kwargs(cfg.implementation, param.device.type),
+        **_implementation_kwargs(cfg.implementation),
     }
     if cfg.name == "Muon":
         return _build_muon(model_parts, cfg, kwargs, parallel_dims)
@@ -173,8 +182,12 @@ def _build_muon(
         "lr": cfg.lr if m.adamw_lr is None else m.adamw_lr,
         "weight_decay": cfg.weight_decay if m.adamw_weight_decay is None else m.adamw_weight_decay,
     }
-    device_type = next(p for part in model_parts for p in part.parameters()).device.type
-    ns_dtype = resolve_ns_dtype(m.ns_dtype, device_type)
+    if m.ns_dtype not in NS_DTYPES:
+        raise ValueError(
+            f"optimizer.muon.ns_dtype={m.ns_dtype!r} reached build_optimizers unresolved; "
+            "resolve the config for the run's device first (resolve_optimizer_for_device)"
+        )
+    ns_dtype = m.ns_dtype
     pairs = []
     for part, muon_params, adamw_params in zip(model_parts, muon, adamw):
         if muon_params:

@@ -17,7 +17,6 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from torchtitan.config import (
@@ -230,12 +229,12 @@ def check_quantization(
     parallel_dims: ParallelDims,
     model_args: Any,
     device_type: str,
+    capability: tuple[int, int] | None,
 ) -> None:
     """Hardware, model and layout checks of the quantize converters named in
-    ``model.converters`` (one line each)."""
+    ``model.converters`` (one line each); ``capability``: the GPU's, None where not known."""
     converters = model.converters
     linear = quantize.linear
-    capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
     if any(name in converters for name in FLOAT8_LINEAR):
         _check_hardware(
             "quantize.linear.float8",

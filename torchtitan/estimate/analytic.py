@@ -25,6 +25,7 @@ from torchtitan.components.qlora import (
     QUANTIZE_SCRATCH_BYTES,
     uses_nf4,
 )
+from torchtitan.components.quantization import FLOAT8_LINEAR
 from torchtitan.config import ConfigError
 from torchtitan.distributed.activation_checkpoint import keeps_attention_output
 from torchtitan.layers.loss import auto_chunk_tokens
@@ -278,6 +279,7 @@ class Run:
     lora: LoRA | None = None  # adapters on a frozen base (converter lora)
     loss_chunk: int = 0  # training.loss_chunk_size as it applies (0: full logits; -1: auto)
     muon_ns_bytes: int = 0  # Muon: bytes per value of its Newton-Schulz iteration (0: AdamW)
+    float8: bool = False  # float8 linears (converter float8): not modelled, traced only
 
 
 @dataclass(frozen=True)
@@ -779,8 +781,10 @@ def _layer_activation_bytes(
     return tokens * per_token + (0 if linear else _attention_mask_bytes(lay, run, a))
 
 
-def not_covered(g: Geometry, lay: Layout) -> str | None:
-    """Why the closed form does not cover this model on this layout, or None."""
+def not_covered(g: Geometry, lay: Layout, run: Run) -> str | None:
+    """Why the closed form does not cover this model on this layout and run, or None."""
+    if run.float8:
+        return "float8 linears (their casts and scales; the trace covers them)"
     if lay.ac == "selective:op":
         return "op-level selective activation checkpointing"
     if g.linear is not None and lay.cp > 1:
@@ -792,8 +796,8 @@ def not_covered(g: Geometry, lay: Layout) -> str | None:
 
 def estimate(g: Geometry, lay: Layout, run: Run) -> AnalyticEstimate | None:
     """The per-rank peak of the most loaded pipeline stage (None where :func:`not_covered`
-    says why: op-level selective AC, context parallel over Gated DeltaNet layers)."""
-    if not_covered(g, lay) is not None:
+    says why: op-level selective AC, context parallel over Gated DeltaNet layers, float8)."""
+    if not_covered(g, lay, run) is not None:
         return None
     stages = [_stage(g, lay, run, first=(s == 0), last=(s == lay.pp - 1)) for s in range(lay.pp)]
     return max(stages, key=lambda e: e.peak_bytes)
@@ -972,11 +976,14 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
         in_flight = micro if run.pp_all_in_flight else (min(lay.pp, micro) if first else 1)
     activations = in_flight * st.layers * st.kept
     inputs = 16 * run.local_batch * run.seq_len / lay.cp
-    base = st.weights + st.opt + st.u_root + inputs
+    # DDP's reducer: flat buckets as large as the gradients, held for the whole run
+    ddp_buckets = grads if lay.dp_replicate > 1 and not lay.fsdp else 0.0
+    base = st.weights + st.opt + st.u_root + inputs + ddp_buckets
     phases = {
         "optimizer step": st.weights
         + grads
         + st.opt
+        + ddp_buckets
         + (grads if run.foreach_optimizer else 0)
         + (_muon_step_bytes(g, lay, run) if run.muon_ns_bytes else 0),
         # the output weight's gradient exists from the loss backward on (the embedding's
@@ -999,6 +1006,7 @@ def _stage(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> Analy
         "parameters (sharded fp32; NF4 bases)": st.weights,
         "gathered root parameters": st.u_root,
         "optimizer states": st.opt,
+        "DDP gradient buckets": ddp_buckets,
         "activations kept for backward": activations,
         "saved log-probabilities": log_probs,
     }
@@ -1156,6 +1164,7 @@ def from_job_config(
             if job_config.optimizer.name == "Muon"
             else 0
         ),
+        float8=any(name in FLOAT8_LINEAR for name in job_config.model.converters),
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
         target=target,
         pp_microbatch=job_config.parallelism.pipeline_parallel_microbatch_size,

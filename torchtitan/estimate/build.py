@@ -19,9 +19,12 @@ from torchtitan.recipe import (
 )
 
 
-def build_parallel_dims(job_config: JobConfig, world_size: int, device_type: str) -> ParallelDims:
-    """The trainer's preflight checks, then ParallelDims whose mesh will be of ``device_type``."""
-    parallel_dims = preflight(job_config, world_size, device_type)
+def build_parallel_dims(
+    job_config: JobConfig, world_size: int, device_type: str, target: str | None = None
+) -> ParallelDims:
+    """The trainer's preflight checks for a run on ``target`` (default ``device_type``; a GPU
+    whose kind is not known), then ParallelDims whose mesh will be of ``device_type``."""
+    parallel_dims = preflight(job_config, world_size, target or device_type)
     parallel_dims.device_type = device_type
     return parallel_dims
 

@@ -8,6 +8,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
+from torchtitan.components.lora import LORA
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -19,8 +20,7 @@ from torchtitan.estimate.plan_mode import run_plan
 from torchtitan.estimate.steps import ITERATIONS, microbatches_per_step
 from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
 from torchtitan.protocols import get_train_spec
-from torchtitan.recipe import Recipe, grad_accumulation_steps
-from torchtitan.tools.cpu_precision import resolve_cpu_precision
+from torchtitan.recipe import Recipe, grad_accumulation_steps, resolve_for_device
 from torchtitan.tools.logging import init_logger
 
 # The trainer refuses memory_estimation.enable; this script always estimates, so the flag
@@ -40,7 +40,7 @@ def closed_form_of(
         return "analytic estimate: not available (the model args are not a decoder it knows)"
     closed_form = analytic.estimate(geometry, layout, run)
     if closed_form is None:
-        return f"analytic estimate: not available for {analytic.not_covered(geometry, layout)}"
+        return f"analytic estimate: not available for {analytic.not_covered(geometry, layout, run)}"
     return closed_form
 
 
@@ -94,6 +94,12 @@ def header_lines(job_config: JobConfig, setup: Recipe, world_size: int, target: 
             else ""
         ),
     ]
+    converters = [name for name in job_config.model.converters if name != LORA]
+    if converters:
+        lines.append(
+            f"  model converters {', '.join(converters)}: traced eagerly as configured "
+            "(compile's fused casts may need less)"
+        )
     if getattr(setup.model_args, "moe", None) is not None:
         lines.append(
             "  MoE routing assumed perfectly balanced (every expert gets tokens x top_k / "
@@ -225,7 +231,7 @@ def analytic_fit(job_config: JobConfig) -> AnalyticFit:
     if closed_form is None:
         raise ConfigError(
             f"model.name={job_config.model.name!r}: the closed form does not cover "
-            f"{analytic.not_covered(geometry, layout)}; use mode estimate"
+            f"{analytic.not_covered(geometry, layout, run)}; use mode estimate"
         )
     additions = report.device_additions(
         closed_form.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib
@@ -274,11 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in _ENABLE_FLAGS]
     job_config = ConfigManager().parse_args(args)
     check_plot(job_config)
-    if job_config.memory_estimation.target_device == "cpu":
-        # a CPU run on this machine computes in what the trainer would choose here
-        precision = resolve_cpu_precision(job_config.training, "cpu")
-        if precision is not None:
-            print(f"note: {precision}")
+    # decided for the target as the trainer decides for its device: a CPU target is this
+    # machine, a GPU target never depends on the CPU computing the estimate
+    for decision in resolve_for_device(job_config, job_config.memory_estimation.target_device):
+        print(f"note: {decision}")
     modes = {
         "estimate": run_estimate,
         "analytic": run_analytic,

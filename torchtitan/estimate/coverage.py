@@ -6,6 +6,7 @@ import copy
 import os
 
 from torchtitan.components.lora import LORA
+from torchtitan.components.quantization import FLOAT8_LINEAR
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimate.build import build_parallel_dims
@@ -17,7 +18,7 @@ COVERED = (
     "FSDP, HSDP, DDP, tensor parallel (with sequence and loss parallel), context parallel, "
     "pipeline parallel (1F1B, GPipe, Interleaved1F1B, LoopedBFS), expert parallel "
     "(balanced routing), activation checkpointing, LoRA (mode plan: not yet), QLoRA (mode "
-    "plan: not yet)"
+    "plan: not yet), float8 linears (traced; not in closed form)"
 )
 
 
@@ -34,13 +35,13 @@ def resolve_world_size(job_config: JobConfig) -> int:
 
 
 def converters_gap(job_config: JobConfig) -> str | None:
-    """The converters the estimator does not model (LoRA it does)."""
+    """The converters the estimator does not model (LoRA and float8 linears it traces)."""
     converters = job_config.model.converters
-    if not [name for name in converters if name != LORA]:
+    if not [name for name in converters if name != LORA and name not in FLOAT8_LINEAR]:
         return None
     return (
-        f"model.converters={converters}: low-precision training (float8 / MX weights and "
-        "all-gather buffers)"
+        f"model.converters={converters}: MX training and float8 / MX grouped GEMMs (their "
+        "weights and all-gather buffers)"
     )
 
 
@@ -63,9 +64,11 @@ def coverage_gap(job_config: JobConfig, parallel_dims: ParallelDims) -> str | No
 
 
 def check_covered(job_config: JobConfig, world_size: int) -> ParallelDims:
-    # converters first: the preflight's float8 hardware checks would judge this CPU, not the target
+    """The trainer's checks for the target device (never this host's; a GPU of unknown
+    kind), then what the estimator covers; the ParallelDims of a CPU mesh to trace on."""
     gap = converters_gap(job_config)
-    parallel_dims = None if gap else build_parallel_dims(job_config, world_size, "cpu")
+    target = job_config.memory_estimation.target_device
+    parallel_dims = None if gap else build_parallel_dims(job_config, world_size, "cpu", target)
     gap = gap or coverage_gap(job_config, parallel_dims)
     if gap is not None:
         raise ConfigError(f"{gap} is not covered by the memory estimator yet (covered: {COVERED})")

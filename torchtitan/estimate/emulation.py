@@ -7,19 +7,22 @@
 * emulation of CUDA kernels whose saved-for-backward tensors differ from the CPU kernels'
   (the fused rms_norm saves the input and an fp32 rstd; the CPU decomposition saves fp32 copies);
 * MoE routing without values: perfectly balanced token counts, the routing the estimate
-  assumes, and the grouped_mm capability probe on real tensors (and on the meta kernel).
+  assumes, and the grouped_mm capability of the target;
+* DDP's gradient buckets in place of its C++ reducer, which cannot run on fake tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
@@ -122,21 +125,24 @@ _EMULATED_FUNCTIONALS = {"rms_norm": _cuda_like_rms_norm}
 @contextlib.contextmanager
 def cuda_kernel_emulation() -> Iterator[None]:
     """Route the functionals whose CPU and CUDA kernels save different tensors for backward
-    to an emulation of the CUDA kernel's allocations, and ring attention to the block math
-    it runs on CUDA (the fused path is the CPU's flash kernel)."""
+    to an emulation of the CUDA kernel's allocations, ring attention to the block math it
+    runs on CUDA (the fused path is the CPU's flash kernel), and the chunked loss's weight
+    gradient to CUDA's matmuls in the inputs' dtype (the CPU's upcasts them to fp32)."""
     from torchtitan.distributed import context_parallel
+    from torchtitan.layers import loss
 
     originals = {name: getattr(F, name) for name in _EMULATED_FUNCTIONALS}
     for name, replacement in _EMULATED_FUNCTIONALS.items():
         setattr(F, name, replacement)
-    ring_fused = context_parallel.fused
+    ring_fused, upcasts = context_parallel.fused, loss.upcasts_matmuls
     context_parallel.fused = lambda q: False
+    loss.upcasts_matmuls = lambda device: False
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(F, name, original)
-        context_parallel.fused = ring_fused
+        context_parallel.fused, loss.upcasts_matmuls = ring_fused, upcasts
 
 
 def balanced_host_counts(counts: torch.Tensor, rows: int) -> list:
@@ -164,21 +170,82 @@ def _fake_grouped_mm_accepts(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 @contextlib.contextmanager
-def balanced_moe_routing() -> Iterator[None]:
+def balanced_moe_routing(target: str) -> Iterator[None]:
     """MoE layers traced on fake tensors: token counts read on the host (the expert loop's
-    and expert parallel's splits) come out balanced, and the grouped_mm capability probe
-    runs on real tensors (its comparison needs values)."""
+    and expert parallel's splits) come out balanced, and the grouped_mm capability is the
+    target's: for a CPU target the probe runs on real tensors of this CPU (its comparison
+    needs values); a CUDA target has grouped GEMMs and this host is not asked."""
     from torchtitan.layers import moe
 
     host_counts, probe = moe.host_counts, moe.grouped_mm_works
 
-    def probe_on_real_tensors(device: torch.device, dtype: torch.dtype, *shape: int) -> bool:
-        with unset_fake_temporarily():
-            works = probe(device, dtype, *shape)
+    def target_capability(device: torch.device, dtype: torch.dtype, *shape: int) -> bool:
+        if target == "cuda":
+            works = True
+        else:
+            with unset_fake_temporarily():
+                works = probe(device, dtype, *shape)
         return works and _fake_grouped_mm_accepts(device, dtype)
 
-    moe.host_counts, moe.grouped_mm_works = balanced_host_counts, probe_on_real_tensors
+    moe.host_counts, moe.grouped_mm_works = balanced_host_counts, target_capability
     try:
         yield
     finally:
         moe.host_counts, moe.grouped_mm_works = host_counts, probe
+
+
+_DDP_BUCKET_SIZES: weakref.WeakKeyDictionary[nn.Module, list[tuple[int, torch.dtype]]] = (
+    weakref.WeakKeyDictionary()
+)
+_DDP_BUCKETS: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def ddp_bucket_sizes(module: nn.Module, bucket_cap_mb: float) -> list[tuple[int, torch.dtype]]:
+    """The buckets DDP's reducer allocates when it wraps ``module`` (elements, dtype): flat
+    buffers that together hold every trainable parameter's gradient (in reverse registration
+    order, the first bucket ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, the others
+    ``bucket_cap_mb``), alive for the whole run. Gradients are copied in, all-reduced in
+    place and copied back out."""
+    params = [p for p in module.parameters() if p.requires_grad][::-1]
+    buckets, current, cap = [], [], dist._DEFAULT_FIRST_BUCKET_BYTES
+    for param in params:
+        current.append(param)
+        if sum(p.numel() * p.element_size() for p in current) >= cap:
+            buckets.append(current)
+            current, cap = [], int(bucket_cap_mb * 2**20)
+    buckets += [current] if current else []
+    return [(sum(p.numel() for p in group), group[0].dtype) for group in buckets]
+
+
+@contextlib.contextmanager
+def ddp_bucket_allocations() -> Iterator[None]:
+    """DDP (``replicate``) traced on fake tensors: its C++ reducer reads tensor data and needs
+    a real process group for its gradient hook, so the trace allocates its buckets instead
+    (:func:`ddp_bucket_sizes`, once the model is materialised: :func:`traced_ddp_buckets`;
+    the all-reduce allocates nothing more)."""
+    from torchtitan.distributed import data_parallel
+
+    original = data_parallel.replicate
+
+    def replicate_allocations(module: nn.Module, device_mesh, bucket_cap_mb: float) -> nn.Module:
+        _DDP_BUCKET_SIZES[module] = ddp_bucket_sizes(module, bucket_cap_mb)
+        return module
+
+    data_parallel.replicate = replicate_allocations
+    try:
+        yield
+    finally:
+        data_parallel.replicate = original
+
+
+def traced_ddp_buckets(model_parts: list[nn.Module]) -> list[torch.Tensor]:
+    """The DDP buckets of these (materialised) model parts, allocated on their device and kept
+    alive with the part."""
+    for part in model_parts:
+        if part in _DDP_BUCKET_SIZES and part not in _DDP_BUCKETS:
+            device = next(part.parameters()).device
+            _DDP_BUCKETS[part] = [
+                torch.empty(numel, dtype=dtype, device=device)
+                for numel, dtype in _DDP_BUCKET_SIZES[part]
+            ]
+    return [bucket for part in model_parts for bucket in _DDP_BUCKETS.get(part, [])]

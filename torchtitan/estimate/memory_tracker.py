@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from torchtitan.estimate.emulation import active_fake_slot
+from torchtitan.estimate.emulation import active_fake_slot, traced_ddp_buckets
 
 TOTAL = "Total"
 ROUNDING = "Rounding"
@@ -260,5 +260,5 @@ def build_tracker(
     if len(model_parts) == 1 and isinstance(model_parts[0], FSDPModule) and len(optimizers) == 1:
         return EstimationFSDPMemTracker(model_parts[0], optimizers[0])
     tracker = EstimationMemTracker()
-    tracker.track_external(*model_parts, *optimizers)
+    tracker.track_external(*model_parts, *optimizers, *traced_ddp_buckets(model_parts))
     return tracker

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 from torchtitan.components.lora import LORA
+from torchtitan.components.quantization import FLOAT8_LINEAR
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.checks import check_job_config
 from torchtitan.estimate import analytic, layout_search, report
@@ -61,6 +62,11 @@ def plan_request(job_config: JobConfig) -> layout_search.PlanRequest:
         raise ConfigError(
             "model.converters: the planner does not model LoRA yet; use --memory_estimation.mode "
             "analytic (one layout, instant) or estimate"
+        )
+    if any(name in FLOAT8_LINEAR for name in job_config.model.converters):
+        raise ConfigError(
+            "model.converters: the planner does not model float8 linears yet; use "
+            "--memory_estimation.mode estimate (traced)"
         )
     spec = get_train_spec(job_config.model.name)
     model_args = estimation_model_args(job_config, spec)
@@ -226,7 +232,8 @@ def layout_gap(config: JobConfig, world_size: int) -> str | None:
     yet'), or None."""
     try:
         check_job_config(config)
-        parallel_dims = build_parallel_dims(config, world_size, "cpu")
+        target = config.memory_estimation.target_device
+        parallel_dims = build_parallel_dims(config, world_size, "cpu", target)
     except ConfigError as e:
         return f"not in trainer: {_first_clause(str(e))}"
     gap = coverage_gap(config, parallel_dims)

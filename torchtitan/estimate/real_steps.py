@@ -25,7 +25,7 @@ from torchtitan.config import JobConfig
 from torchtitan.estimate.build import build_estimation_recipe, build_parallel_dims
 from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
 from torchtitan.estimate.steps import run_training_steps
-from torchtitan.recipe import Recipe
+from torchtitan.recipe import Recipe, resolve_for_device
 
 INIT_SEED = 0
 
@@ -157,6 +157,7 @@ def _measure_cuda(setup: Recipe) -> MeasuredOutcome:
 
 def measure_training_memory(job_config: JobConfig, device: torch.device) -> MeasuredOutcome:
     """Run the steps for real on this rank (the default process group must exist)."""
+    resolve_for_device(job_config, device.type)
     parallel_dims = build_parallel_dims(job_config, dist.get_world_size(), device.type)
     setup = build_estimation_recipe(job_config, parallel_dims, device, seed=INIT_SEED)
     if device.type == "cuda":

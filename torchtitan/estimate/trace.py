@@ -24,12 +24,13 @@ from torchtitan.estimate.emulation import (
     balanced_moe_routing,
     cuda_block_rounding,
     cuda_kernel_emulation,
+    ddp_bucket_allocations,
     fake_process_group,
     private_propagation_fake_mode,
 )
 from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
 from torchtitan.estimate.steps import run_training_steps
-from torchtitan.recipe import Recipe
+from torchtitan.recipe import Recipe, resolve_for_device
 
 T = TypeVar("T")
 
@@ -65,6 +66,7 @@ def trace_training_memory(job_config: JobConfig, world_size: int, target: str) -
     pads every shard to the first rank's size), under pipeline parallel the first rank of
     every pipeline rank (each holds different stages), the largest reported."""
     start = time.perf_counter()
+    resolve_for_device(job_config, target)
     parallel_dims = check_covered(job_config, world_size)
     if not parallel_dims.pp_enabled:
         result, setup = _trace_rank(job_config, world_size, target, rank=0)
@@ -111,7 +113,8 @@ def _trace_rank(
     with (
         fake_process_group(world_size, rank),
         private_propagation_fake_mode(),
-        balanced_moe_routing(),
+        balanced_moe_routing(target),
+        ddp_bucket_allocations(),
     ):
         parallel_dims.world_mesh  # noqa: B018  (meshes are built outside fake mode)
         meta = build_estimation_meta_model(job_config, parallel_dims, device)

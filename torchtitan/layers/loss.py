@@ -117,12 +117,19 @@ def _logsumexp_(logits: torch.Tensor) -> torch.Tensor:
     return top.squeeze(1) + logits.sub_(top).exp_().sum(dim=-1).log_()
 
 
+def upcasts_matmuls(device: torch.device) -> bool:
+    """Whether the weight gradient's low-precision matmuls run in fp32 on ``device``: on the
+    CPU (most CPUs emulate bf16 matmuls), not on CUDA. The memory estimator's CUDA emulation
+    overrides it, its traced tensors being on the CPU."""
+    return device.type == "cpu"
+
+
 def _add_weight_grad(grad_w: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
     """``grad_w += grad_logits.T @ h``, summed in ``grad_w``'s dtype (fp32 for low-precision
-    inputs): CPU multiplies in fp32 (most CPUs emulate bf16 matmuls), CUDA in the inputs'."""
+    inputs), multiplied in fp32 where :func:`upcasts_matmuls`, else in the inputs' dtype."""
     if grad_w.dtype == h.dtype:
         grad_w.addmm_(grad_logits.T, h)
-    elif grad_w.device.type == "cpu":
+    elif upcasts_matmuls(grad_w.device):
         grad_w.addmm_(grad_logits.T.float(), h.float())
     else:
         grad_w += grad_logits.T @ h
