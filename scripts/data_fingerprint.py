@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from torchtitan.components.dataloader import build_text_dataloader
-from torchtitan.components.tokenizer import ByteTokenizer
-from torchtitan.datasets import corpus_fingerprint
+from torchtitan.data import corpus_fingerprint
+from torchtitan.data.loader import build_text_dataloader
+from torchtitan.data.tokenizers import ByteTokenizer
 
 
 def first_global_batch(dp: int, seq_len: int, global_batch: int, data_shards: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from tests.launcher import kill_tree, read_metrics, start_lighthouse, start_torchrun  # noqa: E402
-from torchtitan.components.safe_loading import load_plain_state  # noqa: E402
+from torchtitan.components.checkpointing.safe_loading import load_plain_state  # noqa: E402
 
 NPROC = 2
 CONFIG = [

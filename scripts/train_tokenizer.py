@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from torchtitan.datasets import load_documents
+from torchtitan.data import load_documents
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from torchtitan.components.safe_loading import read_dcp_metadata
+from torchtitan.components.checkpointing.safe_loading import read_dcp_metadata
 
 MANIFEST = "checkpoint.json"
 

@@ -14,23 +14,23 @@ from typing import Any
 import torch
 from torch._dynamo import list_backends
 
-from torchtitan.components.checkpoint import check_checkpoint_inputs
-from torchtitan.components.data_sources import (
+from torchtitan.components.adapters.lora import LORA, select_targets
+from torchtitan.components.adapters.qlora import FIELD as QLORA_FIELD
+from torchtitan.components.adapters.qlora import LOW_PRECISION_CONVERTERS, check_qlora, uses_nf4
+from torchtitan.components.checkpointing.manager import check_checkpoint_inputs
+from torchtitan.components.quantization import check_quantization
+from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.config.entry import config_errors_exit
+from torchtitan.data.registry import check_dataset_fields
+from torchtitan.data.token_loaders import (
     MIXTURE,
     TOKENS,
     open_store,
     source_configs,
     uses_sources,
 )
-from torchtitan.components.lora import LORA, select_targets
-from torchtitan.components.qlora import FIELD as QLORA_FIELD
-from torchtitan.components.qlora import LOW_PRECISION_CONVERTERS, check_qlora, uses_nf4
-from torchtitan.components.quantization import check_quantization
-from torchtitan.config import ConfigError, ConfigManager, JobConfig
-from torchtitan.config.entry import config_errors_exit
-from torchtitan.datasets.registry import check_dataset_fields
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.context_parallel import check_cp_config
+from torchtitan.distributed.context_parallel.attention import check_cp_config
 from torchtitan.distributed.fault_tolerance import check_fault_tolerance_inputs
 from torchtitan.distributed.parallel_dims import default_device_type, parallel_dims_from_config
 from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_stages

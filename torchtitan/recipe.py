@@ -28,21 +28,24 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.components.batch import MicroBatch, model_inputs
-from torchtitan.components.loss import bind_output, build_loss_fn
-from torchtitan.components.lr_scheduler import LRSchedulersContainer
-from torchtitan.components.optimizer import OptimizersContainer, resolve_optimizer_for_device
-from torchtitan.components.qlora import PendingBase, uses_nf4
+from torchtitan.components.adapters.qlora import PendingBase, uses_nf4
+from torchtitan.components.optimizers.builder import (
+    OptimizersContainer,
+    resolve_optimizer_for_device,
+)
+from torchtitan.components.optimizers.lr_schedule import LRSchedulersContainer
+from torchtitan.components.training_loss import bind_output, build_loss_fn
 from torchtitan.config import (
     ConfigError,
     JobConfig,
     ParallelismConfig,
     TrainingConfig,
 )
+from torchtitan.data.micro_batch import MicroBatch, model_inputs
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fault_tolerance import ReplicaGroups
 from torchtitan.distributed.pipeline import BuiltPipeline
-from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.distributed.process import clip_grad_norm_
 from torchtitan.layers.init import clean_fqn
 from torchtitan.layers.loss import GlobalTokenMeanLoss, valid_tokens
 from torchtitan.layers.moe import moe_layers

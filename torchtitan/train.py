@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.lora import LORA
+from torchtitan.components.adapters.lora import LORA
+from torchtitan.components.checkpointing.manager import CheckpointManager
+from torchtitan.components.checkpointing.safe_loading import load_plain_state
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.rank_timeline import RankTimeline, build_rank_timeline
-from torchtitan.components.safe_loading import load_plain_state
 from torchtitan.components.validate import PipelineEval, Validator
 from torchtitan.config import ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error
@@ -41,8 +41,7 @@ from torchtitan.distributed.fault_tolerance import (
 from torchtitan.distributed.hang_watchdog import build_hang_watchdog, maybe_plant_hang
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.pipeline import loss_owner_rank
-from torchtitan.distributed.restarts import maybe_inject_fault, stop_on_crash_loop
-from torchtitan.distributed.utils import (
+from torchtitan.distributed.process import (
     dist_reduce,
     init_distributed,
     leave_together,
@@ -50,6 +49,7 @@ from torchtitan.distributed.utils import (
     set_determinism,
     set_pg_timeouts,
 )
+from torchtitan.distributed.restarts import maybe_inject_fault, stop_on_crash_loop
 from torchtitan.layers.moe import moe_load_metrics
 from torchtitan.preflight import load_tokenizer, local_gpu_capability, preflight
 from torchtitan.protocols import TrainSpec, get_train_spec
@@ -65,8 +65,8 @@ from torchtitan.recipe import (
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
+from torchtitan.tools.peaks import GarbageCollection
 from torchtitan.tools.profiling import maybe_enable_profiling, maybe_memory_snapshotter
-from torchtitan.tools.utils import GarbageCollection
 
 
 class NonFiniteLossError(RuntimeError):

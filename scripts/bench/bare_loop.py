@@ -28,16 +28,16 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from torchtitan.components.dataloader import build_dataloader  # noqa: E402
-from torchtitan.components.lr_scheduler import configured_lr_factor  # noqa: E402
+from torchtitan.components.optimizers.lr_schedule import configured_lr_factor  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.data.loader import build_dataloader  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import apply_ac, keeps_attention_output  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
 from torchtitan.protocols import get_train_spec  # noqa: E402
 from torchtitan.recipe import model_args_from_config, resolve_for_device  # noqa: E402
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory  # noqa: E402
 from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: E402
-from torchtitan.tools.utils import peak_flops, peak_memory_gib  # noqa: E402
+from torchtitan.tools.peaks import peak_flops, peak_memory_gib  # noqa: E402
 
 PROFILER_WARMUP = 3
 

@@ -424,7 +424,7 @@ def report(
         "tokens/s, TFLOP/s and MFU are means over the steady-state steps (the trainer's "
         "metrics.jsonl fields). data .. comm are shares of the one profiled step, whose time "
         "includes the profiler's own overhead (host-side: on CUDA, GPU work shows where the host "
-        "waits for it). MFU uses `torchtitan/tools/utils.py` `peak_flops` "
+        "waits for it). MFU uses `torchtitan/tools/peaks.py` `peak_flops` "
         "(GPU data sheet; on CPU the measured matmul peak in the same dtype).",
     ]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,7 @@ each rank sends per layer (state hand-offs, both directions).
 
     python scripts/bench/cp_delta_rule.py --seq 4096 --heads 8 --cps 1 2
 
-The chain is sequential (the module docstring of ``distributed/context_parallel_linear.py``):
+The chain is sequential (the module docstring of ``distributed/context_parallel/delta_rule.py``):
 expect no speed-up for the rule itself; what CP buys for these layers is memory (each rank
 holds 1 / cp of the activations). Each cp runs in its own torchrun launch, one thread per
 process (2 processes on a 2-core machine run side by side)."""
@@ -53,9 +53,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan.distributed.context_parallel import cp_shard
-    from torchtitan.distributed.context_parallel_linear import ContextParallelDeltaRule
-    from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+    from torchtitan.distributed.context_parallel.attention import cp_shard
+    from torchtitan.distributed.context_parallel.delta_rule import (
+        ContextParallelDeltaRule,
+    )
+    from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
     from torchtitan.layers.gated_deltanet import DeltaRule, RecurrentSpec
 
     cp = int(os.environ.get("WORLD_SIZE", "1"))

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config import ConfigManager, ModelConfig
-from torchtitan.datasets.prepare import prepare
-from torchtitan.datasets.token_store import DOCUMENT_DTYPE, DOCUMENTS, Manifest, shard_name
+from torchtitan.data.loader import build_dataloader
+from torchtitan.data.prepare import prepare
+from torchtitan.data.token_store import DOCUMENT_DTYPE, DOCUMENTS, Manifest, shard_name
+from torchtitan.data.tokenizers import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "scripts" / "bench" / "upstream_test_tokenizer"

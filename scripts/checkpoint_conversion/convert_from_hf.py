@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.hf_checkpoint import HFCheckpointError, load_hf_weights
+from torchtitan.components.checkpointing.huggingface import HFCheckpointError, load_hf_weights
 from torchtitan.config import ConfigError
 from torchtitan.config.entry import config_errors_exit
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components.hf_checkpoint import HFCheckpointError, save_hf_weights
-from torchtitan.components.safe_loading import METADATA_FILE, LoadError, load_dcp
+from torchtitan.components.checkpointing.huggingface import HFCheckpointError, save_hf_weights
+from torchtitan.components.checkpointing.safe_loading import METADATA_FILE, LoadError, load_dcp
 from torchtitan.config import ConfigError
 from torchtitan.config.entry import config_errors_exit
 

@@ -5,8 +5,8 @@
         --tokenizer assets/tokenizer --workers 8
     python scripts/data/prepare.py --dataset python_stdlib --out stores/stdlib
 
-Inputs, resumption and the store's layout: ``torchtitan/datasets/prepare.py`` and
-``torchtitan/datasets/token_store.py``. Bad input is one ``error:`` line and exit code 2.
+Inputs, resumption and the store's layout: ``torchtitan/data/prepare.py`` and
+``torchtitan/data/token_store.py``. Bad input is one ``error:`` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 import functools
 import sys
 
-from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config import ConfigError, ModelConfig
 from torchtitan.config.entry import config_errors_exit
-from torchtitan.datasets.prepare import parse_args, prepare
+from torchtitan.data.prepare import parse_args, prepare
+from torchtitan.data.tokenizers import build_tokenizer
 from torchtitan.protocols.tokenizer import BaseTokenizer
 
 

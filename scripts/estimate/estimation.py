@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from torchtitan.distributed.utils import run_worker_entry_point  # noqa: E402
+from torchtitan.distributed.process import run_worker_entry_point  # noqa: E402
 from torchtitan.estimate.cli import main  # noqa: E402
 
 if __name__ == "__main__":

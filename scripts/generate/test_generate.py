@@ -30,7 +30,7 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error  # noqa: E402
 from torchtitan.distributed.data_parallel import TORCH_DTYPES  # noqa: E402
 from torchtitan.distributed.parallel_dims import default_device_type  # noqa: E402
-from torchtitan.distributed.utils import init_distributed, run_worker_entry_point  # noqa: E402
+from torchtitan.distributed.process import init_distributed, run_worker_entry_point  # noqa: E402
 from torchtitan.generation import CheckpointError, generate, load_model_weights  # noqa: E402
 from torchtitan.generation.tensor_parallel import apply_tp_minus_sp  # noqa: E402
 from torchtitan.preflight import preflight  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from tests.integration_tests.pause_line import PAUSE_LINE
-from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpointing.manager import CheckpointManager
 from torchtitan.tools.logging import logger
 
 PAUSE_SECONDS = 120

@@ -12,7 +12,7 @@ import pytest
 from torch import nn
 
 from tests.launcher import REPO_ROOT, run_torchrun
-from torchtitan.distributed.context_parallel_linear import (
+from torchtitan.distributed.context_parallel.delta_rule import (
     ContextParallelDeltaRule,
     apply_cp_to_delta_rules,
 )

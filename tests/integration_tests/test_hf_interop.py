@@ -82,7 +82,7 @@ def test_export_round_trip_is_exact_and_loads_in_transformers(hf_model, tmp_path
 
 def test_mismatched_config_names_the_field(hf_model, tmp_path):
     folder, _, _ = hf_model
-    from torchtitan.components.hf_checkpoint import HFCheckpointError, load_hf_weights
+    from torchtitan.components.checkpointing.huggingface import HFCheckpointError, load_hf_weights
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
     from torchtitan.protocols import get_train_spec
 
@@ -132,7 +132,7 @@ def trained_export(tmp_path_factory):
 
 
 def test_training_export_loads_in_transformers_with_our_logits(trained_export):
-    from torchtitan.components.hf_checkpoint import load_hf_weights
+    from torchtitan.components.checkpointing.huggingface import load_hf_weights
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
     from torchtitan.protocols import get_train_spec
 
@@ -153,7 +153,7 @@ def test_dcp_to_hf_to_dcp_round_trip_is_bit_exact(trained_export, tmp_path):
     import subprocess
     import sys
 
-    from torchtitan.components.safe_loading import load_dcp, read_dcp_metadata
+    from torchtitan.components.checkpointing.safe_loading import load_dcp, read_dcp_metadata
 
     config = [
         "--job.config_file",

@@ -82,7 +82,7 @@ def our_model(layers=None, first=True, last=True):
 
 
 def load(model, folder):
-    from torchtitan.components.hf_checkpoint import load_hf_weights
+    from torchtitan.components.checkpointing.huggingface import load_hf_weights
     from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 
     load_hf_weights([model], folder, DeepSeekV3StateDictAdapter(tiny_args()))
@@ -178,7 +178,7 @@ def _copy_with(folder, target, config_edit=None, drop=()):
 
 
 def test_bad_checkpoints_give_one_line_naming_the_problem(hf_model, tmp_path):
-    from torchtitan.components.hf_checkpoint import HFCheckpointError
+    from torchtitan.components.checkpointing.huggingface import HFCheckpointError
 
     folder, _, _ = hf_model
     model = our_model()
@@ -212,7 +212,7 @@ def test_trainer_exports_under_expert_parallel_and_loads_the_export(tmp_path):
     """--checkpoint.last_save_in_hf from an EP 2 run gives a folder transformers reads as we do
     (expert biases included); --checkpoint.initial_load_in_hf starts a run from it."""
     from tests.parity import train
-    from torchtitan.components.hf_checkpoint import load_hf_weights
+    from torchtitan.components.checkpointing.huggingface import load_hf_weights
     from torchtitan.protocols import get_train_spec
 
     deepseek = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]

@@ -51,7 +51,7 @@ from torchtitan.components.quantization import FLOAT8_LINEAR, MX_LINEAR
 from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.config.entry import main as config_main
 from torchtitan.distributed import fault_tolerance
-from torchtitan.distributed import utils as distributed_utils
+from torchtitan.distributed import process as distributed_utils
 from torchtitan.estimate.cli import main as estimate_main
 from torchtitan.models import BUILTIN_MODELS
 from torchtitan.protocols import get_train_spec, train_spec

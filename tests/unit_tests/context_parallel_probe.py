@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan.distributed.context_parallel import (
+from torchtitan.distributed.context_parallel.attention import (
     ContextParallelAttention,
     _to_global_order,
     apply_cp,
     cp_shard,
     shard_batch_for_cp,
 )
-from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 from torchtitan.layers.attention import MaskSpec
 from torchtitan.layers.blockwise_attention import visible
 from torchtitan.layers.loss import cross_entropy_loss

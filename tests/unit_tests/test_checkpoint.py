@@ -15,16 +15,16 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from tests.layouts import single_process_dims
-from torchtitan.components.checkpoint import (
+from torchtitan.components.checkpointing.manager import (
     MANIFEST,
     CheckpointManager,
     check_checkpoint_inputs,
     inspect_checkpoint,
     purge_old_checkpoints,
 )
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
-from torchtitan.components.safe_loading import read_dcp_metadata
+from torchtitan.components.checkpointing.safe_loading import read_dcp_metadata
+from torchtitan.components.optimizers.builder import build_optimizers
+from torchtitan.components.optimizers.lr_schedule import build_lr_schedulers
 from torchtitan.config import ConfigError, ConfigManager
 
 pytestmark = pytest.mark.usefixtures("single_rank_gloo")
@@ -150,7 +150,7 @@ def assert_same(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
 def test_no_test_hook_is_installed_in_the_test_process():
     """A hook module imported by a test patches the pytest process for every later test (the
     pause hook made each asynchronous save here wait two minutes)."""
-    assert CheckpointManager._finish.__module__ == "torchtitan.components.checkpoint"
+    assert CheckpointManager._finish.__module__ == "torchtitan.components.checkpointing.manager"
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])

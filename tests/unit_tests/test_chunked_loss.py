@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.lora import LoRAConverter
-from torchtitan.components.loss import build_loss_fn
+from torchtitan.components.adapters.lora import LoRAConverter
+from torchtitan.components.training_loss import build_loss_fn
 from torchtitan.config import ConfigError, ConfigManager, LoRAConfig
 from torchtitan.layers import loss as loss_module
 from torchtitan.layers.loss import (

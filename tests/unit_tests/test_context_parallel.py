@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tests.launcher import run_torchrun
-from torchtitan.distributed.context_parallel import (
+from torchtitan.distributed.context_parallel.attention import (
     ContextParallelAttention,
     _rank_major_chunks,
     _to_global_order,

@@ -13,7 +13,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import ConfigManager, TrainingConfig
 from torchtitan.tools import cpu_precision
 from torchtitan.tools.cpu_precision import NATIVE_RATIO, resolve_cpu_precision
-from torchtitan.tools.utils import PeakFlops
+from torchtitan.tools.peaks import PeakFlops
 
 
 @pytest.fixture

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.tokenizer import ByteTokenizer
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.datasets import merge_data_states
-from torchtitan.datasets.blend import Blend
-from torchtitan.datasets.prepare import DEFAULT_SHARD_TOKENS, prepare
-from torchtitan.datasets.shuffle import BlockShuffle
+from torchtitan.data import merge_data_states
+from torchtitan.data.blend import Blend
+from torchtitan.data.loader import build_dataloader
+from torchtitan.data.prepare import DEFAULT_SHARD_TOKENS, prepare
+from torchtitan.data.shuffle import BlockShuffle
+from torchtitan.data.tokenizers import ByteTokenizer
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
 GLOBAL_BATCH, SEQ_LEN = 8, 16

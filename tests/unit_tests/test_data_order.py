@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 import torch
 
-from torchtitan.components.dataloader import build_text_dataloader
-from torchtitan.components.tokenizer import ByteTokenizer
-from torchtitan.datasets import DatasetConfig, merge_data_states, register_dataset
+from torchtitan.data import DatasetConfig, merge_data_states, register_dataset
+from torchtitan.data.loader import build_text_dataloader
+from torchtitan.data.tokenizers import ByteTokenizer
 
 GLOBAL_BATCH = 8
 SHARDS = 8
@@ -308,8 +308,8 @@ def test_finite_loader_resumes_mid_iteration():
 GLOO_PROBE = """
 import hashlib, json, os, sys
 import torch.distributed as dist
-from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.tokenizer import ByteTokenizer
+from torchtitan.data.loader import build_dataloader
+from torchtitan.data.tokenizers import ByteTokenizer
 from torchtitan.distributed import ParallelDims
 dist.init_process_group("gloo")
 dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
@@ -323,7 +323,7 @@ rows = [x + [y[-1]] for inputs, labels in loader \
 for x, y in zip(inputs["input"].tolist(), labels.tolist())]
 with open(os.path.join(os.environ["PROBE_DIR"], f"{dist.get_rank()}.json"), "w") as f:
     json.dump(rows, f)
-from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 leave_together()
 exit_skipping_static_destructors(0)
 """

@@ -5,9 +5,7 @@ import random
 import pytest
 import torch
 
-from torchtitan.components.dataloader import build_dataloader, build_text_dataloader
-from torchtitan.components.tokenizer import ByteTokenizer
-from torchtitan.datasets import (
+from torchtitan.data import (
     DatasetConfig,
     corpus_fingerprint,
     get_dataset_config,
@@ -16,7 +14,9 @@ from torchtitan.datasets import (
     registered_datasets,
     stdlib,
 )
-from torchtitan.datasets.sources import StreamedDocuments
+from torchtitan.data.loader import build_dataloader, build_text_dataloader
+from torchtitan.data.shards import StreamedDocuments
+from torchtitan.data.tokenizers import ByteTokenizer
 
 TINY_DOCS = [
     "alpha beta",

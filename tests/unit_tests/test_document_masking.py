@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from tests.launcher import run_command
 from tests.layouts import single_process_dims
-from torchtitan.components.batch import MicroBatch, model_inputs
 from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.data.micro_batch import MicroBatch, model_inputs
 from torchtitan.layers.attention import FlexAttention, MaskSpec, document_positions, prepare_mask
 from torchtitan.layers.blockwise_attention import blockwise_attention, build_block_plan, visible
 from torchtitan.models.llama3.flavors import llama3_flavors

@@ -18,8 +18,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from torchtitan.components import mxfp4  # noqa: E402
-from torchtitan.components.hf_checkpoint import load_hf_weights  # noqa: E402
+from torchtitan.components.checkpointing import mxfp4  # noqa: E402
+from torchtitan.components.checkpointing.huggingface import load_hf_weights  # noqa: E402
 from torchtitan.layers import moe as moe_layer  # noqa: E402
 from torchtitan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe  # noqa: E402
 from torchtitan.models.gpt_oss.flavors import gpt_oss_flavors  # noqa: E402

@@ -45,7 +45,7 @@ def test_trainer_on_one_gpu_learns_in_bf16(tmp_path):
 
 
 def test_fused_adamw_is_used_on_cuda():
-    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.components.optimizers.builder import build_optimizers
     from torchtitan.config import ConfigManager
 
     model = torch.nn.Linear(4, 4).cuda()

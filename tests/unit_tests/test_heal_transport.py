@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.crafted_checkpoints import Payload
-from torchtitan.components.safe_loading import load_plain_state
+from torchtitan.components.checkpointing.safe_loading import load_plain_state
 from torchtitan.config.errors import UserInputError
 from torchtitan.distributed.heal_transport import HealRefused, SafeHTTPTransport
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan.components.lora import LoRAConverter, select_targets
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.adapters.lora import LoRAConverter, select_targets
+from torchtitan.components.adapters.lora_linear import merged_weight
+from torchtitan.components.optimizers.builder import build_optimizers
 from torchtitan.config import ConfigError, ConfigManager, LoRAConfig
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
-from torchtitan.layers.lora import merged_weight
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.qwen3.flavors import qwen3_flavors

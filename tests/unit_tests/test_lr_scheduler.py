@@ -3,8 +3,12 @@ import math
 import pytest
 import torch
 
-from torchtitan.components.lr_scheduler import build_lr_schedulers, lr_factor, schedule_lengths
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optimizers.builder import build_optimizers
+from torchtitan.components.optimizers.lr_schedule import (
+    build_lr_schedulers,
+    lr_factor,
+    schedule_lengths,
+)
 from torchtitan.config import ConfigManager
 
 

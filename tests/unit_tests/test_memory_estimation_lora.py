@@ -9,8 +9,8 @@ import torch
 
 from tests.launcher import REPO_ROOT
 from tests.unit_tests.test_memory_estimation import TINY
-from torchtitan.components.lora import select_targets, trainable_summary
-from torchtitan.components.qlora import (
+from torchtitan.components.adapters.lora import select_targets, trainable_summary
+from torchtitan.components.adapters.qlora import (
     NF4_BYTES_PER_VALUE,
     QUANTIZE_BYTES_PER_VALUE,
     QUANTIZE_SCRATCH_BYTES,

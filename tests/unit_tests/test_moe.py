@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components.optimizer import build_moe_optimizers
+from torchtitan.components.optimizers.builder import build_moe_optimizers
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.layers.moe import (
     GroupedExperts,

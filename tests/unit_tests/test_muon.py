@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from torchtitan.components import muon as muon_module
-from torchtitan.components.optimizer import build_optimizers, muon_split
+from torchtitan.components.optimizers import muon as muon_module
+from torchtitan.components.optimizers.builder import build_optimizers, muon_split
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.config.checks import check_job_config
 from torchtitan.models.llama3.flavors import llama3_flavors

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optimizers.builder import build_optimizers
 from torchtitan.config import ConfigManager
 
 

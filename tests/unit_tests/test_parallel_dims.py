@@ -154,7 +154,7 @@ m = pd.world_mesh
 out = {n: [m[n].size(), m[n].get_local_rank()] for n in m.view_names}
 with open(os.path.join(os.environ["PROBE_DIR"], f"{dist.get_rank()}.json"), "w") as f:
     json.dump(out, f)
-from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 leave_together()
 exit_skipping_static_destructors(0)
 """

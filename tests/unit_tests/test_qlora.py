@@ -14,17 +14,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torchao.quantization import NF4Tensor, to_nf4
 
-from torchtitan.components.lora import LoRAConverter
-from torchtitan.components.optimizer import build_optimizers
-from torchtitan.components.qlora import (
+from torchtitan.components.adapters.lora import LoRAConverter
+from torchtitan.components.adapters.lora_linear import merged_weight
+from torchtitan.components.adapters.qlora import (
     NF4_BYTES_PER_VALUE,
     QUANTIZE_BYTES_PER_VALUE,
     QUANTIZE_SCRATCH_BYTES,
     PendingBase,
     own_storage,
 )
+from torchtitan.components.optimizers.builder import build_optimizers
 from torchtitan.config import ConfigError, ConfigManager, LoRAConfig
-from torchtitan.layers.lora import merged_weight
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.preflight import preflight

@@ -13,11 +13,11 @@ import torch.distributed.checkpoint as dcp
 from torchao.quantization import NF4Tensor, to_nf4
 
 from tests.layouts import single_process_dims
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.hf_checkpoint import save_hf_weights
-from torchtitan.components.lora import LoRAConverter
-from torchtitan.components.optimizer import build_optimizers
-from torchtitan.components.qlora import PendingBase
+from torchtitan.components.adapters.lora import LoRAConverter
+from torchtitan.components.adapters.qlora import PendingBase
+from torchtitan.components.checkpointing.huggingface import save_hf_weights
+from torchtitan.components.checkpointing.manager import CheckpointManager
+from torchtitan.components.optimizers.builder import build_optimizers
 from torchtitan.config import ConfigManager, LoRAConfig
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer

@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from torchtitan.components.hf_checkpoint import load_hf_weights  # noqa: E402
+from torchtitan.components.checkpointing.huggingface import load_hf_weights  # noqa: E402
 from torchtitan.layers import gated_deltanet  # noqa: E402
 from torchtitan.models.qwen3_5.args import FULL, LINEAR, Qwen3_5ModelArgs, qwen3_5_moe  # noqa: E402
 from torchtitan.models.qwen3_5.flavors import qwen3_5_flavors  # noqa: E402

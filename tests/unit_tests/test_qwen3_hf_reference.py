@@ -263,7 +263,7 @@ def test_aux_loss_free_flavors_do_not_export():
 def test_initial_load_and_last_save_in_hf_go_through_the_adapter(case, tmp_path):
     """What ``checkpoint.initial_load_in_hf`` / ``last_save_in_hf`` run (one process here;
     the layouts are covered for every model by the Llama 3 and DeepSeek-V3 interop tests)."""
-    from torchtitan.components.hf_checkpoint import load_hf_weights, save_hf_weights
+    from torchtitan.components.checkpointing.huggingface import load_hf_weights, save_hf_weights
 
     args, hf, _, folder = case
     loaded = our_model(args)

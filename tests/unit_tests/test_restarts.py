@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from torchtitan.components.safe_loading import MANIFEST_FILE
+from torchtitan.components.checkpointing.safe_loading import MANIFEST_FILE
 from torchtitan.distributed.launch import RestartReport, newest_full_checkpoint
 from torchtitan.distributed.restarts import (
     WORKER_START_ENV,

@@ -9,12 +9,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from torchtitan.components.dataloader import build_dataloader, build_text_dataloader
-from torchtitan.components.tokenizer import ByteTokenizer, HuggingFaceTokenizer
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.datasets import load_documents
-from torchtitan.datasets.chat_template import ChatEncoder
-from torchtitan.datasets.sft import ChatSample
+from torchtitan.data import load_documents
+from torchtitan.data.chat_template import ChatEncoder
+from torchtitan.data.loader import build_dataloader, build_text_dataloader
+from torchtitan.data.sft import ChatSample
+from torchtitan.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer
 from torchtitan.layers.loss import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Token stores (scripts/data/prepare.py, torchtitan/datasets/token_store.py): byte-identical
+"""Token stores (scripts/data/prepare.py, torchtitan/data/token_store.py): byte-identical
 whatever the worker count and after a kill, the same sequence stream as the text dataset they
 were made from, reading at random with a flat RSS, and one clear line for bad input."""
 
@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from tests.launcher import REPO_ROOT
-from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.tokenizer import ByteTokenizer
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.datasets.token_store import (
+from torchtitan.data.loader import build_dataloader
+from torchtitan.data.token_store import (
     DOCUMENT_DTYPE,
     DOCUMENTS,
     Manifest,
     TokenStore,
     shard_name,
 )
+from torchtitan.data.tokenizers import ByteTokenizer
 
 PREPARE = REPO_ROOT / "scripts" / "data" / "prepare.py"
 
@@ -231,7 +231,7 @@ def test_bad_input_is_one_line(stdlib_store, corpus, tmp_path):
     other = tmp_path / "other_tokenizer"
     _tokenizer_folder(other)
     with pytest.raises(ConfigError, match=r"made with another tokenizer"):
-        from torchtitan.components.tokenizer import HuggingFaceTokenizer
+        from torchtitan.data.tokenizers import HuggingFaceTokenizer
 
         config = ConfigManager().parse_args(
             ["--training.dataset", "tokens", "--training.dataset_path", str(stdlib_store)]
@@ -269,7 +269,7 @@ def _tokenizer_folder(folder: Path) -> None:
 def test_a_store_resumes_and_reshards_like_a_text_dataset(stdlib_store):
     """Positions taken by two dp ranks, their merged state loaded by four: the next global
     batch is the same set of sequences."""
-    from torchtitan.datasets import merge_data_states
+    from torchtitan.data import merge_data_states
 
     args = ["--training.dataset", "tokens", "--training.dataset_path", str(stdlib_store)]
     config = ConfigManager().parse_args(

@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
 
-from torchtitan.components.tokenizer import ByteTokenizer, HuggingFaceTokenizer, build_tokenizer
 from torchtitan.config import ModelConfig
+from torchtitan.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = "def f(x):\n    return x + 1  # héllo ✓\n"

@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
-from torchtitan.components.tokenizer import ByteTokenizer
+from torchtitan.components.optimizers.builder import build_optimizers
+from torchtitan.components.optimizers.lr_schedule import build_lr_schedulers
 from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.data.loader import build_dataloader
+from torchtitan.data.tokenizers import ByteTokenizer
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.utils import set_determinism
+from torchtitan.distributed.process import set_determinism
 from torchtitan.recipe import cast_parameters
 from torchtitan.tools.profiling import maybe_enable_profiling
 
@@ -152,7 +152,7 @@ def test_bf16_training_with_another_compute_dtype_is_refused() -> None:
 
 
 def test_validation_loader_uses_validation_dataloader_options(monkeypatch) -> None:
-    from torchtitan.components import dataloader
+    from torchtitan.data import loader as dataloader
 
     requested = []
     built = dataloader.SequenceDataLoader.__init__
@@ -175,7 +175,7 @@ def test_validation_loader_uses_validation_dataloader_options(monkeypatch) -> No
 
 
 def test_flight_recorder_files_use_the_configured_prefix(tmp_path, monkeypatch) -> None:
-    from torchtitan.distributed.utils import _set_nccl_env
+    from torchtitan.distributed.process import _set_nccl_env
 
     monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", raising=False)
     config = _config("--job.dump_folder", str(tmp_path), "--comm.save_traces_file_prefix", "trace_")

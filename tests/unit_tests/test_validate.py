@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from tests.layouts import single_process_dims
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.tokenizer import ByteTokenizer
 from torchtitan.components.validate import build_validator
 from torchtitan.config import ConfigManager
-from torchtitan.datasets import DatasetConfig, register_dataset
+from torchtitan.data import DatasetConfig, register_dataset
+from torchtitan.data.tokenizers import ByteTokenizer
 from torchtitan.layers.loss import cross_entropy_sum
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer

@@ -13,7 +13,7 @@ from tests.launcher import REPO_ROOT
 
 WORKER = """
 import atexit, sys
-from torchtitan.distributed.utils import run_worker_entry_point
+from torchtitan.distributed.process import run_worker_entry_point
 
 class Finalized:
     def __del__(self):

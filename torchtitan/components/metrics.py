@@ -23,7 +23,7 @@ import torch
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
-from torchtitan.tools.utils import PeakFlops, peak_flops, peak_memory_gib
+from torchtitan.tools.peaks import PeakFlops, peak_flops, peak_memory_gib
 
 if TYPE_CHECKING:
     from torchtitan.config import MetricsConfig

@@ -2,7 +2,7 @@
 steps, logged to the console, TensorBoard and ``{dump_folder}/validation.jsonl``.
 
 Every pass starts from the beginning of the split and reads the same global sequences under
-any data-parallel layout (see ``torchtitan/datasets/packing.py``), so a layout changes the
+any data-parallel layout (see ``torchtitan/data/packing.py``), so a layout changes the
 validation loss only by rounding. Under context parallel each rank scores its share of every
 sequence; under pipeline parallel the training schedule runs forward only and the last stage
 scores the batch.
@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.batch import MicroBatch, model_inputs
-from torchtitan.components.dataloader import build_validation_dataloaders
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.data.loader import build_validation_dataloaders
+from torchtitan.data.micro_batch import MicroBatch, model_inputs
 from torchtitan.distributed import ParallelDims
 from torchtitan.layers.loss import GlobalTokenMeanLoss, LossFn, valid_tokens
 from torchtitan.tools.logging import logger

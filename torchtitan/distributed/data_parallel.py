@@ -8,7 +8,7 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: F401  (re-exported for components/checkpoint.py and scripts/generate)
+from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: F401  (re-exported for components/checkpointing/manager.py and scripts/generate)
 from torchtitan.tools.logging import logger
 
 

@@ -60,7 +60,9 @@ from torchtitan.distributed.restarts import (
 
 _WORKER_MONITOR_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 TRAINER_MODULE = "torchtitan.train"
-CHECKPOINT_MANIFEST = "checkpoint.json"  # torchtitan.components.safe_loading.MANIFEST_FILE
+CHECKPOINT_MANIFEST = (
+    "checkpoint.json"  # torchtitan.components.checkpointing.safe_loading.MANIFEST_FILE
+)
 
 
 def lowest_rank_error(report_file: Path) -> str | None:
@@ -85,8 +87,8 @@ def ended_on_user_error(failure: ChildFailedError, report_file: Path) -> bool:
 def newest_full_checkpoint(root: Path) -> int | None:
     """The step of the newest complete full checkpoint under ``root`` (what a restarted
     attempt resumes from, unless its files turn out to be corrupt), or None. Reads the layout
-    of ``torchtitan.components.checkpoint``, a layer above this one: ``step-N`` folders, each
-    complete once its manifest (written last) exists, which says whether it is model-only."""
+    of ``torchtitan.components.checkpointing``, a layer above this one: ``step-N`` folders,
+    each complete once its manifest (written last) exists, which says whether it is model-only."""
     steps = []
     for manifest in root.glob(f"step-*/{CHECKPOINT_MANIFEST}"):
         step = manifest.parent.name.removeprefix("step-")

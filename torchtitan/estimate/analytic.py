@@ -17,14 +17,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from torchtitan.components.lora import LORA, matches_target
-from torchtitan.components.muon import resolve_ns_dtype
-from torchtitan.components.qlora import (
+from torchtitan.components.adapters.lora import LORA, matches_target
+from torchtitan.components.adapters.qlora import (
     NF4_BYTES_PER_VALUE,
     QUANTIZE_BYTES_PER_VALUE,
     QUANTIZE_SCRATCH_BYTES,
     uses_nf4,
 )
+from torchtitan.components.optimizers.muon import resolve_ns_dtype
 from torchtitan.components.quantization import FLOAT8_LINEAR
 from torchtitan.config import ConfigError
 from torchtitan.distributed.activation_checkpoint import keeps_attention_output
@@ -1177,7 +1177,7 @@ def from_job_config(
     geometry = Geometry.from_model_args(model_args)
     if geometry is not None and LORA in job_config.model.converters:
         run = dataclasses.replace(run, lora=lora_from_config(job_config, geometry))
-    if run.lora is None or "output" not in run.lora.adapted:  # components/loss.py's choice
+    if run.lora is None or "output" not in run.lora.adapted:  # components/training_loss.py's choice
         run = dataclasses.replace(run, loss_chunk=training.loss_chunk_size)
     return geometry, layout, run
 

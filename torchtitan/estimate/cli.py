@@ -8,7 +8,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from torchtitan.components.lora import LORA
+from torchtitan.components.adapters.lora import LORA
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.distributed.parallel_dims import ParallelDims

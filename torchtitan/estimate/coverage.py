@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import os
 
-from torchtitan.components.lora import LORA
+from torchtitan.components.adapters.lora import LORA
 from torchtitan.components.quantization import FLOAT8_LINEAR
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims

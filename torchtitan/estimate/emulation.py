@@ -128,7 +128,7 @@ def cuda_kernel_emulation() -> Iterator[None]:
     to an emulation of the CUDA kernel's allocations, ring attention to the block math it
     runs on CUDA (the fused path is the CPU's flash kernel), and the chunked loss's weight
     gradient to CUDA's matmuls in the inputs' dtype (the CPU's upcasts them to fp32)."""
-    from torchtitan.distributed import context_parallel
+    from torchtitan.distributed.context_parallel import attention as context_parallel
     from torchtitan.layers import loss
 
     originals = {name: getattr(F, name) for name in _EMULATED_FUNCTIONALS}

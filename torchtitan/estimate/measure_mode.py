@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.parallel_dims import default_device_type
-from torchtitan.distributed.utils import init_distributed, leave_together
+from torchtitan.distributed.process import init_distributed, leave_together
 from torchtitan.estimate import report
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
 from torchtitan.estimate.emulation import fake_process_group

@@ -30,8 +30,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from torchtitan.components.batch import MicroBatch
 from torchtitan.config import ConfigError
+from torchtitan.data.micro_batch import MicroBatch
 from torchtitan.distributed.pipeline import microbatches
 from torchtitan.recipe import ForwardBackward, Recipe, StepObserver
 from torchtitan.tools.dtypes import TORCH_DTYPES

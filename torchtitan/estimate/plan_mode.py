@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from torchtitan.components.lora import LORA
+from torchtitan.components.adapters.lora import LORA
 from torchtitan.components.quantization import FLOAT8_LINEAR
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.checks import check_job_config

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from torchtitan.components.batch import MicroBatch
+from torchtitan.data.micro_batch import MicroBatch
 from torchtitan.estimate.pipeline_replay import PipelineReplay
 from torchtitan.recipe import Recipe, train_step
 

@@ -4,13 +4,13 @@ layers, a recurrent state cache) and checkpoint loading.
 The command-line entry point is ``scripts/generate/test_generate.py``.
 """
 
-from torchtitan.generation.checkpoint import (
+from torchtitan.generation.generate import generate, sample_next_token
+from torchtitan.generation.kv_cache import KVCacheAttention, RecurrentStateCache, kv_cache
+from torchtitan.generation.weights import (
     CheckpointError,
     load_model_weights,
     resolve_checkpoint_folder,
 )
-from torchtitan.generation.generate import generate, sample_next_token
-from torchtitan.generation.kv_cache import KVCacheAttention, RecurrentStateCache, kv_cache
 
 __all__ = [
     "CheckpointError",

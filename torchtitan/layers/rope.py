@@ -3,7 +3,7 @@
 Every model here rotates adjacent channel pairs ``(2i, 2i + 1)`` of a head at frequency
 ``i`` (Meta's layout). Hugging Face's Llama and Qwen3 rotate channel ``i`` with
 ``i + d / 2`` instead; their state-dict adapters permute the q/k weights between the two
-(:mod:`torchtitan.models.common.hf`).
+(:mod:`torchtitan.models.common.hf_keys`).
 
 Frequencies: plain (``theta ** (-2i / d)``), Llama 3.1 scaling and YaRN. A table holds one
 row per position: cos of every frequency in the first half, sin in the second.

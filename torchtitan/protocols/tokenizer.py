@@ -1,5 +1,5 @@
 """What the data pipeline and the models expect of a tokenizer (implementations:
-``torchtitan/components/tokenizer.py``)."""
+``torchtitan/data/tokenizers.py``)."""
 
 from __future__ import annotations
 

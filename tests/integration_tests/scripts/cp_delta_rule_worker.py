@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import torchtitan.distributed.context_parallel_linear as cpl
-from torchtitan.distributed.context_parallel import cp_shard
-from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+import torchtitan.distributed.context_parallel.delta_rule as cpl
+from torchtitan.distributed.context_parallel.attention import cp_shard
+from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 from torchtitan.layers.gated_deltanet import DeltaRule, RecurrentSpec, l2_normalize
 
 BATCH, HEADS, K_DIM, V_DIM, CHANNELS, KERNEL, RULE_CHUNK = 2, 4, 8, 6, 12, 4, 8

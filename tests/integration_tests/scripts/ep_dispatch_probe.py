@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.distributed.expert_parallel import combine, dispatch
-from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 
 EXPERTS, DIM = 8, 3
 

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.hf_checkpoint import load_hf_weights, save_hf_weights
+from torchtitan.components.checkpointing.huggingface import load_hf_weights, save_hf_weights
 from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
-from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 from torchtitan.models.deepseek_v3.state_dict_adapter import from_hf_config as deepseek_v3_args
 from torchtitan.models.llama3.state_dict_adapter import from_hf_config as llama3_args
 from torchtitan.protocols import get_train_spec

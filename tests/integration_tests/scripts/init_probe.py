@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
-from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 from torchtitan.layers.init import clean_fqn
 from torchtitan.protocols import get_train_spec
 from torchtitan.recipe import parallelize_settings

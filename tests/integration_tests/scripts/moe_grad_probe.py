@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
-from torchtitan.distributed.utils import (
+from torchtitan.distributed.process import (
     clip_grad_norm_,
     exit_skipping_static_destructors,
     leave_together,

@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from torchtitan.components.muon import Muon
-from torchtitan.distributed.utils import exit_skipping_static_destructors, leave_together
+from torchtitan.components.optimizers.muon import Muon
+from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 
 SETTINGS = dict(
     lr=0.02,

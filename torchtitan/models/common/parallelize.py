@@ -23,12 +23,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.components.lora import with_lora_styles
+from torchtitan.components.adapters.lora import with_lora_styles
 from torchtitan.components.quantization import float8_tensorwise_tp, with_float8_styles
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac, keeps_attention_output
-from torchtitan.distributed.context_parallel import apply_cp, has_local_attention
-from torchtitan.distributed.context_parallel_linear import apply_cp_to_delta_rules
+from torchtitan.distributed.context_parallel.attention import apply_cp, has_local_attention
+from torchtitan.distributed.context_parallel.delta_rule import apply_cp_to_delta_rules
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward_policy
 from torchtitan.distributed.expert_parallel import apply_expert_fsdp, parallelize_moe
 from torchtitan.layers.decoder import Decoder, TransformerBlock

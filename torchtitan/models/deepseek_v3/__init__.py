@@ -1,7 +1,7 @@
 """DeepSeek-V3 train spec: MLA attention, MoE with expert parallel and aux-loss-free load
 balancing (the optimizer builder adds the expert-bias update)."""
 
-from torchtitan.models.common.train_spec import decoder_train_spec
+from torchtitan.models.common.spec_builder import decoder_train_spec
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.flavors import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model

@@ -1,5 +1,5 @@
 """Conversion between our DeepSeek-V3 checkpoints and Hugging Face ``DeepseekV3ForCausalLM``
-(key tables: ``models/common/hf.py``).
+(key tables: ``models/common/hf_keys.py``).
 
 ``to_hf`` writes the layout of the published safetensors files (and of transformers'
 ``save_pretrained``): one ``mlp.experts.{e}.{gate,up,down}_proj.weight`` per expert.
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan.layers.moe import MoEArgs
-from torchtitan.models.common.hf import (
+from torchtitan.models.common.hf_keys import (
     DENSE_BLOCK,
     ROUTER,
     DecoderStateDictAdapter,

@@ -1,6 +1,6 @@
 """gpt-oss train spec (20B, 120B and a CPU debug flavor)."""
 
-from torchtitan.models.common.train_spec import decoder_train_spec
+from torchtitan.models.common.spec_builder import decoder_train_spec
 from torchtitan.models.gpt_oss.args import GptOssModelArgs
 from torchtitan.models.gpt_oss.flavors import gpt_oss_flavors
 from torchtitan.models.gpt_oss.model import GptOssModel

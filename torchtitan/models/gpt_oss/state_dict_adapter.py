@@ -6,8 +6,9 @@ keeps fused and transposed (``gate_up_proj`` ``[E, dim, 2 * hidden]`` with gate 
 interleaved column by column, ``down_proj`` ``[E, hidden, dim]``, a bias for each), split
 into ``w1``/``w3`` ``[E, hidden, dim]`` and ``w2`` ``[E, dim, hidden]`` with ``b1``/``b3``/``b2``.
 All of it is re-indexing, so round trips are bit-exact. Published checkpoints store the expert
-weights as MXFP4 blocks and scales; the loader dequantises them (``components/mxfp4.py``)
-before this adapter sees them. Export writes plain tensors (the export dtype).
+weights as MXFP4 blocks and scales; the loader dequantises them
+(``components/checkpointing/mxfp4.py``) before this adapter sees them. Export writes plain
+tensors (the export dtype).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.common.hf import (
+from torchtitan.models.common.hf_keys import (
     GQA,
     DecoderStateDictAdapter,
     check_same_fields,

@@ -1,6 +1,6 @@
 """Llama 3 train spec."""
 
-from torchtitan.models.common.train_spec import decoder_train_spec
+from torchtitan.models.common.spec_builder import decoder_train_spec
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer

@@ -1,6 +1,6 @@
 """Conversion between our Llama 3 checkpoints and Hugging Face ``LlamaForCausalLM``.
 
-Besides renaming keys (``models/common/hf.py``), the q/k projections are permuted: we
+Besides renaming keys (``models/common/hf_keys.py``), the q/k projections are permuted: we
 rotate adjacent channel pairs ``(2i, 2i + 1)`` of each head (Meta's layout), while Hugging
 Face rotates channel ``i`` with ``i + head_dim / 2`` ("rotate half"). The permutations are
 pure re-indexing, so a round trip is bit-exact.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torchtitan.models.common.hf import (
+from torchtitan.models.common.hf_keys import (
     DENSE_BLOCK,
     GQA,
     DecoderStateDictAdapter,

@@ -1,7 +1,7 @@
 """Qwen3 train spec: dense and MoE flavors (for MoE flavors with aux-loss-free balancing the
 optimizer builder adds the expert-bias update)."""
 
-from torchtitan.models.common.train_spec import decoder_train_spec
+from torchtitan.models.common.spec_builder import decoder_train_spec
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.flavors import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model

@@ -1,5 +1,5 @@
 """Conversion between our Qwen3 checkpoints and Hugging Face ``Qwen3ForCausalLM`` /
-``Qwen3MoeForCausalLM`` (key tables: ``models/common/hf.py``).
+``Qwen3MoeForCausalLM`` (key tables: ``models/common/hf_keys.py``).
 
 Besides renaming keys, the q/k projections and the per-head q/k norm weights are permuted
 between our interleaved RoPE layout and Hugging Face's rotate-half one (pure re-indexing, so
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan.layers.moe import MoEArgs
-from torchtitan.models.common.hf import (
+from torchtitan.models.common.hf_keys import (
     DENSE_BLOCK,
     GQA,
     ROUTER,

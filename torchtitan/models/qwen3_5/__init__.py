@@ -1,6 +1,6 @@
 """Qwen3.5 train spec: hybrid Gated DeltaNet / gated attention text models, dense and MoE."""
 
-from torchtitan.models.common.train_spec import decoder_train_spec
+from torchtitan.models.common.spec_builder import decoder_train_spec
 from torchtitan.models.qwen3_5.args import Qwen3_5ModelArgs
 from torchtitan.models.qwen3_5.flavors import qwen3_5_flavors
 from torchtitan.models.qwen3_5.model import Qwen3_5Model

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.common.hf import (
+from torchtitan.models.common.hf_keys import (
     DENSE_BLOCK,
     GQA,
     ROUTER,

@@ -1,6 +1,6 @@
 """Data loaders of packed text sequences whose order does not depend on the dp layout.
 
-See ``torchtitan/datasets/packing.py`` for the order and the state. Batches are
+See ``torchtitan/data/packing.py`` for the order and the state. Batches are
 ``({"input": LongTensor[B, seq_len], "document_ids": IntTensor[B, seq_len]},
 labels LongTensor[B, seq_len])``: ``document_ids[b, p]`` numbers the documents of sample ``b``
 from 0 along the sequence, so two positions share an id exactly when they come from the same
@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from torchtitan.components.data_sources import (
+from torchtitan.config.errors import ConfigError
+from torchtitan.data import ShardedTextDataset, load_documents
+from torchtitan.data.encoding import encoding
+from torchtitan.data.mixture import MixedDataset
+from torchtitan.data.packing import PartitionItem, Sample
+from torchtitan.data.token_loaders import (
     source_configs,
     source_name,
     training_dataset,
     uses_sources,
     validation_datasets,
 )
-from torchtitan.config.errors import ConfigError
-from torchtitan.datasets import ShardedTextDataset, load_documents
-from torchtitan.datasets.encoding import encoding
-from torchtitan.datasets.mixture import MixedDataset
-from torchtitan.datasets.packing import PartitionItem, Sample
 from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 

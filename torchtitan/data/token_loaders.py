@@ -1,6 +1,6 @@
 """Loaders over token stores and data mixtures: ``dataset = "tokens"`` (one store at
 ``dataset_path``) and ``dataset = "mixture"`` (the ``dataset_mixture`` sources), for training
-(an endless blended stream, ``torchtitan/datasets/mixture.py``) and validation (each source on
+(an endless blended stream, ``torchtitan/data/mixture.py``) and validation (each source on
 its own, one pass)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from torchtitan.config import DataSourceConfig
 from torchtitan.config.errors import ConfigError
-from torchtitan.datasets import ShardedTextDataset, load_documents
-from torchtitan.datasets.encoding import encoding
-from torchtitan.datasets.mixture import (
+from torchtitan.data import ShardedTextDataset, load_documents
+from torchtitan.data.encoding import encoding
+from torchtitan.data.mixture import (
     MixedDataset,
     Source,
     StoreSource,
@@ -20,8 +20,8 @@ from torchtitan.datasets.mixture import (
     Weighted,
     shuffle_for,
 )
-from torchtitan.datasets.store_packing import FiniteStoreDataset, StoreSequences
-from torchtitan.datasets.token_store import StoreError, TokenStore
+from torchtitan.data.store_packing import FiniteStoreDataset, StoreSequences
+from torchtitan.data.token_store import StoreError, TokenStore
 from torchtitan.protocols.tokenizer import BaseTokenizer
 
 if TYPE_CHECKING:

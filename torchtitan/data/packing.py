@@ -52,8 +52,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.datasets.registry import Documents, is_indexable
-from torchtitan.datasets.sources import IndexedDocuments, ShardedDocuments, StreamedDocuments
+from torchtitan.data.registry import Documents, is_indexable
+from torchtitan.data.shards import IndexedDocuments, ShardedDocuments, StreamedDocuments
 from torchtitan.layers.loss import IGNORE_INDEX
 
 logger = logging.getLogger("torchtitan")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan.datasets.chat_template import ChatEncoder
-from torchtitan.datasets.packing import EncodedDocument, Encoder
-from torchtitan.datasets.registry import DatasetConfig
+from torchtitan.data.chat_template import ChatEncoder
+from torchtitan.data.packing import EncodedDocument, Encoder
+from torchtitan.data.registry import DatasetConfig
 from torchtitan.protocols.tokenizer import BaseTokenizer
 
 

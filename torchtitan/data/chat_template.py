@@ -21,8 +21,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.datasets.packing import EncodedDocument
-from torchtitan.datasets.sft import ChatSample
+from torchtitan.data.packing import EncodedDocument
+from torchtitan.data.sft import ChatSample
 from torchtitan.protocols.tokenizer import BaseTokenizer
 
 Piece = tuple[str, bool]  # (text, trained)

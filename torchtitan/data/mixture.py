@@ -26,10 +26,10 @@ from typing import Any, Protocol
 
 from torch.utils.data import IterableDataset
 
-from torchtitan.datasets.blend import Blend
-from torchtitan.datasets.packing import Sample, ShardedTextDataset
-from torchtitan.datasets.shuffle import BlockShuffle
-from torchtitan.datasets.store_packing import StoreSequences
+from torchtitan.data.blend import Blend
+from torchtitan.data.packing import Sample, ShardedTextDataset
+from torchtitan.data.shuffle import BlockShuffle
+from torchtitan.data.store_packing import StoreSequences
 
 logger = logging.getLogger("torchtitan")
 

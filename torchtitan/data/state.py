@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan.datasets.mixture import merge_mixture_states
-from torchtitan.datasets.packing import merge_shard_states
+from torchtitan.data.mixture import merge_mixture_states
+from torchtitan.data.packing import merge_shard_states
 
 
 def merge_data_states(states: list[dict[str, Any]], partial: bool = False) -> dict[str, Any]:

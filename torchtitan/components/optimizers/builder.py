@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.muon import NS_DTYPES, Muon, resolve_ns_dtype
+from torchtitan.components.optimizers.muon import NS_DTYPES, Muon, resolve_ns_dtype
 from torchtitan.config import ConfigError
 from torchtitan.layers.moe import moe_layers, update_expert_biases
 from torchtitan.tools.logging import logger

@@ -42,10 +42,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from torchtitan.components.hf_checkpoint import HFCheckpointError, load_hf_weights, save_hf_weights
-from torchtitan.components.peft_adapters import load_peft_adapter, save_peft_adapter
-from torchtitan.components.qlora import PendingBase
-from torchtitan.components.safe_loading import (
+from torchtitan.components.adapters.lora_linear import is_lora_param
+from torchtitan.components.adapters.peft import load_peft_adapter, save_peft_adapter
+from torchtitan.components.adapters.qlora import PendingBase
+from torchtitan.components.checkpointing.huggingface import (
+    HFCheckpointError,
+    load_hf_weights,
+    save_hf_weights,
+)
+from torchtitan.components.checkpointing.safe_loading import (
     MANIFEST_FILE,
     LoadError,
     check_dcp_folder,
@@ -53,9 +58,8 @@ from torchtitan.components.safe_loading import (
     read_dcp_metadata,
 )
 from torchtitan.config import ConfigError
-from torchtitan.datasets.state import merge_data_states
+from torchtitan.data.state import merge_data_states
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
-from torchtitan.layers.lora import is_lora_param
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ class DatasetConfig:
 
     ``uses_path``: the loader reads the config's ``dataset_path`` (required then); datasets that
     do not use it reject a set path rather than silently ignore it.
-    ``chat``: the documents are chat samples (``torchtitan.datasets.sft.ChatSample``): only
+    ``chat``: the documents are chat samples (``torchtitan.data.sft.ChatSample``): only
     their assistant turns are trained, and each is packed whole into a sequence.
     """
 

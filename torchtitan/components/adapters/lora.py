@@ -1,10 +1,10 @@
 """LoRA fine-tuning: the ``lora`` model converter and the tensor-parallel styles of adapted
 linears.
 
-The converter attaches adapters (``layers/lora.py``) to the linears that ``lora.target_modules``
-selects and freezes every other parameter, so the base gets no gradients, no optimizer state
-and no share of the gradient norm. Under tensor parallel the adapters are placed so that the
-adapted layer computes exactly what one device computes:
+The converter attaches adapters (``lora_linear.py``) to the linears that
+``lora.target_modules`` selects and freezes every other parameter, so the base gets no
+gradients, no optimizer state and no share of the gradient norm. Under tensor parallel the
+adapters are placed so that the adapted layer computes exactly what one device computes:
 
 * column-wise base (q/k/v, w1/w3, output; weight ``Shard(0)``): ``lora_a`` replicated,
   ``lora_b`` ``Shard(0)``, so the adapter's output is sharded like the base's;
@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from torchtitan.components.adapters.lora_linear import add_lora, has_lora
 from torchtitan.config.errors import ConfigError
-from torchtitan.layers.lora import add_lora, has_lora
 from torchtitan.layers.moe import GroupedExperts
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger

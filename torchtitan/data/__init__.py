@@ -9,9 +9,10 @@ files at ``dataset_path``), ``sft`` / ``chat`` (chat fine-tuning samples in loca
 
 from functools import partial
 
-from torchtitan.datasets import hf, sft, stdlib
-from torchtitan.datasets.packing import ShardCursor, ShardedTextDataset
-from torchtitan.datasets.registry import (
+from torchtitan.data import hf_datasets as hf
+from torchtitan.data import sft, stdlib
+from torchtitan.data.packing import ShardCursor, ShardedTextDataset
+from torchtitan.data.registry import (
     DatasetConfig,
     Documents,
     get_dataset_config,
@@ -19,8 +20,8 @@ from torchtitan.datasets.registry import (
     register_dataset,
     registered_datasets,
 )
-from torchtitan.datasets.state import merge_data_states
-from torchtitan.datasets.stdlib import corpus_fingerprint
+from torchtitan.data.state import merge_data_states
+from torchtitan.data.stdlib import corpus_fingerprint
 
 __all__ = [
     "DatasetConfig",

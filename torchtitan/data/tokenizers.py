@@ -1,6 +1,6 @@
 """Tokenizers: a file-free byte tokenizer and a wrapper around HuggingFace ``tokenizer.json``.
 
-Both carry a chat template (Jinja2 source, rendered in a sandbox by ``torchtitan.datasets``)
+Both carry a chat template (Jinja2 source, rendered in a sandbox by ``torchtitan.data``)
 for fine-tuning on chat data: the byte tokenizer a small built-in one, a HuggingFace tokenizer
 the one it ships (``chat_template.jinja``, else ``chat_template`` in ``tokenizer_config.json``).
 """

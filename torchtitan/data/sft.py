@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan.datasets.hf import data_files
+from torchtitan.data.hf_datasets import data_files
 
 ROLES = ("system", "user", "assistant")
 _FORMATS = (

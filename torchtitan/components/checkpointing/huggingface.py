@@ -10,7 +10,7 @@ full model. Saving gathers one parameter at a time; the first rank of each pipel
 writes that stage's file, rank 0 writes the index and ``config.json``. Parameters are
 exported in ``export_dtype``; buffers (DeepSeek-V3's expert bias) keep their own dtype.
 Tensors stored as MXFP4 blocks and scales (gpt-oss's released experts) load dequantised
-(``components/mxfp4.py``); exports are never quantised.
+(``components/checkpointing/mxfp4.py``); exports are never quantised.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchtitan.components import mxfp4
-from torchtitan.components.safe_loading import (
+from torchtitan.components.adapters.lora_linear import adapted_linears, is_lora_param, merged_weight
+from torchtitan.components.checkpointing import mxfp4
+from torchtitan.components.checkpointing.safe_loading import (
     LoadError,
     open_safetensors,
     read_hf_config,
@@ -38,7 +39,6 @@ from torchtitan.components.safe_loading import (
 )
 from torchtitan.config.errors import UserInputError
 from torchtitan.layers.init import clean_fqn
-from torchtitan.layers.lora import adapted_linears, is_lora_param, merged_weight
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.logging import logger
 

@@ -1,12 +1,12 @@
 """Context parallelism for the Gated DeltaNet mixer (linear attention): the convolution's
 tails and the delta rule's state travel between the ranks of the ``cp`` mesh.
 
-Layout. Exactly that of :mod:`torchtitan.distributed.context_parallel` (:func:`_chunk_ids`):
-a sequence of length ``S`` is cut into ``n`` chunks of ``L = S / n`` tokens, ``n = 2 * cp``
-under ``"headtail"`` (rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, in that order) and
-``n = cp`` under ``"none"`` (rank ``r`` holds chunk ``r``). The kernel's mask is the document
-ids of the whole sequences ``[batch, S]`` (the model passes them unsharded; None without
-``block_causal``); the tensors are the rank's shard (``S_local = S / cp``).
+Layout. Exactly that of :mod:`torchtitan.distributed.context_parallel.attention`
+(:func:`_chunk_ids`): a sequence of length ``S`` is cut into ``n`` chunks of ``L = S / n``
+tokens, ``n = 2 * cp`` under ``"headtail"`` (rank ``r`` holds chunks ``r`` and ``2 * cp - 1 -
+r``, in that order) and ``n = cp`` under ``"none"`` (rank ``r`` holds chunk ``r``). The kernel's
+mask is the document ids of the whole sequences ``[batch, S]`` (the model passes them unsharded;
+None without ``block_causal``); the tensors are the rank's shard (``S_local = S / cp``).
 
 :class:`ContextParallelDeltaRule` replaces :class:`~torchtitan.layers.gated_deltanet.DeltaRule`
 and computes exactly what it computes on the whole sequence (forward and backward):
@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.distributed.context_parallel import (
+from torchtitan.distributed.context_parallel.attention import (
     _AllGather,
     _chunk_ids,
     _chunk_size,
@@ -266,7 +266,7 @@ def _conv_contexts(x: torch.Tensor, kernel: int, chain: _Chain) -> dict[int, tor
 class ContextParallelDeltaRule(DeltaRule):
     """:class:`DeltaRule` over sequences sharded across ``cp_mesh`` (see the module
     docstring): ``conv`` and ``forward`` take this rank's shard (cut by
-    :func:`~torchtitan.distributed.context_parallel.cp_shard` with the same
+    :func:`~torchtitan.distributed.context_parallel.attention.cp_shard` with the same
     ``load_balancer``) and return this rank's shard of the result; the mask is the document
     ids of the whole sequences (None without ``block_causal``)."""
 
@@ -330,7 +330,7 @@ def apply_cp_to_delta_rules(model: nn.Module, cp_mesh: DeviceMesh, load_balancer
     """Replace every ``inner_rule`` :class:`DeltaRule` in ``model`` (exactly that class: one
     already context parallel stays) with a :class:`ContextParallelDeltaRule` of the same
     chunk size and mask; returns how many were replaced. The attention layers are
-    :func:`~torchtitan.distributed.context_parallel.apply_cp`'s."""
+    :func:`~torchtitan.distributed.context_parallel.attention.apply_cp`'s."""
     owners = [m for m in model.modules() if type(getattr(m, "inner_rule", None)) is DeltaRule]
     for owner in owners:
         rule = owner.inner_rule

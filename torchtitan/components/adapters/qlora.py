@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.adapters.lora_linear import has_lora
 from torchtitan.config.errors import ConfigError
 from torchtitan.layers.init import clean_fqn
-from torchtitan.layers.lora import has_lora
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:

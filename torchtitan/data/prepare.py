@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.datasets.token_store import (
+from torchtitan.data.token_store import (
     DOCUMENT_DTYPE,
     DOCUMENTS,
     MANIFEST,
@@ -133,7 +133,7 @@ def _json_text(line: str, path: Path, number: int, text_field: str) -> str:
 
 def dataset_texts(name: str, path: str | None) -> Iterator[str]:
     """The documents of a registered text dataset, in its order."""
-    from torchtitan.datasets.registry import load_documents
+    from torchtitan.data.registry import load_documents
 
     try:
         config, documents = load_documents(name, path, section="prepare")

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_moe_optimizers, build_optimizers
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.optimizers.builder import build_moe_optimizers, build_optimizers
+from torchtitan.components.optimizers.lr_schedule import build_lr_schedulers
 from torchtitan.components.validate import build_validator
+from torchtitan.data.loader import build_dataloader
+from torchtitan.data.tokenizers import build_tokenizer
 from torchtitan.distributed.pipeline import pipeline_llm
 from torchtitan.layers.loss import build_cross_entropy_loss
 from torchtitan.protocols.model import BaseModelArgs

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from torchtitan.datasets.packing import Sample
-from torchtitan.datasets.token_store import TokenStore
+from torchtitan.data.packing import Sample
+from torchtitan.data.token_store import TokenStore
 
 
 class ShardLayout:

@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.hf_checkpoint import copy_full_into
-from torchtitan.components.safe_loading import LoadError, open_safetensors
+from torchtitan.components.adapters.lora_linear import adapted_linears
+from torchtitan.components.checkpointing.huggingface import copy_full_into
+from torchtitan.components.checkpointing.safe_loading import LoadError, open_safetensors
 from torchtitan.config.errors import ConfigError
-from torchtitan.layers.lora import adapted_linears
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from torchtitan.components.adapters.lora_linear import has_lora
 from torchtitan.config import CompileConfig, ConfigError, TrainingConfig
-from torchtitan.layers.lora import has_lora
 from torchtitan.layers.loss import (
     MIN_AUTO_CHUNK,
     GlobalTokenMeanLoss,
