@@ -7,12 +7,14 @@ once, and both see it.
 * the build sequence: model on meta -> converters -> parallelize (or split into pipeline
   stages) -> materialize and init -> optimizers -> LR schedulers;
 * the train context every forward and backward runs in (loss parallel, autocast);
-* one ``train_step``: zero_grad -> forward/loss/backward per micro-batch (context-parallel
-  sharding of the batch) -> clip -> optimizer and LR step.
+* one step in two calls: ``compute_gradients`` (zero_grad -> forward/loss/backward per
+  micro-batch, with context-parallel sharding of the batch -> clip), which returns a
+  ``StepResult``, then ``apply_step`` (optimizer and LR step); ``train_step`` runs both.
 
-The trainer keeps its loop, checkpointing, metrics, validation and signals; it joins the
-step through ``before_optimizer_step``. The estimator observes the step through a
-``StepObserver`` and replays pipeline schedules on fake tensors through ``forward_backward``.
+The trainer keeps its loop, checkpointing, metrics, validation and signals, and decides
+between the two calls whether the step applies (its non-finite and stop checks). The
+estimator observes the step through a ``StepObserver`` and replays pipeline schedules on fake
+tensors through ``forward_backward``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.adapters.qlora import PendingBase, uses_nf4
@@ -377,7 +380,7 @@ def train_context_factory(
 
 # ---------------------------------------------------------------------------- the step
 ForwardBackward = Callable[[Recipe, MicroBatch, StepObserver], "torch.Tensor | None"]
-BeforeOptimizerStep = Callable[[list, torch.Tensor], bool]
+
 
 
 def forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> torch.Tensor:
@@ -436,33 +439,45 @@ def global_valid_tokens(recipe: Recipe, batches: list[MicroBatch]) -> torch.Tens
     return tokens
 
 
-def _always(losses: list, grad_norm: torch.Tensor) -> bool:
-    return True
+@dataclass
+class StepResult:
+    """What a step's forward and backward leave for the decision to apply it."""
+
+    tokens: torch.Tensor
+    """The global batch's valid tokens (a device tensor)."""
+    losses: list[torch.Tensor]
+    """Per micro-batch (one under fault-tolerant HSDP), detached; their sum is this rank's
+    share of the global mean loss."""
+    grad_norm: torch.Tensor
+    """The pre-clip gradient norm."""
+    committed: bool = True
+    """Under fault-tolerant HSDP: whether enough replica groups took part to apply it."""
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """This rank's share of the loss (under loss parallel the local value of the
+        replicated DTensor)."""
+        local = [x.full_tensor() if isinstance(x, DTensor) else x for x in self.losses]
+        return torch.stack(local).sum()
 
 
-def train_step(
+def compute_gradients(
     recipe: Recipe,
     next_batch: NextBatch,
     *,
     micro_batches: int | None = None,
     observer: StepObserver = UNOBSERVED,
-    before_optimizer_step: BeforeOptimizerStep = _always,
     run_microbatch: ForwardBackward | None = None,
     replica_groups: ReplicaGroups | None = None,
-) -> torch.Tensor:
-    """One optimizer step over ``micro_batches`` (default: the gradient-accumulation steps);
-    returns the global batch's number of valid tokens (a device tensor).
+) -> StepResult:
+    """The step up to the optimizer: over ``micro_batches`` (default: the gradient
+    accumulation steps), gradients of the global batch's mean loss, clipped.
 
     The step's micro-batches are fetched first: the loss divides by the valid tokens of the
-    whole global batch. ``before_optimizer_step(losses, grad_norm)`` sees the micro-batch
-    losses (their sum is this rank's share of the global mean) and the pre-clip gradient
-    norm and returns whether to apply the step (the trainer's non-finite and stop checks).
-    Unless it keeps ``grad_norm``, the norm is freed before the optimizer runs (the
-    estimator's traced peaks rely on that). ``run_microbatch`` replaces the forward/backward
-    of a micro-batch (the estimator's pipeline replay). Under fault-tolerant HSDP
-    (``replica_groups``) the quorum comes first, token counts and gradients are
-    summed / averaged over the live replica groups, and an uncommitted step is not applied.
-    """
+    whole global batch. ``run_microbatch`` replaces the forward/backward of a micro-batch
+    (the estimator's pipeline replay). Under fault-tolerant HSDP (``replica_groups``) the
+    quorum comes first, token counts and gradients are summed / averaged over the live
+    replica groups, and ``committed`` says whether the step may apply."""
     if run_microbatch is None:
         run_microbatch = (
             pipeline_forward_backward if recipe.pipeline is not None else forward_backward
@@ -489,12 +504,36 @@ def train_step(
     grad_norm = clip_grad_norm_(
         params, recipe.job_config.training.max_norm, foreach=True, pp_mesh=recipe.pp_mesh
     )
-    if replicas is not None and not replicas.should_commit():
-        return tokens
-    if not before_optimizer_step(losses, grad_norm):
-        return tokens
-    del grad_norm
+    committed = replicas is None or replicas.should_commit()
+    return StepResult(tokens, losses, grad_norm, committed)
+
+
+def apply_step(recipe: Recipe, observer: StepObserver = UNOBSERVED) -> None:
+    """The optimizer and LR step over the gradients ``compute_gradients`` left."""
     observer.set_phase("optimizer_step")
     recipe.optimizers.step()
     recipe.lr_schedulers.step()
-    return tokens
+
+
+def train_step(
+    recipe: Recipe,
+    next_batch: NextBatch,
+    *,
+    micro_batches: int | None = None,
+    observer: StepObserver = UNOBSERVED,
+    run_microbatch: ForwardBackward | None = None,
+) -> None:
+    """``compute_gradients`` then ``apply_step``, without the trainer's checks (the memory
+    estimator's step). The gradient norm is freed before the optimizer runs, the losses
+    and token count are not (the estimator's traced peaks rely on that)."""
+    result = compute_gradients(
+        recipe,
+        next_batch,
+        micro_batches=micro_batches,
+        observer=observer,
+        run_microbatch=run_microbatch,
+    )
+    held = (result.losses, result.tokens)
+    del result
+    apply_step(recipe, observer)
+    del held

@@ -13,116 +13,69 @@ import dataclasses
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.tensor import DTensor
 
 from torchtitan.components.adapters.lora import LORA
 from torchtitan.components.checkpointing.manager import CheckpointManager
 from torchtitan.components.checkpointing.safe_loading import load_plain_state
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.rank_timeline import RankTimeline, build_rank_timeline
+from torchtitan.components.rank_timeline import build_rank_timeline, build_straggler_plant
 from torchtitan.components.validate import PipelineEval, Validator
 from torchtitan.config import ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error
 from torchtitan.config.errors import UserInputError
+from torchtitan.data.micro_batch import DeviceBatches
 from torchtitan.distributed.fault_tolerance import (
     DataPositionFile,
+    DataPositionSaves,
     ModelPartsState,
     ReplicaGroups,
     replica_dump_folder,
 )
-from torchtitan.distributed.hang_watchdog import build_hang_watchdog, maybe_plant_hang
+from torchtitan.distributed.hang_watchdog import build_hang_plant, build_hang_watchdog
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.pipeline import loss_owner_rank
 from torchtitan.distributed.process import (
+    TrainTimeouts,
     dist_reduce,
     init_distributed,
     leave_together,
     run_worker_entry_point,
     set_determinism,
-    set_pg_timeouts,
 )
-from torchtitan.distributed.restarts import maybe_inject_fault, stop_on_crash_loop
+from torchtitan.distributed.restarts import build_failure_plants, stop_on_crash_loop
 from torchtitan.layers.moe import moe_load_metrics
 from torchtitan.preflight import load_tokenizer, local_gpu_capability, preflight
 from torchtitan.protocols import TrainSpec, get_train_spec
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.recipe import (
-    MicroBatch,
+    StepResult,
+    apply_step,
     build_recipe,
+    compute_gradients,
     mixed_precision_summary,
     model_args_from_config,
     resolve_for_device,
-    train_step,
 )
 from torchtitan.tools.cpu_allocator import maybe_keep_freed_cpu_memory
 from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.garbage_collection import GarbageCollection
 from torchtitan.tools.logging import init_logger, logger, silence_non_logging_ranks
-from torchtitan.tools.peaks import GarbageCollection
-from torchtitan.tools.profiling import maybe_enable_profiling, maybe_memory_snapshotter
+from torchtitan.tools.profiling import (
+    ProfilerSteps,
+    maybe_enable_profiling,
+    maybe_memory_snapshotter,
+)
+from torchtitan.tools.step_hooks import StepHooks
 
 
 class NonFiniteLossError(RuntimeError):
     pass
-
-
-class DeviceBatches:
-    """The step's ``count`` micro-batches moved to the device, counting this rank's tokens
-    and the time spent waiting for data (one instance per step). On the timeline the data
-    phase ends with the last one: the token count all-reduce that follows is a sync. The
-    first call waits ``delay`` seconds first (a planted straggler)."""
-
-    def __init__(
-        self,
-        data_iterator: Iterator,
-        device: torch.device,
-        count: int,
-        timeline: RankTimeline,
-        delay: float = 0.0,
-    ) -> None:
-        self.data_iterator = data_iterator
-        self.device = device
-        self.count = count
-        self.timeline = timeline
-        self.delay = delay
-        self.tokens = 0
-        self.seconds = 0.0
-        self.calls = 0
-
-    def __call__(self) -> MicroBatch:
-        self.timeline.mark("data")
-        start = time.perf_counter()
-        if self.delay:
-            time.sleep(self.delay)
-            self.delay = 0.0
-        input_dict, labels = next(self.data_iterator)
-        inputs = input_dict["input"].to(self.device, non_blocking=True)
-        labels = labels.to(self.device, non_blocking=True)
-        document_ids = input_dict.get("document_ids")
-        if document_ids is not None:
-            document_ids = document_ids.to(self.device, non_blocking=True)
-        self.tokens += labels.numel()
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        if self.calls == self.count:
-            self.timeline.mark("sync")
-        return MicroBatch(inputs, labels, document_ids)
-
-
-@dataclass
-class AppliedStep:
-    """What the trainer logs about a step the optimizer applied."""
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    lr: float
 
 
 class Trainer:
@@ -143,17 +96,11 @@ class Trainer:
             job_config.comm, job_config.job.dump_folder, job_config.training.enable_cpu_offload
         )
         maybe_keep_freed_cpu_memory(job_config.training.cpu_keep_freed_memory, self.device)
-        self.watchdog = build_hang_watchdog(
-            job_config.comm, job_config.job.dump_folder, self.device.type
-        )
         logger.info(
             f"parallel layout {parallel_dims.describe()}, "
             f"mesh views {parallel_dims.world_mesh.view_names}"
         )
 
-        self.gc_handler = GarbageCollection(
-            job_config.training.gc_freq, job_config.training.gc_debug
-        )
         self.seed = set_determinism(
             parallel_dims,
             self.device,
@@ -188,8 +135,9 @@ class Trainer:
         self._log_recipe()
 
         self.step = 0
+        """The last step done (what a checkpoint saves)."""
+        self.step_in_flight: int | None = None
         self.stop_requested = False
-        self.applied_step: AppliedStep | None = None
         self._install_preemption_handlers()
         self.metrics = self._build_metrics()
         self.timeline = build_rank_timeline(
@@ -198,6 +146,7 @@ class Trainer:
         self.checkpointer = self._build_checkpointer(spec, model_args)
         self.replicas = self._build_replica_groups()
         self.validator = self._build_validator(spec)
+        self.hooks = self._build_step_hooks()
 
     # ------------------------------------------------------------------ set-up helpers
     def _build_checkpointer(self, spec: TrainSpec, model_args: BaseModelArgs) -> CheckpointManager:
@@ -244,6 +193,25 @@ class Trainer:
             train_context=self.recipe.train_context,
             metrics_processor=self.metrics,
             pipeline=self._pipeline_eval(),
+        )
+
+    def _build_step_hooks(self) -> StepHooks:
+        """In the order they act at each point of a step: garbage collection and the failure
+        plants first, the watchdog, the timeline (a straggler plant waits in its data
+        phase), the hang plant before the step's sync, then what ends a committed step."""
+        job_config, rank = self.job_config, self.parallel_dims.world_mesh.get_rank()
+        data_position = self.data_position
+        return StepHooks(
+            [
+                GarbageCollection(job_config.training.gc_freq, job_config.training.gc_debug),
+                *build_failure_plants(job_config.debug, rank),
+                build_hang_watchdog(job_config.comm, job_config.job.dump_folder, self.device.type),
+                self.timeline,
+                build_straggler_plant(self.timeline, job_config.debug),
+                build_hang_plant(job_config.debug, rank),
+                DataPositionSaves(data_position, self.dataloader) if data_position else None,
+                TrainTimeouts(job_config.comm.train_timeout_seconds, self.parallel_dims),
+            ]
         )
 
     def _build_replica_groups(self) -> ReplicaGroups | None:
@@ -311,171 +279,175 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ the loop
-    def train_step(self, data_iterator: Iterator) -> None:
-        """The recipe's step; the trainer checks the flags before the optimizer runs and
-        logs afterwards."""
-        timeline = self.timeline
-        batches = DeviceBatches(
-            data_iterator,
-            self.device,
-            self.recipe.grad_accum_steps,
-            timeline,
-            timeline.planted_delay(self.job_config.debug),
-        )
-        self.applied_step = None
-        valid_tokens = train_step(
-            self.recipe,
-            batches,
-            observer=timeline,
-            before_optimizer_step=self._before_optimizer_step,
-            replica_groups=self.replicas,
-        )
-        self.metrics.record_step(batches.tokens, batches.seconds)
-        if self.replicas is not None and not self.replicas.committed:
-            logger.warning(
-                f"step {self.step}: not committed (fewer than fault_tolerance.min_replica_size "
-                "replica groups took part, or one failed during it); "
-                "running it again on the next batch"
-            )
-            self.step -= 1
-            return
-        if self.data_position is not None:
-            self.data_position.save(self.step, self.dataloader.state_dict())
-        applied = self.applied_step
-        if applied is None or not self.metrics.should_log(self.step):
-            return
-        loss_mesh = (
-            self.parallel_dims.world_mesh["dp_cp"] if self.parallel_dims.dp_cp_enabled else None
-        )
-        self.metrics.log(
-            self.step,
-            loss=dist_reduce(applied.loss, "avg", loss_mesh),
-            loss_max=dist_reduce(applied.loss, "max", loss_mesh),
-            grad_norm=applied.grad_norm.item(),
-            lr=applied.lr,
-            extra={
-                "valid_tokens": int(valid_tokens.item()),
-                **moe_load_metrics(self.model_parts),  # no MoE metrics for dense models
-                **self._data_metrics(),
-                **(self.replicas.metrics(self.step) if self.replicas is not None else {}),
-                **timeline.gather_metrics(),
-            },
-        )
-
-    def _data_metrics(self) -> dict[str, float]:
-        """A mixture's tokens per source (a custom loader may have none)."""
-        metrics = getattr(self.dataloader, "metrics", None)
-        return metrics() if metrics is not None else {}
-
-    def _before_optimizer_step(self, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> bool:
-        # Under loss parallel a loss is a replicated DTensor: take the local value.
-        loss = torch.stack([x.full_tensor() if isinstance(x, DTensor) else x for x in losses]).sum()
-        self.timeline.mark("sync")
-        nonfinite, self.stop_requested = self._step_flags(loss, grad_norm)
-        if nonfinite:
-            self._handle_nonfinite()
-            return False
-        lr = self.lr_schedulers.get_last_lr()  # the lr this step trains with
-        self.applied_step = AppliedStep(loss, grad_norm, lr)
-        self.timeline.mark("checkpoint")
-        self.checkpointer.maybe_wait_for_staging()
-        return True
-
-    def _step_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
-        """The one per-step host sync: (non-finite, stop requested) all-reduced with MAX over
-        all ranks, so that every rank skips, stops or saves at the same step."""
-        stop = self.stop_requested or self.step == self.job_config.debug.stop_after_step
-        flags = torch.stack(
-            [
-                (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float(),
-                torch.tensor(float(stop), device=loss.device),
-            ]
-        )
-        maybe_plant_hang(self.job_config.debug, self.step, self.parallel_dims.world_mesh.get_rank())
-        if self.parallel_dims.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, stop_any = flags.tolist()
-        return bool(nonfinite), bool(stop_any)
-
-    def _handle_nonfinite(self) -> None:
-        if self.job_config.training.skip_nonfinite_steps:
-            logger.warning(f"step {self.step}: non-finite loss or grad norm; step skipped")
-            self.optimizers.zero_grad()
-            return
-        raise NonFiniteLossError(
-            f"step {self.step}: the loss or grad norm is not finite; lower optimizer.lr, check "
-            "the data, or set training.skip_nonfinite_steps to skip such steps"
-        )
-
     def train(self) -> None:
         job_config = self.job_config
         if job_config.checkpoint.create_seed_checkpoint:
             self.checkpointer.create_seed_checkpoint()
             return
-        self.checkpointer.load(step=job_config.checkpoint.load_step)
+        data_iterator = self._resume()
+        steps = job_config.training.steps
+        logger.info(f"training {steps} steps (starting at step {self.step + 1})")
+        with self._training_hooks() as hooks:
+            while self.step < steps:
+                step = self.step_in_flight = self.step + 1
+                hooks.step_started(step)
+                result = self.run_step(step, data_iterator)
+                if result is None:
+                    break
+                hooks.step_finished(step)
+                if result.committed and self.close_step(step):
+                    break
+                hooks.step_closed(step, result.committed)
+        logger.info("training completed")
+
+    def _resume(self) -> Iterator:
+        """The newest checkpoint (or the seeded QLoRA base), the data position of a replica
+        group that lost its peers, the replica groups' step; the data from there on."""
+        self.checkpointer.load(step=self.job_config.checkpoint.load_step)
         if self.recipe.pending_base is not None:  # QLoRA without a base to load: seeded
             self.recipe.pending_base.fill(None)
         if self.data_position is not None:
             self.data_position.load_newer(self.step, self.dataloader)
         if self.replicas is not None and self.replicas.per_step:
             self.replicas.align_step(self.step)
-        data_iterator = iter(self.dataloader)
-        snapshotter = maybe_memory_snapshotter(
-            job_config.profiling, job_config.job.dump_folder, self.device
-        )
-        logger.info(
-            f"training {job_config.training.steps} steps (starting at step {self.step + 1})"
-        )
+        return iter(self.dataloader)
+
+    @contextlib.contextmanager
+    def _training_hooks(self) -> Iterator[StepHooks]:
+        """The step hooks plus those that live for one ``train()``: the profiler, memory
+        snapshots, and DiLoCo / LocalSGD's synchronisation around the loop."""
+        job_config = self.job_config
         semi_sync = (
             self.replicas.semi_sync_context(self.model_parts, self.optimizers)
             if self.replicas is not None
             else contextlib.nullcontext()
         )
-        with (
-            maybe_enable_profiling(
-                job_config.profiling, job_config.job.dump_folder, self.step
-            ) as profiler,
-            semi_sync,
-        ):
-            while self.step < job_config.training.steps:
-                self.step += 1
-                self.gc_handler.run(self.step)
-                maybe_inject_fault(
-                    job_config.debug, self.step, self.parallel_dims.world_mesh.get_rank()
-                )
-                if job_config.debug.step_sleep_seconds:
-                    time.sleep(job_config.debug.step_sleep_seconds)
-                if self.watchdog is not None:
-                    self.watchdog.step_started(self.step)
-                self.timeline.start_step(self.step)
-                try:
-                    self.train_step(data_iterator)
-                except StopIteration:
-                    logger.warning(f"data exhausted at step {self.step}; stopping")
-                    self.step -= 1
-                    break
-                if self.watchdog is not None:
-                    self.watchdog.step_finished()
-                if self.replicas is not None and not self.replicas.committed:
-                    self.timeline.end_step()
-                    continue  # the step runs again: nothing to validate or save
-                if self.validator is not None and self.validator.should_validate(self.step):
-                    self.timeline.mark("validation")
-                    self.validator.validate(self.model_parts, self.step)
-                if self.stop_requested:
-                    self.checkpointer.save(self.step, force=True)
-                    logger.warning(f"stopped after step {self.step} on request; checkpoint saved")
-                    break
-                self.timeline.mark("checkpoint")
-                self.checkpointer.save(self.step, last_step=self.step == job_config.training.steps)
-                self.timeline.end_step()
-                if profiler is not None:
-                    profiler.step()
-                if snapshotter is not None:
-                    snapshotter.step(self.step)
-                if self.step == 1:
-                    set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims)
-        logger.info("training completed")
+        profiling = maybe_enable_profiling(
+            job_config.profiling, job_config.job.dump_folder, self.step
+        )
+        with profiling as profiler, semi_sync:
+            yield StepHooks(
+                [
+                    *self.hooks.hooks,
+                    ProfilerSteps(profiler) if profiler is not None else None,
+                    maybe_memory_snapshotter(
+                        job_config.profiling, job_config.job.dump_folder, self.device
+                    ),
+                ]
+            )
+
+    def run_step(self, step: int, data_iterator: Iterator) -> StepResult | None:
+        """Step ``step``: gradients, the step's flags, the optimizer (unless the flags say
+        no) and the metrics line. None when the data ran out. A step the replica groups did
+        not commit leaves ``self.step`` where it was: the next call runs it again."""
+        batches = DeviceBatches(
+            data_iterator, self.device, self.recipe.grad_accum_steps, self.timeline.mark
+        )
+        try:
+            result = compute_gradients(
+                self.recipe, batches, observer=self.timeline, replica_groups=self.replicas
+            )
+        except StopIteration:
+            logger.warning(f"data exhausted at step {step}; stopping")
+            return None
+        self.metrics.record_step(batches.tokens, batches.seconds)
+        if not result.committed:
+            logger.warning(
+                f"step {step}: not committed (fewer than fault_tolerance.min_replica_size "
+                "replica groups took part, or one failed during it); "
+                "running it again on the next batch"
+            )
+            return result
+        self.step = step
+        lr = self._apply(step, result)
+        if lr is not None and self.metrics.should_log(step):
+            self._log(step, result, lr)
+        return result
+
+    def _apply(self, step: int, result: StepResult) -> float | None:
+        """The step's flags (non-finite, stop), then the optimizer step unless they say
+        skip; the lr the step trained with, None when skipped."""
+        self.timeline.mark("sync")
+        loss = result.loss
+        self.hooks.before_sync(step)
+        nonfinite, self.stop_requested = self._step_flags(step, loss, result.grad_norm)
+        if nonfinite:
+            self._handle_nonfinite(step)
+            return None
+        lr = self.lr_schedulers.get_last_lr()
+        self.timeline.mark("checkpoint")
+        self.checkpointer.maybe_wait_for_staging()
+        apply_step(self.recipe, self.timeline)
+        return lr
+
+    def _log(self, step: int, result: StepResult, lr: float) -> None:
+        parallel_dims = self.parallel_dims
+        loss_mesh = parallel_dims.world_mesh["dp_cp"] if parallel_dims.dp_cp_enabled else None
+        loss = result.loss
+        self.metrics.log(
+            step,
+            loss=dist_reduce(loss, "avg", loss_mesh),
+            loss_max=dist_reduce(loss, "max", loss_mesh),
+            grad_norm=result.grad_norm.item(),
+            lr=lr,
+            extra={
+                "valid_tokens": int(result.tokens.item()),
+                **moe_load_metrics(self.model_parts),  # no MoE metrics for dense models
+                **self._data_metrics(),
+                **(self.replicas.metrics(step) if self.replicas is not None else {}),
+                **self.timeline.gather_metrics(),
+            },
+        )
+
+    def close_step(self, step: int) -> bool:
+        """Validation and the checkpoint of a committed step; True when a stop was requested
+        (the checkpoint is then forced and training ends)."""
+        if self.validator is not None and self.validator.should_validate(step):
+            self.timeline.mark("validation")
+            self.validator.validate(self.model_parts, step)
+        if self.stop_requested:
+            self.checkpointer.save(step, force=True)
+            logger.warning(f"stopped after step {step} on request; checkpoint saved")
+            return True
+        self.timeline.mark("checkpoint")
+        self.checkpointer.save(step, last_step=step == self.job_config.training.steps)
+        return False
+
+    def _data_metrics(self) -> dict[str, float]:
+        """A mixture's tokens per source (a custom loader may have none)."""
+        metrics = getattr(self.dataloader, "metrics", None)
+        return metrics() if metrics is not None else {}
+
+    def _step_flags(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor
+    ) -> tuple[bool, bool]:
+        """The one per-step host sync: (non-finite, stop requested) all-reduced with MAX over
+        all ranks, so that every rank skips, stops or saves at the same step."""
+        stop = self.stop_requested or step == self.job_config.debug.stop_after_step
+        flags = torch.stack(
+            [
+                (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float(),
+                torch.tensor(float(stop), device=loss.device),
+            ]
+        )
+        if self.parallel_dims.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, stop_any = flags.tolist()
+        return bool(nonfinite), bool(stop_any)
+
+    def _handle_nonfinite(self, step: int) -> None:
+        if self.job_config.training.skip_nonfinite_steps:
+            logger.warning(f"step {step}: non-finite loss or grad norm; step skipped")
+            self.optimizers.zero_grad()
+            return
+        raise NonFiniteLossError(
+            f"step {step}: the loss or grad norm is not finite; lower optimizer.lr, check "
+            "the data, or set training.skip_nonfinite_steps to skip such steps"
+        )
+
+    def running_step(self) -> int:
+        """The step in flight (the last one done between steps, 0 before the first)."""
+        return self.step_in_flight if self.step_in_flight is not None else self.step
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step}
@@ -484,16 +456,13 @@ class Trainer:
         self.step = int(state_dict["step"])
 
     def close(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.close()
-            self.watchdog = None
+        self.hooks.close()
+        self.hooks = StepHooks([])
         if self.replicas is not None:
             self.replicas.shutdown()
             self.replicas = None
         self.checkpointer.close()
-        self.timeline.close()
         self.metrics.close()
-        self.gc_handler.close()
 
 
 @record
@@ -524,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserInputError as e:
         exit_on_user_error(str(e))  # before the process group goes: peers then see the record
     except Exception:
-        step = trainer.step if trainer is not None else 0  # 0: failed while setting up
+        step = trainer.running_step() if trainer is not None else 0  # 0: while setting up
         stop_on_crash_loop(step, job_config.checkpoint.max_failures_at_same_step)
         raise
     finally:

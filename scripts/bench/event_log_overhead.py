@@ -34,7 +34,7 @@ DEFAULT_CONFIG = ["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_
 
 def one_step(timeline: RankTimeline, step: int, micro_batches: int, log_freq: int) -> None:
     """The timeline calls of one trainer step, in the trainer's order."""
-    timeline.start_step(step)
+    timeline.step_started(step)
     timeline.set_phase("zero_grad")
     for _ in range(micro_batches):
         timeline.mark("data")
@@ -50,7 +50,7 @@ def one_step(timeline: RankTimeline, step: int, micro_batches: int, log_freq: in
     if step % log_freq == 0:
         timeline.gather_metrics()
     timeline.mark("checkpoint")
-    timeline.end_step()
+    timeline.step_closed(step, True)
 
 
 def timeline_seconds_per_step(steps: int, micro_batches: int, log_freq: int) -> float:

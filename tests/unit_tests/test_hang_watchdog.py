@@ -39,7 +39,7 @@ def watchdog(tmp_path: Path, exits: list[int], **kwargs) -> HangWatchdog:
 def run_step(dog: HangWatchdog, step: int, seconds: float) -> None:
     dog.step_started(step)
     time.sleep(seconds)
-    dog.step_finished()
+    dog.step_finished(step)
 
 
 def test_only_a_step_past_the_threshold_dumps_every_thread(tmp_path):

@@ -27,7 +27,7 @@ def make_timeline(tmp_path, **kwargs) -> RankTimeline:
 
 
 def run_step(timeline: RankTimeline, step: int, data_seconds: float) -> None:
-    timeline.start_step(step)
+    timeline.step_started(step)
     timeline.set_phase("zero_grad")
     timeline.mark("data")
     time.sleep(data_seconds)
@@ -37,7 +37,7 @@ def run_step(timeline: RankTimeline, step: int, data_seconds: float) -> None:
     timeline.mark("sync")
     timeline.set_phase("optimizer_step")
     timeline.mark("checkpoint")
-    timeline.end_step()
+    timeline.step_closed(step, True)
 
 
 def test_phases_of_the_completed_steps_reach_the_metrics_and_the_event_log(tmp_path):
@@ -117,10 +117,10 @@ def test_the_planted_straggler_waits_its_share_of_the_step_before_it(tmp_path):
         run_step(timeline, step, 0.04)
         assert timeline.planted_delay(debug) == 0.0
     base = timeline.median_step_seconds()
-    timeline.start_step(3)
+    timeline.step_started(3)
     assert timeline.planted_delay(debug) == pytest.approx(0.5 * base)
     other_rank = make_timeline(tmp_path, rank=1, event_log=None)
-    other_rank.start_step(3)
+    other_rank.step_started(3)
     assert other_rank.planted_delay(debug) == 0.0
 
 

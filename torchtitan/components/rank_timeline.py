@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.tools.logging import logger
+from torchtitan.tools.step_hooks import StepHook
 
 PHASES = (
     "data",
@@ -77,12 +78,12 @@ class PhaseEvent:
     duration: float
 
 
-class RankTimeline:
+class RankTimeline(StepHook):
     """This rank's phase clock, its share of the straggler check, and its event log.
 
-    The trainer calls ``start_step``, ``mark`` at each phase change (also through the
-    recipe's observer interface: ``set_phase`` / ``start_microbatch``), ``end_step``, and
-    ``gather_metrics`` on every rank at log steps.
+    A step hook (``step_started``, ``step_closed``); the trainer calls ``mark`` at each
+    phase change (also through the recipe's observer interface: ``set_phase`` /
+    ``start_microbatch``) and ``gather_metrics`` on every rank at log steps.
     """
 
     def __init__(
@@ -116,7 +117,7 @@ class RankTimeline:
             self._file = open(event_log, "a")
 
     # ------------------------------------------------------------------ per step (hot path)
-    def start_step(self, step: int) -> None:
+    def step_started(self, step: int) -> None:
         self.step = step
         self._marks = []
 
@@ -136,7 +137,7 @@ class RankTimeline:
     def start_microbatch(self, module: nn.Module | None = None) -> None:
         pass
 
-    def end_step(self) -> None:
+    def step_closed(self, step: int, committed: bool) -> None:
         self.mark(None)
         marks = self._marks
         self._done.append((self.step, marks))
@@ -259,3 +260,21 @@ def build_rank_timeline(metrics: Any, dump_folder: str, device: torch.device) ->
         threshold_pct=metrics.straggler_threshold_pct,
         log_steps=metrics.straggler_log_steps,
     )
+
+
+class StragglerPlant(StepHook):
+    """``debug.straggler_rank`` waits its planted delay at the start of each step, in the data
+    phase of ``timeline`` (a hook after it)."""
+
+    def __init__(self, timeline: RankTimeline, debug: Any) -> None:
+        self.timeline, self.debug = timeline, debug
+
+    def step_started(self, step: int) -> None:
+        delay = self.timeline.planted_delay(self.debug)
+        if delay:
+            self.timeline.mark("data")
+            time.sleep(delay)
+
+
+def build_straggler_plant(timeline: RankTimeline, debug: Any) -> StragglerPlant | None:
+    return StragglerPlant(timeline, debug) if debug.straggler_rank is not None else None

@@ -1,7 +1,10 @@
-"""A micro-batch and what the model receives from it on this rank."""
+"""A micro-batch, the step's micro-batches fetched onto the device, and what the model
+receives from one on this rank."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +23,44 @@ class MicroBatch:
     inputs: torch.Tensor
     labels: torch.Tensor
     document_ids: torch.Tensor | None = None
+
+
+class DeviceBatches:
+    """The step's ``count`` micro-batches moved to ``device``, counting this rank's tokens
+    and the time spent waiting for data (one instance per step). ``mark`` names the phase
+    that starts: "data" at each fetch, "sync" after the last one (the token count
+    all-reduce that follows is a sync)."""
+
+    def __init__(
+        self,
+        data_iterator: Iterator,
+        device: torch.device,
+        count: int,
+        mark: Callable[[str], None],
+    ) -> None:
+        self.data_iterator = data_iterator
+        self.device = device
+        self.count = count
+        self.mark = mark
+        self.tokens = 0
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __call__(self) -> MicroBatch:
+        self.mark("data")
+        start = time.perf_counter()
+        input_dict, labels = next(self.data_iterator)
+        inputs = input_dict["input"].to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        document_ids = input_dict.get("document_ids")
+        if document_ids is not None:
+            document_ids = document_ids.to(self.device, non_blocking=True)
+        self.tokens += labels.numel()
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        if self.calls == self.count:
+            self.mark("sync")
+        return MicroBatch(inputs, labels, document_ids)
 
 
 def model_inputs(

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import CommConfig, ConfigError, FaultToleranceConfig
 from torchtitan.distributed.heal_transport import HealRefused, SafeHTTPTransport
 from torchtitan.tools.logging import logger
+from torchtitan.tools.step_hooks import StepHook
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 _OUTER_LR = 0.7  # DiLoCo's outer Nesterov SGD (Douillard et al. 2023, section 3)
@@ -371,3 +372,14 @@ class DataPositionFile:
                 f"fault tolerance: data loader resumes after step {saved['step']} "
                 "of this replica group"
             )
+
+
+class DataPositionSaves(StepHook):
+    """Writes ``file`` with ``dataloader``'s position after every committed step."""
+
+    def __init__(self, file: DataPositionFile, dataloader: Any) -> None:
+        self.file, self.dataloader = file, dataloader
+
+    def step_closed(self, step: int, committed: bool) -> None:
+        if committed:
+            self.file.save(step, self.dataloader.state_dict())

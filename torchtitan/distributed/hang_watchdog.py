@@ -43,6 +43,7 @@ from torchtitan.distributed.restarts import (
     record_failure,
 )
 from torchtitan.tools.logging import logger
+from torchtitan.tools.step_hooks import StepHook
 
 HANG_EXIT_CODE = 124
 """Status of every rank after a hang under ``comm.on_hang = "exit"`` (as timeout(1))."""
@@ -140,11 +141,12 @@ def summarize_hang(
     return text + f"; stacks in {folder}"
 
 
-class HangWatchdog:
+class HangWatchdog(StepHook):
     """Watches this rank's training steps from a daemon thread (see the module docstring).
 
-    The trainer calls ``step_started`` / ``step_finished`` around each step: two attribute
-    writes, nothing on the device. ``store`` is the job's c10d store (None in one process).
+    A step hook: ``step_started`` / ``step_finished`` bracket each step (validation and
+    checkpointing are not watched): two attribute writes, nothing on the device. ``store``
+    is the job's c10d store (None in one process).
     """
 
     def __init__(
@@ -182,7 +184,7 @@ class HangWatchdog:
     def step_started(self, step: int) -> None:
         self._running = (step, time.monotonic())
 
-    def step_finished(self) -> None:
+    def step_finished(self, step: int) -> None:
         running, self._running = self._running, None
         if running is not None:
             self.durations.append(time.monotonic() - running[1])
@@ -309,8 +311,21 @@ def build_hang_watchdog(comm: Any, dump_folder: str, device_type: str) -> HangWa
     )
 
 
+class HangPlant(StepHook):
+    """``debug.hang_at_step``: rank ``debug.hang_on_rank`` sleeps before the step's flag
+    all-reduce, while the other ranks wait in it (tests of the watchdog)."""
+
+    def __init__(self, debug: Any, rank: int) -> None:
+        self.debug, self.rank = debug, rank
+
+    def before_sync(self, step: int) -> None:
+        maybe_plant_hang(self.debug, step, self.rank)
+
+
 def maybe_plant_hang(debug: Any, step: int, rank: int) -> None:
-    """``debug.hang_at_step``: rank ``debug.hang_on_rank`` sleeps here, before the step's
-    flag all-reduce, while the other ranks wait in it (tests of the watchdog)."""
     if step == debug.hang_at_step and rank == debug.hang_on_rank:
         time.sleep(debug.hang_seconds)
+
+
+def build_hang_plant(debug: Any, rank: int) -> HangPlant | None:
+    return HangPlant(debug, rank) if debug.hang_at_step is not None else None

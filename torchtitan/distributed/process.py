@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed.parallel_dims import ParallelDims, default_device_type
 from torchtitan.distributed.restarts import WORKER_START_ENV
 from torchtitan.tools.logging import logger
+from torchtitan.tools.step_hooks import StepHook
 
 if TYPE_CHECKING:
     from torchtitan.config import CommConfig
@@ -113,6 +114,17 @@ def _set_nccl_env(comm: CommConfig, dump_folder: str) -> None:
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         prefix = os.path.join(folder, comm.save_traces_file_prefix)
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)
+
+
+class TrainTimeouts(StepHook):
+    """``comm.train_timeout_seconds`` for every collective once the first step is done."""
+
+    def __init__(self, timeout_seconds: int, parallel_dims: ParallelDims) -> None:
+        self.timeout_seconds, self.parallel_dims = timeout_seconds, parallel_dims
+
+    def step_closed(self, step: int, committed: bool) -> None:
+        if step == 1 and committed:
+            set_pg_timeouts(self.timeout_seconds, self.parallel_dims)
 
 
 def set_pg_timeouts(timeout_seconds: int, parallel_dims: ParallelDims) -> None:

@@ -19,8 +19,10 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torchtitan.config.entry import exit_on_user_error, peer_reported_user_error
+from torchtitan.tools.step_hooks import StepHook
 
 FAILURE_FILE_ENV = "TORCHTITAN_FAILURE_FILE"
 
@@ -67,13 +69,43 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def maybe_inject_fault(debug, step: int, rank: int) -> None:
-    """Raise InjectedFault at ``debug.fail_at_step`` on ``debug.fail_on_rank``: in the first
-    attempt only, or in every attempt with ``debug.fail_every_attempt``."""
-    if step != debug.fail_at_step or rank != debug.fail_on_rank:
-        return
-    if debug.fail_every_attempt or restart_count() == 0:
-        raise InjectedFault(f"debug.fail_at_step: injected fault at step {step} on rank {rank}")
+class FaultPlant(StepHook):
+    """Raise InjectedFault at the start of step ``debug.fail_at_step`` on
+    ``debug.fail_on_rank``: in the first attempt only, or in every attempt with
+    ``debug.fail_every_attempt``."""
+
+    def __init__(self, debug: Any, rank: int) -> None:
+        self.debug, self.rank = debug, rank
+
+    def step_started(self, step: int) -> None:
+        debug = self.debug
+        if step != debug.fail_at_step or self.rank != debug.fail_on_rank:
+            return
+        if debug.fail_every_attempt or restart_count() == 0:
+            raise InjectedFault(
+                f"debug.fail_at_step: injected fault at step {step} on rank {self.rank}"
+            )
+
+
+class SlowStepPlant(StepHook):
+    """``debug.step_sleep_seconds`` at the start of every step (runs that must outlast a
+    peer's restart or a replica group's join)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def step_started(self, step: int) -> None:
+        time.sleep(self.seconds)
+
+
+def build_failure_plants(debug: Any, rank: int) -> list[StepHook]:
+    """The debug plants of failures this config asks for (none by default)."""
+    plants: list[StepHook] = []
+    if debug.fail_at_step is not None:
+        plants.append(FaultPlant(debug, rank))
+    if debug.step_sleep_seconds:
+        plants.append(SlowStepPlant(debug.step_sleep_seconds))
+    return plants
 
 
 def describe_error(error: BaseException) -> str:

@@ -1,8 +1,8 @@
-"""Device facts, peak FLOPs, garbage collection and small helpers used by the trainer."""
+"""Peak FLOP/s (GPU data sheets, the measured CPU matmul peak) and peak memory: what MFU
+and the memory figures divide by."""
 
 from __future__ import annotations
 
-import gc
 import resource
 import time
 from dataclasses import dataclass
@@ -88,23 +88,3 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-
-
-class GarbageCollection:
-    """Disable automatic GC (its pauses desynchronise ranks) and collect every gc_freq steps."""
-
-    def __init__(self, gc_freq: int = 50, debug: bool = False) -> None:
-        self.gc_freq = gc_freq
-        self.debug = debug
-        gc.disable()
-        gc.collect(1)
-
-    def run(self, step: int) -> None:
-        if self.debug:
-            gc.collect()
-        elif step > 1 and step % self.gc_freq == 0:
-            gc.collect(1)
-
-    @staticmethod
-    def close() -> None:
-        gc.enable()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan.tools.logging import logger
+from torchtitan.tools.step_hooks import StepHook
 
 if TYPE_CHECKING:
     from torchtitan.config import ProfilingConfig
@@ -45,17 +46,28 @@ def maybe_enable_profiling(cfg: ProfilingConfig, dump_folder: str, global_step: 
         yield prof
 
 
-class MemorySnapshotter:
-    """Dumps CUDA allocator history every profile_freq steps (and on OOM)."""
+class ProfilerSteps(StepHook):
+    """Advances the torch profiler's schedule at the end of each committed step."""
+
+    def __init__(self, profiler: torch.profiler.profile) -> None:
+        self.profiler = profiler
+
+    def step_closed(self, step: int, committed: bool) -> None:
+        if committed:
+            self.profiler.step()
+
+
+class MemorySnapshotter(StepHook):
+    """Dumps CUDA allocator history every profile_freq committed steps."""
 
     def __init__(self, folder: str, freq: int) -> None:
         self.folder, self.freq = folder, freq
         torch.cuda.memory._record_memory_history(max_entries=100_000)
 
-    def step(self, step: int, exited: bool = False) -> None:
-        if not exited and step % self.freq != 0:
+    def step_closed(self, step: int, committed: bool) -> None:
+        if not committed or step % self.freq != 0:
             return
-        out = os.path.join(self.folder, f"iteration_{step}{'_exit' if exited else ''}")
+        out = os.path.join(self.folder, f"iteration_{step}")
         os.makedirs(out, exist_ok=True)
         name = f"rank{os.environ.get('RANK', '0')}_memory_snapshot.pickle"
         torch.cuda.memory._dump_snapshot(os.path.join(out, name))
