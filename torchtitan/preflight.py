@@ -1,14 +1,15 @@
-"""Checks that need the world size, the model flavor and the pipeline plan, run once before
+"""The checks that need the world size, the model, the device or the disk, run once before
 any process group exists (by run_train.sh through ``python -m torchtitan.preflight --world-size
-N``, by the trainer and by the memory estimator), so bad layouts fail with one line instead
-of one traceback per rank. It sits above ``config/`` (which knows only the config's own
-values) and the layers whose rules it applies."""
+N``, by the trainer and by the memory estimator), so bad input fails with one line instead of
+one traceback per rank: ``preflight`` checks the layout for a world size, the model and the
+device, ``check_inputs`` the data, tokenizer, converters, checkpoint and device features. Each
+check takes the sections it reads. It sits above ``config/`` (where a check that reads only
+the config's own values lives, beside its field) and the layers whose rules it applies."""
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,10 +17,23 @@ from torch._dynamo import list_backends
 
 from torchtitan.components.adapters.lora import LORA, select_targets
 from torchtitan.components.adapters.qlora import FIELD as QLORA_FIELD
-from torchtitan.components.adapters.qlora import LOW_PRECISION_CONVERTERS, check_qlora, uses_nf4
+from torchtitan.components.adapters.qlora import LOW_PRECISION_CONVERTERS, NF4, check_qlora
 from torchtitan.components.checkpointing.manager import check_checkpoint_inputs
 from torchtitan.components.quantization import check_quantization
-from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.config import (
+    CheckpointConfig,
+    CompileConfig,
+    ConfigError,
+    ConfigManager,
+    DebugConfig,
+    JobConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelismConfig,
+    ProfilingConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.data.registry import check_dataset_fields
 from torchtitan.data.token_loaders import (
@@ -64,32 +78,32 @@ def preflight(
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model_args.check_parallelism(parallel_dims)
-    _check_layout(job_config, parallel_dims, model_args)
-    _check_model_support(job_config, spec, model_args, parallel_dims)
+    model, training, parallelism = job_config.model, job_config.training, job_config.parallelism
+    _check_layout(training, job_config.validation, parallelism, parallel_dims, model_args)
+    _check_model_support(model, job_config.compile, parallelism, spec, model_args, parallel_dims)
     check_quantization(
-        job_config.model,
-        job_config.quantize,
-        parallel_dims,
-        model_args,
-        device_type,
-        gpu_capability,
+        model, job_config.quantize, parallel_dims, model_args, device_type, gpu_capability
     )
-    _check_hf_export(job_config, spec, model_args)
-    _check_lora(job_config, spec, model_args, parallel_dims)
-    _check_run(job_config, parallel_dims, world_size, device_type)
+    _check_hf_export(job_config.checkpoint, spec, model_args)
+    _check_lora(model.converters, job_config.lora, spec, model_args, parallel_dims)
+    _check_world_size(job_config.checkpoint, job_config.debug, world_size)
+    _check_device_options(training, parallelism, parallel_dims, device_type)
     return parallel_dims
 
 
 def _check_lora(
-    job_config: JobConfig, spec: TrainSpec, model_args: BaseModelArgs, parallel_dims: ParallelDims
+    converters: list[str],
+    lora: LoRAConfig,
+    spec: TrainSpec,
+    model_args: BaseModelArgs,
+    parallel_dims: ParallelDims,
 ) -> None:
     """``lora.target_modules`` selects linears of this model (on the meta device: no memory)
     and an NF4 base suits them and the layout."""
-    if LORA not in job_config.model.converters:
-        if uses_nf4(job_config):
+    if LORA not in converters:
+        if lora.base_quantization == NF4:
             raise ConfigError(f'{QLORA_FIELD}: "nf4" needs "lora" in model.converters')
         return
-    converters = job_config.model.converters
     later = [c for c in converters[converters.index(LORA) + 1 :] if c in LOW_PRECISION_CONVERTERS]
     if later:
         ordered = later + [c for c in converters if c not in later]
@@ -99,17 +113,20 @@ def _check_lora(
         )
     with torch.device("meta"):
         model = spec.model_cls(model_args)
-    check_qlora(job_config, parallel_dims, select_targets(model, job_config.lora.target_modules))
+    check_qlora(lora, converters, parallel_dims, select_targets(model, lora.target_modules))
 
 
 def _check_layout(
-    job_config: JobConfig, parallel_dims: ParallelDims, model_args: BaseModelArgs
+    training: TrainingConfig,
+    validation: ValidationConfig,
+    parallelism: ParallelismConfig,
+    parallel_dims: ParallelDims,
+    model_args: BaseModelArgs,
 ) -> None:
     """Sequence splits, DDP with TP, context and pipeline parallel, the batch sizes."""
-    seq_len = job_config.training.seq_len
-    if seq_len % parallel_dims.seq_len_divisor != 0:
+    if training.seq_len % parallel_dims.seq_len_divisor != 0:
         raise ConfigError(
-            f"training.seq_len ({seq_len}) must be divisible by tp * 2 * cp = "
+            f"training.seq_len ({training.seq_len}) must be divisible by tp * 2 * cp = "
             f"{parallel_dims.seq_len_divisor} (sequence parallel and context-parallel load "
             "balancing split the sequence)"
         )
@@ -126,17 +143,25 @@ def _check_layout(
             "or FSDP with TP"
         )
     if parallel_dims.cp_enabled:
-        _check_context_parallel(job_config, parallel_dims, model_args)
+        seq_lens = {"training.seq_len": training.seq_len}
+        if validation.enable:
+            seq_lens["validation.seq_len"] = validation.seq_len
+        _check_context_parallel(parallelism, seq_lens, parallel_dims, model_args.n_heads)
     if parallel_dims.pp_enabled:
-        plan = plan_stages(job_config.parallelism, model_args.n_layers, parallel_dims.pp)
-        microbatches(job_config.parallelism, job_config.training.local_batch_size, plan.num_stages)
-    grad_accumulation_steps(job_config.training, parallel_dims)
-    if job_config.validation.enable:
-        _check_validation(job_config, parallel_dims)
+        plan = plan_stages(parallelism, model_args.n_layers, parallel_dims.pp)
+        microbatches(parallelism, training.local_batch_size, plan.num_stages)
+    grad_accumulation_steps(training, parallel_dims)
+    if validation.enable:
+        _check_validation(validation, training, parallel_dims)
 
 
 def _check_model_support(
-    job_config: JobConfig, spec: TrainSpec, model_args: BaseModelArgs, parallel_dims: ParallelDims
+    model: ModelConfig,
+    compile: CompileConfig,
+    parallelism: ParallelismConfig,
+    spec: TrainSpec,
+    model_args: BaseModelArgs,
+    parallel_dims: ParallelDims,
 ) -> None:
     """What this model cannot do yet: pipeline stages without a pipelining function, and
     compile (or async TP, which needs it) with MoE layers, whose routing and expert parallel
@@ -147,28 +172,25 @@ def _check_model_support(
         )
     if getattr(model_args, "moe", None) is None:
         return
-    what = f"{spec.name} {job_config.model.flavor}"
-    if job_config.compile.enable:
+    what = f"{spec.name} {model.flavor}"
+    if compile.enable:
         raise ConfigError(
             f"compile.enable: not supported for {what} yet (MoE routing and expert "
             "parallel sync with the host); run without --compile.enable"
         )
-    if job_config.parallelism.enable_async_tensor_parallel:
+    if parallelism.enable_async_tensor_parallel:
         raise ConfigError(
             f"parallelism.enable_async_tensor_parallel: not supported for {what} (MoE layers)"
         )
 
 
-def _check_run(
-    job_config: JobConfig, parallel_dims: ParallelDims, world_size: int, device_type: str
-) -> None:
-    """Settings of the run that depend on the world size or the device."""
-    if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
+def _check_world_size(checkpoint: CheckpointConfig, debug: DebugConfig, world_size: int) -> None:
+    """A seed checkpoint is written by one process; a planted failure names a rank of the run."""
+    if checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             "checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1, all parallel "
             f"degrees 1), got {world_size} processes; any layout loads the seed later"
         )
-    debug = job_config.debug
     for field, rank, planted in (
         ("fail_on_rank", debug.fail_on_rank, True),
         ("hang_on_rank", debug.hang_on_rank, debug.hang_at_step is not None),
@@ -179,39 +201,50 @@ def _check_run(
                 f"debug.{field}: must name one of the {world_size} ranks "
                 f"(0 to {world_size - 1}), got {rank}"
             )
-    if job_config.training.enable_cpu_offload and device_type == "cpu":
+
+
+def _check_device_options(
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    parallel_dims: ParallelDims,
+    device_type: str,
+) -> None:
+    """CPU offload needs an accelerator and FSDP; async TP needs CUDA."""
+    if training.enable_cpu_offload and device_type == "cpu":
         raise ConfigError(
             "training.enable_cpu_offload: offloads accelerator memory to the CPU, but this run "
             "already trains on the CPU; leave it off"
         )
-    if job_config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
+    if training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
         raise ConfigError(
             "training.enable_cpu_offload: needs FSDP (data_parallel_shard_degree > 1), which "
             "does the offloading"
         )
-    if job_config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
+    if parallelism.enable_async_tensor_parallel and device_type != "cuda":
         raise ConfigError(
             "parallelism.enable_async_tensor_parallel: needs CUDA (symmetric memory); this "
             f"machine runs on {device_type}"
         )
 
 
-def load_tokenizer(job_config: JobConfig) -> BaseTokenizer | None:
+def load_tokenizer(model: ModelConfig) -> BaseTokenizer | None:
     """The run's tokenizer, built by its train spec (None if the model has none); a
     ``model.tokenizer_path`` that holds no usable tokenizer is a ConfigError."""
-    spec = get_train_spec(job_config.model.name)
+    spec = get_train_spec(model.name)
     if spec.build_tokenizer_fn is None:
         return None
     try:
-        return spec.build_tokenizer_fn(job_config.model)
+        return spec.build_tokenizer_fn(model)
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
 
 
-def _check_hf_export(job_config: JobConfig, spec: TrainSpec, model_args: BaseModelArgs) -> None:
+def _check_hf_export(
+    checkpoint: CheckpointConfig, spec: TrainSpec, model_args: BaseModelArgs
+) -> None:
     """With ``checkpoint.last_save_in_hf``, fail before launch, not after training, when the
     model has no Hugging Face equivalent (e.g. a softmax-routed DeepSeek-V3 flavor)."""
-    if not (job_config.checkpoint.enable and job_config.checkpoint.last_save_in_hf):
+    if not (checkpoint.enable and checkpoint.last_save_in_hf):
         return
     field = "checkpoint.last_save_in_hf"
     adapter = spec.hf_adapter(model_args)
@@ -223,37 +256,35 @@ def _check_hf_export(job_config: JobConfig, spec: TrainSpec, model_args: BaseMod
         raise ConfigError(f"{field}: {e}") from None
 
 
-# Features that only work on CUDA: (field, whether the config uses it, what needs CUDA).
-_CUDA_ONLY: list[tuple[str, Callable[[JobConfig], bool], str]] = [
-    (
-        "training.dataloader.pin_memory",
-        lambda c: c.training.dataloader.pin_memory,
-        "page-locked batches for host-to-GPU copies",
-    ),
-    (
-        "profiling.enable_memory_snapshot",
-        lambda c: c.profiling.enable_memory_snapshot,
-        "snapshots of the CUDA caching allocator",
-    ),
-    (
-        "compile.backend",
-        lambda c: c.compile.enable and c.compile.backend == "cudagraphs",
-        "CUDA graphs",
-    ),
-]
-
-
-def _check_device_features(job_config: JobConfig, device_type: str) -> None:
-    for field, in_use, what in _CUDA_ONLY:
-        if in_use(job_config) and device_type != "cuda":
+def _check_cuda_only(
+    training: TrainingConfig, profiling: ProfilingConfig, compile: CompileConfig, device_type: str
+) -> None:
+    """Features that only work on CUDA: (field, whether the config uses it, what needs CUDA)."""
+    cuda_only = [
+        (
+            "training.dataloader.pin_memory",
+            training.dataloader.pin_memory,
+            "page-locked batches for host-to-GPU copies",
+        ),
+        (
+            "profiling.enable_memory_snapshot",
+            profiling.enable_memory_snapshot,
+            "snapshots of the CUDA caching allocator",
+        ),
+        ("compile.backend", compile.enable and compile.backend == "cudagraphs", "CUDA graphs"),
+    ]
+    for field, in_use, what in cuda_only:
+        if in_use and device_type != "cuda":
             raise ConfigError(
                 f"{field}: needs CUDA ({what}); this machine runs on {device_type}; leave it off"
             )
-    backend = job_config.compile.backend
-    if job_config.compile.enable and backend not in list_backends(exclude_tags=()):
+
+
+def _check_compile_backend(compile: CompileConfig) -> None:
+    if compile.enable and compile.backend not in list_backends(exclude_tags=()):
         raise ConfigError(
-            f"compile.backend: unknown backend {backend!r}; valid: {', '.join(list_backends())} "
-            "(and debug backends such as eager, aot_eager)"
+            f"compile.backend: unknown backend {compile.backend!r}; valid: "
+            f"{', '.join(list_backends())} (and debug backends such as eager, aot_eager)"
         )
 
 
@@ -264,13 +295,14 @@ def check_inputs(job_config: JobConfig, device_type: str) -> None:
     sections = [("training", job_config.training)]
     if job_config.validation.enable:
         sections.append(("validation", job_config.validation))
-    tokenizer = load_tokenizer(job_config)
+    tokenizer = load_tokenizer(job_config.model)
     for name, section in sections:
         _check_data(section, name, tokenizer)
     check_converter_names(job_config.model.converters)
     check_checkpoint_inputs(job_config.checkpoint, job_config.job.dump_folder)
     check_fault_tolerance_inputs(job_config.fault_tolerance)
-    _check_device_features(job_config, device_type)
+    _check_cuda_only(job_config.training, job_config.profiling, job_config.compile, device_type)
+    _check_compile_backend(job_config.compile)
 
 
 def _check_data(data: Any, section: str, tokenizer: BaseTokenizer | None) -> None:
@@ -296,33 +328,37 @@ def _source_field(section: str, data: Any, index: int) -> str:
     return f"{section}.dataset_mixture[{index}]" if data.dataset == MIXTURE else section
 
 
-def _check_context_parallel(job_config, parallel_dims, model_args) -> None:
-    p = job_config.parallelism
+def _check_context_parallel(
+    parallelism: ParallelismConfig,
+    seq_lens: dict[str, int],
+    parallel_dims: ParallelDims,
+    n_heads: int,
+) -> None:
+    """Context parallel without pipeline stages, splitting each sequence (``seq_lens``: field
+    name -> length) into whole chunks, and heads for Ulysses."""
     if parallel_dims.pp_enabled:
         raise ConfigError(
             "parallelism.context_parallel_degree > 1 with pipeline_parallel_degree > 1 is not "
             "supported yet (stages would need the sharded positions); use one of them"
         )
-    seq_lens = {"training.seq_len": job_config.training.seq_len}
-    if job_config.validation.enable:
-        seq_lens["validation.seq_len"] = job_config.validation.seq_len
     for field, seq_len in seq_lens.items():
         try:
             check_cp_config(
                 seq_len,
                 parallel_dims.cp,
                 parallel_dims.tp,
-                model_args.n_heads,
-                p.context_parallel_rotate_method,
-                p.context_parallel_load_balancer,
+                n_heads,
+                parallelism.context_parallel_rotate_method,
+                parallelism.context_parallel_load_balancer,
                 field,
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
 
-def _check_validation(job_config, parallel_dims) -> None:
-    validation, training = job_config.validation, job_config.training
+def _check_validation(
+    validation: ValidationConfig, training: TrainingConfig, parallel_dims: ParallelDims
+) -> None:
     if validation.seq_len % parallel_dims.seq_len_divisor != 0:
         raise ConfigError(
             f"validation.seq_len ({validation.seq_len}) must be divisible by tp * 2 * cp = "

@@ -109,7 +109,7 @@ class Trainer:
             warn_only=job_config.debug.deterministic_warn_only,
         )
         spec = get_train_spec(job_config.model.name)
-        self.tokenizer = load_tokenizer(job_config)
+        self.tokenizer = load_tokenizer(job_config.model)
         self.dataloader = spec.build_dataloader_fn(
             job_config.training, parallel_dims, self.tokenizer
         )

@@ -1,10 +1,32 @@
 """The job configuration: one dataclass per TOML section, every field documented where it
-is defined (the docstring under a field is its ``--help`` text)."""
+is defined (the docstring under a field is its ``--help`` text) and checked in its section's
+``check(path)`` (``path``: where the section sits, e.g. ``training.dataloader``), which
+``check_job_config`` calls once the TOML files and the command line are merged: not in
+``__post_init__``, since sections are built from the TOML files before the command line
+overrides their values. A check that reads other sections lives in across_sections.py."""
 
 from __future__ import annotations
 
+import importlib.util
+import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
+
+from torchtitan.config.checks import (
+    AT_LEAST_0,
+    AT_LEAST_1,
+    IN_0_1,
+    IN_0_1_OPEN,
+    POSITIVE,
+    Rule,
+    check_ac_config,
+    check_values,
+    refuse_until_supported,
+    refuse_upstream_only,
+    unset_or,
+)
+from torchtitan.config.errors import ConfigError
 
 
 @dataclass
@@ -59,6 +81,21 @@ class ProfilingConfig:
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Memory snapshot folder, relative to job.dump_folder."""
 
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            profile_freq=AT_LEAST_1,
+            profiler_active=AT_LEAST_1,
+            profiler_warmup=AT_LEAST_0,
+        )
+        cycle = self.profiler_warmup + self.profiler_active
+        if self.enable_profiling and cycle > self.profile_freq:
+            raise ConfigError(
+                f"profiling.profile_freq ({self.profile_freq}) must be >= profiler_warmup + "
+                f"profiler_active ({cycle}); raise profile_freq or shorten the cycle"
+            )
+
 
 @dataclass
 class MetricsConfig:
@@ -94,6 +131,29 @@ class MetricsConfig:
     straggler_log_steps: int = 3
     """... when it is for this many log steps in a row: one warning line names it."""
 
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            log_freq=AT_LEAST_1,
+            straggler_threshold_pct=POSITIVE,
+            straggler_log_steps=AT_LEAST_1,
+        )
+        if self.enable_wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "metrics.enable_wandb: the wandb package is not installed; "
+                "pip install 'torchtitan[wandb]'"
+            )
+
+
+# model.converters names that replace nn.Linear modules, by kind.
+_LINEAR_CONVERTERS = {
+    "float8": "float8",
+    "quantize.linear.float8": "float8",
+    "mx": "mx",
+    "quantize.linear.mx": "mx",
+}
+
 
 @dataclass
 class ModelConfig:
@@ -126,6 +186,24 @@ class ModelConfig:
     sliding_window: int | None = None
     """Each token sees at most this many tokens (itself included); unset = no window.
     Needs attn_type flex."""
+
+    def check(self, path: str) -> None:
+        """One converter per nn.Linear; masks other than plain causal, and a window, need
+        FlexAttention."""
+        linear = [name for name in self.converters if name in _LINEAR_CONVERTERS]
+        if len(linear) > 1:
+            raise ConfigError(
+                f"model.converters: {' and '.join(linear)} both convert nn.Linear modules; keep one"
+            )
+        if self.attn_type == "sdpa" and self.attn_mask_type != "causal":
+            raise ConfigError(
+                f"model.attn_mask_type {self.attn_mask_type!r} needs model.attn_type 'flex' "
+                "(SDPA only masks causally); set --model.attn_type flex"
+            )
+        if self.sliding_window is not None and self.attn_type != "flex":
+            raise ConfigError(
+                "model.sliding_window needs model.attn_type 'flex'; set --model.attn_type flex"
+            )
 
 
 @dataclass
@@ -171,6 +249,18 @@ class MuonConfig:
     adamw_weight_decay: float | None = None
     """Weight decay of the AdamW parameters; unset = optimizer.weight_decay."""
 
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            momentum=IN_0_1_OPEN,
+            ns_steps=Rule(lambda v: 1 <= v < 100, "must be in [1, 100)"),
+            ns_coefficients=Rule(lambda v: len(v) == 3, "must be 3 numbers (a, b, c)"),
+            eps=POSITIVE,
+            adamw_lr=unset_or(POSITIVE),
+            adamw_weight_decay=unset_or(AT_LEAST_0),
+        )
+
 
 @dataclass
 class OptimizerConfig:
@@ -201,6 +291,30 @@ class OptimizerConfig:
     muon: MuonConfig = field(default_factory=MuonConfig)
     """Muon's settings (only with name = "Muon")."""
 
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            lr=POSITIVE,
+            eps=POSITIVE,
+            weight_decay=AT_LEAST_0,
+            beta1=IN_0_1_OPEN,
+            beta2=IN_0_1_OPEN,
+        )
+        self.muon.check(f"{path}.muon")
+        refuse_until_supported(self, path, early_step_in_backward="optimizer step in backward")
+        if self.name != "Muon":
+            self._refuse_muon_settings(path)
+
+    def _refuse_muon_settings(self, path: str) -> None:
+        defaults = MuonConfig()
+        for name in defaults.__dataclass_fields__:
+            if getattr(self.muon, name) != getattr(defaults, name):
+                raise ConfigError(
+                    f"optimizer.muon.{name}: a Muon setting, but optimizer.name is "
+                    f"{self.name!r}; set optimizer.name = 'Muon' or drop it"
+                )
+
 
 @dataclass
 class LRSchedulerConfig:
@@ -221,6 +335,16 @@ class LRSchedulerConfig:
     """Length of the schedule in steps (warmup and decay are placed within it); unset =
     training.steps. Steps past it keep the final learning rate."""
 
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            warmup_steps=AT_LEAST_0,
+            decay_ratio=unset_or(IN_0_1),
+            min_lr_factor=IN_0_1,
+            total_steps=unset_or(AT_LEAST_1, "must be >= 1 (unset = training.steps)"),
+        )
+
 
 @dataclass
 class DataLoaderConfig:
@@ -240,6 +364,13 @@ class DataLoaderConfig:
     prefetch_factor: int | None = None
     """Batches each worker prepares ahead (default 2; needs num_workers > 0); at most
     num_workers x prefetch_factor batches wait in host memory."""
+
+    def check(self, path: str) -> None:
+        check_values(self, path, num_workers=AT_LEAST_0)
+        for name in ("prefetch_factor", "persistent_workers"):
+            if getattr(self, name) not in (None, False) and self.num_workers == 0:
+                raise ConfigError(f"{path}.{name}: needs {path}.num_workers > 0")
+        check_values(self, path, prefetch_factor=unset_or(AT_LEAST_1))
 
 
 @dataclass
@@ -262,6 +393,42 @@ class DataSourceConfig:
     name: str | None = None
     """Name in metrics and validation results; unset = the folder name of dataset_path, else
     the dataset name."""
+
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            weight=POSITIVE,
+            max_epochs=unset_or(POSITIVE, "must be > 0 (unset = no cap)"),
+        )
+        if self.dataset == "mixture":
+            raise ConfigError(f"{path}.dataset: a source cannot be a mixture itself")
+
+
+def _check_mixture(dataset: str, mixture: list[DataSourceConfig], path: str) -> None:
+    """A mixture is dataset = "mixture" with its sources, each checked, named once."""
+    if (dataset == "mixture") != bool(mixture):
+        raise ConfigError(
+            f'{path}.dataset_mixture: a mixture is {path}.dataset = "mixture" with its '
+            f"[[{path}.dataset_mixture]] sources; set both or neither"
+        )
+    names = []
+    for index, source in enumerate(mixture):
+        source.check(f"{path}.dataset_mixture[{index}]")
+        names.append(
+            source.name
+            or (Path(source.dataset_path).name if source.dataset_path else source.dataset)
+        )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{path}.dataset_mixture: two sources are named {repeated[0]!r}; give each a "
+            "distinct name"
+        )
+
+
+# Datasets read by random access, which a shuffle needs.
+_RANDOM_ACCESS = ("tokens", "mixture")
 
 
 @dataclass
@@ -360,6 +527,45 @@ class TrainingConfig:
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """Data loader keyword arguments."""
 
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            steps=AT_LEAST_1,
+            local_batch_size=AT_LEAST_1,
+            global_batch_size=Rule(lambda v: v == -1 or v >= 1, "must be -1 (auto) or >= 1"),
+            seq_len=AT_LEAST_1,
+            max_norm=POSITIVE,
+            gc_freq=AT_LEAST_1,
+            data_shards=AT_LEAST_1,
+            loss_chunk_size=Rule(
+                lambda v: v >= -1, "must be -1 (auto), 0 (full logits) or the tokens per chunk"
+            ),
+        )
+        self.dataloader.check(f"{path}.dataloader")
+        if self.dtype == "bfloat16" and self.mixed_precision_param != "bfloat16":
+            # full bf16 training keeps bf16 parameters: computing in another dtype makes no sense
+            raise ConfigError(
+                f"training.mixed_precision_param={self.mixed_precision_param!r} with "
+                "training.dtype='bfloat16': parameters are already bf16; set mixed_precision_param "
+                "to bfloat16 or training.dtype to float32"
+            )
+        if self.loss_kernel == "liger" and self.loss_chunk_size == 0:
+            raise ConfigError(
+                "training.loss_kernel='liger': is a chunked loss; training.loss_chunk_size=0 asks "
+                "for the full logits (set it to -1 or leave loss_kernel at 'native')"
+            )
+        _check_mixture(self.dataset, self.dataset_mixture, path)
+        check_values(
+            self, path, shuffle_window=Rule(lambda v: v >= 0, "must be >= 0 (0 = a whole pass)")
+        )
+        if self.shuffle_seed is not None and self.dataset not in _RANDOM_ACCESS:
+            raise ConfigError(
+                "training.shuffle_seed: shuffling reads sequences out of order, which needs a "
+                f"token store; prepare {self.dataset!r} once (python scripts/data/prepare.py) and "
+                "train with --training.dataset tokens"
+            )
+
 
 @dataclass
 class ParallelismConfig:
@@ -433,6 +639,41 @@ class ParallelismConfig:
     expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
     """Expert-parallel all-to-all: standard (torch collectives); deepep is not supported here."""
 
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            data_parallel_replicate_degree=AT_LEAST_1,
+            data_parallel_shard_degree=Rule(
+                lambda v: v == -1 or v >= 1, "must be -1 (infer) or >= 1"
+            ),
+            tensor_parallel_degree=AT_LEAST_1,
+            pipeline_parallel_degree=AT_LEAST_1,
+            context_parallel_degree=AT_LEAST_1,
+            expert_parallel_degree=AT_LEAST_1,
+            expert_tensor_parallel_degree=AT_LEAST_1,
+            pipeline_parallel_microbatch_size=AT_LEAST_1,
+        )
+        refuse_until_supported(self, path, enable_compiled_autograd="compiled autograd")
+        refuse_upstream_only(
+            self,
+            path,
+            module_fqns_per_model_part=(
+                "pipeline stages by module lists (use pipeline_parallel_split_points)"
+            ),
+            pipeline_parallel_expert_parallel_overlap="the DualPipeV EP/PP overlap",
+            expert_parallel_comm_backend="DeepEP dispatch",
+        )
+        etp, tp = self.expert_tensor_parallel_degree, self.tensor_parallel_degree
+        if etp not in (1, tp):
+            raise ConfigError(
+                "parallelism.expert_tensor_parallel_degree: must be 1 or tensor_parallel_degree "
+                f"({tp}), got {etp}"
+            )
+
+
+_CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")
+
 
 @dataclass
 class CheckpointConfig:
@@ -499,6 +740,37 @@ class CheckpointConfig:
     same step (each restart resumed from the newest checkpoint and failed again there), the
     run stops with one error line instead of restarting again."""
 
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            interval=AT_LEAST_1,
+            keep_latest_k=Rule(lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
+            max_failures_at_same_step=AT_LEAST_1,
+        )
+        refuse_upstream_only(
+            self, path, initial_load_in_hf_quantized="loading quantized Hugging Face checkpoints"
+        )
+        unknown = [n for n in self.exclude_from_loading if n not in _CHECKPOINT_STATES]
+        if unknown:
+            raise ConfigError(
+                f"checkpoint.exclude_from_loading: unknown state(s) {', '.join(unknown)}; choose "
+                f"from {', '.join(_CHECKPOINT_STATES)}"
+            )
+        for name in ("initial_load_in_hf", "last_save_in_hf", "initial_load_path"):
+            if getattr(self, name) and not self.enable:
+                raise ConfigError(f"checkpoint.{name}: needs checkpoint.enable")
+        unknown = [
+            n
+            for n in self.preemption_signals
+            if not isinstance(getattr(signal, n, None), signal.Signals)
+        ]
+        if unknown:
+            raise ConfigError(
+                "checkpoint.preemption_signals: unknown signal(s) "
+                f"{', '.join(map(repr, unknown))}; use names such as SIGTERM or SIGUSR1"
+            )
+
 
 @dataclass
 class ActivationCheckpointConfig:
@@ -541,6 +813,22 @@ class ActivationCheckpointConfig:
     output; "always": also under full AC and ring CP (there up to cp partial outputs per
     block); "never": recompute whole blocks, as upstream's layer-level AC does. The "op"
     policy always keeps it."""
+
+    def check(self, path: str) -> None:
+        budget = "memory-budget activation checkpointing"
+        refuse_upstream_only(
+            self,
+            path,
+            per_op_sac_force_recompute_mm_shapes_by_fqns="forced matmul recompute by FQN",
+            early_stop="early-stopped recomputation",
+            memory_budget=budget,
+            visualize_memory_budget_pareto=budget,
+            determinism_check="recomputation determinism checks",
+            debug="activation-checkpoint debug mode",
+        )
+        error = check_ac_config(self.mode, self.selective_ac_option)
+        if error:
+            raise ConfigError(error)
 
 
 @dataclass
@@ -589,6 +877,14 @@ class Float8LinearConfig:
         """The recipe in use (None means tensorwise, as upstream)."""
         return self.recipe_name or "tensorwise"
 
+    def check(self, path: str) -> None:
+        refuse_upstream_only(
+            self,
+            path,
+            force_recompute_fp8_weight_in_bwd="forced float8 weight recomputation",
+            moe_fqns_prototype="float8 MoE prototype (use quantize.grouped_mm.float8.fqns)",
+        )
+
 
 @dataclass
 class MXLinearConfig:
@@ -609,6 +905,14 @@ class MXLinearConfig:
 
     emulate: bool = False
     """Emulate MXFP8 in plain PyTorch ops (for machines without SM100; testing only)."""
+
+    def check(self, path: str) -> None:
+        refuse_upstream_only(
+            self,
+            path,
+            use_fp8_dim1_cast_triton_kernel="choice of MX cast kernel",
+            mxfp8_dim1_cast_kernel_choice="choice of MX cast kernel",
+        )
 
 
 @dataclass
@@ -656,6 +960,10 @@ class QuantizeConfig:
     grouped_mm: GroupedMMQuantizeConfig = field(default_factory=GroupedMMQuantizeConfig)
     """Low-precision MoE grouped GEMMs (torchao), read by the converters in model.converters."""
 
+    def check(self, path: str) -> None:
+        self.linear.float8.check(f"{path}.linear.float8")
+        self.linear.mx.check(f"{path}.linear.mx")
+
 
 @dataclass
 class LoRAConfig:
@@ -687,6 +995,9 @@ class LoRAConfig:
     """A Hugging Face PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to
     start the adapters from (a checkpoint of this run wins). With checkpoint.last_save_in_hf
     the run also writes its adapters as a PEFT folder, step-N-peft."""
+
+    def check(self, path: str) -> None:
+        check_values(self, path, rank=AT_LEAST_1, alpha=POSITIVE, dropout=IN_0_1_OPEN)
 
 
 @dataclass
@@ -724,6 +1035,27 @@ class CommConfig:
     mode: Literal["default", "fake_backend", "local_tensor"] = "default"
     """Upstream's dry-run modes are not supported here (use python -m torchtitan.preflight
     --world-size N); only the default is accepted."""
+
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            hang_timeout_factor=Rule(
+                lambda v: v == 0 or v > 1,
+                "must be 0 (no hang watchdog) or above 1 (times the median step)",
+            ),
+            hang_timeout_floor_seconds=POSITIVE,
+            init_timeout_seconds=AT_LEAST_1,
+            train_timeout_seconds=AT_LEAST_1,
+        )
+        refuse_upstream_only(
+            self,
+            path,
+            mode=(
+                "fake-backend dry runs (python -m torchtitan.preflight --world-size N checks a "
+                "layout)"
+            ),
+        )
 
 
 @dataclass
@@ -763,6 +1095,39 @@ class MemoryEstimationConfig:
     plot: str | None = None
     """PNG path: the traced peak's per-phase memory breakdown as a stacked bar (needs
     matplotlib: the plot extra)."""
+
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            world_size=unset_or(AT_LEAST_1),
+            device_memory_gib=unset_or(POSITIVE),
+            reserved_margin=AT_LEAST_0,
+            nccl_allowance_gib=AT_LEAST_0,
+            gpus_per_node=AT_LEAST_1,
+            plan_traced_layouts=AT_LEAST_0,
+        )
+        refuse_until_supported(
+            self,
+            path,
+            enable="memory estimation inside the trainer (use scripts/estimate/estimation.py)",
+        )
+        if self.plot is not None and self.mode != "estimate":
+            raise ConfigError(
+                "memory_estimation.plot: only mode estimate draws it (from its trace), not mode "
+                f"{self.mode!r}"
+            )
+        if self.plot is not None and self.disable_fake_mode:
+            raise ConfigError(
+                "memory_estimation.plot: drawn from the trace on fake tensors; not with "
+                "memory_estimation.disable_fake_mode"
+            )
+
+
+_SEMI_SYNC_METHODS = (None, "diloco", "local_sgd")
+
+# Settings only DiLoCo reads, at the values that leave them off.
+_DILOCO_ONLY = {"should_quantize": False, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
 
 
 @dataclass
@@ -809,6 +1174,53 @@ class FaultToleranceConfig:
     fragment_update_alpha: float = 0.0
     """Mixing weight of the local and global fragment parameters (streaming DiLoCo)."""
 
+    def check(self, path: str) -> None:
+        if not self.enable:
+            return
+        check_values(
+            self,
+            path,
+            group_size=Rule(lambda v: v >= 1, "must be >= 1 with fault_tolerance.enable"),
+        )
+        if not 0 <= self.replica_id < self.group_size:
+            raise ConfigError(
+                "fault_tolerance.replica_id: must be in 0 .. group_size - 1 = "
+                f"{self.group_size - 1}, got {self.replica_id}"
+            )
+        if not 1 <= self.min_replica_size <= self.group_size:
+            raise ConfigError(
+                "fault_tolerance.min_replica_size: must be in 1 .. group_size = "
+                f"{self.group_size}, got {self.min_replica_size}"
+            )
+        if self.semi_sync_method not in _SEMI_SYNC_METHODS:
+            raise ConfigError(
+                "fault_tolerance.semi_sync_method: must be unset, 'diloco' or 'local_sgd', "
+                f"got {self.semi_sync_method!r}"
+            )
+        check_values(self, path, process_group_timeout_ms=AT_LEAST_1)
+        if self.semi_sync_method is not None:
+            self._check_semi_sync(path)
+
+    def _check_semi_sync(self, path: str) -> None:
+        check_values(self, path, sync_steps=AT_LEAST_1)
+        if self.semi_sync_method == "local_sgd":
+            self._refuse_diloco_only_settings(path)
+        if not 0 <= self.fragment_sync_delay < self.sync_steps:
+            raise ConfigError(
+                "fault_tolerance.fragment_sync_delay: must be in 0 .. sync_steps - 1, "
+                f"got {self.fragment_sync_delay}"
+            )
+        check_values(self, path, fragment_update_alpha=IN_0_1)
+
+    def _refuse_diloco_only_settings(self, path: str) -> None:
+        """LocalSGD averages the weights, with no outer optimizer or fragments."""
+        for name, off in _DILOCO_ONLY.items():
+            if getattr(self, name) != off:
+                raise ConfigError(
+                    f"fault_tolerance.{name}: only DiLoCo reads it, not semi_sync_method="
+                    f"'local_sgd'; leave it at {off} or use semi_sync_method='diloco'"
+                )
+
 
 @dataclass
 class ExperimentalConfig:
@@ -850,6 +1262,24 @@ class ValidationConfig:
 
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """Data loader keyword arguments of the validation loader."""
+
+    def check(self, path: str) -> None:
+        check_values(
+            self,
+            path,
+            local_batch_size=AT_LEAST_1,
+            seq_len=AT_LEAST_1,
+            freq=AT_LEAST_1,
+            data_shards=AT_LEAST_1,
+            steps=Rule(lambda v: v == -1 or v >= 1, "must be -1 (whole split) or >= 1"),
+        )
+        self.dataloader.check(f"{path}.dataloader")
+        if self.dataloader.num_workers:
+            raise ConfigError(
+                "validation.dataloader.num_workers: the finite validation loader reads in the "
+                "training process; leave it at 0"
+            )
+        _check_mixture(self.dataset, self.dataset_mixture, path)
 
 
 @dataclass
@@ -904,6 +1334,19 @@ class DebugConfig:
 
     straggler_from_step: int = 5
     """The first step the planted straggler is slow in."""
+
+    def check(self, path: str) -> None:
+        never = "must be >= 1 (unset = never)"
+        check_values(
+            self,
+            path,
+            fail_at_step=unset_or(AT_LEAST_1, never),
+            step_sleep_seconds=AT_LEAST_0,
+            hang_at_step=unset_or(AT_LEAST_1, never),
+            hang_seconds=POSITIVE,
+            straggler_slowdown=POSITIVE,
+            straggler_from_step=Rule(lambda v: v >= 2, "must be >= 2 (step 1 warms up)"),
+        )
 
 
 @dataclass

@@ -140,25 +140,6 @@ def plot_title(job_config: JobConfig, outcome: TraceOutcome, world_size: int) ->
     )
 
 
-def check_plot(job_config: JobConfig) -> None:
-    """The plot draws the trace of mode estimate: refuse it where there is none, and check
-    for matplotlib before tracing."""
-    me = job_config.memory_estimation
-    if me.plot is None:
-        return
-    if me.mode != "estimate":
-        raise ConfigError(
-            f"memory_estimation.plot: only mode estimate draws it (from its trace), not mode "
-            f"{me.mode!r}"
-        )
-    if me.disable_fake_mode:
-        raise ConfigError(
-            "memory_estimation.plot: drawn from the trace on fake tensors; not with "
-            "memory_estimation.disable_fake_mode"
-        )
-    plot.require_matplotlib()
-
-
 def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int) -> list[str]:
     me, result = job_config.memory_estimation, outcome.result
     lines = header_lines(job_config, outcome.setup, world_size, me.target_device)
@@ -279,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in _ENABLE_FLAGS]
     job_config = ConfigManager().parse_args(args)
-    check_plot(job_config)
+    if job_config.memory_estimation.plot is not None:
+        plot.require_matplotlib()  # before tracing
     # decided for the target as the trainer decides for its device: a CPU target is this
     # machine, a GPU target never depends on the CPU computing the estimate
     for decision in resolve_for_device(job_config, job_config.memory_estimation.target_device):

@@ -31,7 +31,7 @@ from torchtitan.layers.init import clean_fqn
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
-    from torchtitan.config import JobConfig
+    from torchtitan.config import JobConfig, LoRAConfig
     from torchtitan.distributed import ParallelDims
 
 NF4 = "nf4"
@@ -71,10 +71,14 @@ def fsdp_shards(parallel_dims: ParallelDims) -> int:
 
 
 def check_qlora(
-    job_config: JobConfig, parallel_dims: ParallelDims, targets: dict[str, nn.Linear]
+    lora: LoRAConfig,
+    converters: list[str],
+    parallel_dims: ParallelDims,
+    targets: dict[str, nn.Linear],
 ) -> None:
-    """One-line refusals, before any process starts, for what NF4 bases cannot do."""
-    if not uses_nf4(job_config):
+    """One-line refusals, before any process starts, for what NF4 bases cannot do with these
+    converters, this layout and these adapted linears."""
+    if lora.base_quantization != NF4:
         return
     if importlib.util.find_spec("torchao") is None:  # found, not imported: its import is noisy
         import_to_nf4()
@@ -84,13 +88,13 @@ def check_qlora(
             "weights split only by rows, as FSDP shards them); use FSDP or HSDP, with PP or "
             "CP if needed"
         )
-    clash = [name for name in job_config.model.converters if name in LOW_PRECISION_CONVERTERS]
+    clash = [name for name in converters if name in LOW_PRECISION_CONVERTERS]
     if clash:
         raise ConfigError(
             f"{FIELD}: nf4 and model.converters {clash[0]!r} would both replace the base "
             "weights of the adapted linears; drop one of them"
         )
-    if not job_config.lora.save_adapters_only:
+    if not lora.save_adapters_only:
         raise ConfigError(
             f"{FIELD}: nf4 needs lora.save_adapters_only = true (the NF4 base is re-made "
             "from checkpoint.initial_load_path at every start, never saved)"
