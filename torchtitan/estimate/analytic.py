@@ -49,8 +49,8 @@ class Experts:
 class LatentAttention:
     """DeepSeek's multi-head latent attention (MLA) projections."""
 
-    q_lora_rank: int  # 0: one full-rank query projection
-    kv_lora_rank: int
+    q_latent_rank: int  # 0: one full-rank query projection
+    kv_latent_rank: int
     rope_head_dim: int
     v_head_dim: int
 
@@ -105,9 +105,9 @@ class Geometry:
         or Qwen3.5 style (gpt-oss: a MoE in every block; its biases and sinks are below 0.1 %
         of its weights and not counted)."""
         try:
-            if hasattr(args, "kv_lora_rank"):
+            if hasattr(args, "kv_latent_rank"):
                 return cls._deepseek(args)
-            if hasattr(args, "linear_n_v_heads"):  # Gated DeltaNet layers
+            if hasattr(args, "delta_rule_n_v_heads"):  # Gated DeltaNet layers
                 return cls._qwen3_5(args)
             return cls(
                 dim=args.dim,
@@ -138,7 +138,7 @@ class Geometry:
             vocab_size=args.vocab_size,
             experts=_experts(args.moe, args.moe_inter_dim, args.n_dense_layers),
             mla=LatentAttention(
-                args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim, args.v_head_dim
+                args.q_latent_rank, args.kv_latent_rank, args.qk_rope_head_dim, args.v_head_dim
             ),
         )
 
@@ -176,12 +176,12 @@ class Geometry:
             experts=experts,
             linear=GatedDeltaNet(
                 linear_layers,
-                args.linear_n_k_heads,
-                args.linear_n_v_heads,
-                args.linear_k_head_dim,
-                args.linear_v_head_dim,
-                args.linear_conv_kernel,
-                args.linear_chunk_size,
+                args.delta_rule_n_k_heads,
+                args.delta_rule_n_v_heads,
+                args.delta_rule_k_head_dim,
+                args.delta_rule_v_head_dim,
+                args.delta_rule_conv_kernel,
+                args.delta_rule_chunk_size,
             )
             if linear_layers
             else None,
@@ -436,19 +436,19 @@ def _ac_kept(
 
 def _latent_attention_shapes(g: Geometry, mla: LatentAttention) -> list[Shape]:
     q = g.n_heads * g.head_dim
-    if mla.q_lora_rank:
+    if mla.q_latent_rank:
         queries = [
-            (mla.q_lora_rank, g.dim, "rep"),
-            (mla.q_lora_rank, 1, "rep"),
-            (q, mla.q_lora_rank, "col"),
+            (mla.q_latent_rank, g.dim, "rep"),
+            (mla.q_latent_rank, 1, "rep"),
+            (q, mla.q_latent_rank, "col"),
         ]
     else:
         queries = [(q, g.dim, "col")]
     nope = g.head_dim - mla.rope_head_dim
     return queries + [
-        (mla.kv_lora_rank + mla.rope_head_dim, g.dim, "rep"),
-        (mla.kv_lora_rank, 1, "rep"),
-        (g.n_heads * (nope + mla.v_head_dim), mla.kv_lora_rank, "col"),
+        (mla.kv_latent_rank + mla.rope_head_dim, g.dim, "rep"),
+        (mla.kv_latent_rank, 1, "rep"),
+        (g.n_heads * (nope + mla.v_head_dim), mla.kv_latent_rank, "col"),
         (g.dim, g.v_dim, "row"),
     ]
 
@@ -598,12 +598,12 @@ def _projection_kept_per_token(g: Geometry, lay: Layout, target: str, a: int) ->
     Qwen3.5's output gate keeps its sigmoid and the gated output (what wo keeps)."""
     if g.mla is not None:
         kept = (
-            _norm_kept_bytes(a, g.mla.kv_lora_rank, target)
-            + a * g.mla.kv_lora_rank
+            _norm_kept_bytes(a, g.mla.kv_latent_rank, target)
+            + a * g.mla.kv_latent_rank
             + a * g.v_dim / lay.tp
         )
-        if g.mla.q_lora_rank:
-            kept += _norm_kept_bytes(a, g.mla.q_lora_rank, target) + a * g.mla.q_lora_rank
+        if g.mla.q_latent_rank:
+            kept += _norm_kept_bytes(a, g.mla.q_latent_rank, target) + a * g.mla.q_latent_rank
         return kept
     gate = 2 * a * g.n_heads * g.head_dim / lay.tp if g.output_gate else 0.0
     if g.qk_norm:
@@ -788,7 +788,7 @@ def not_covered(g: Geometry, lay: Layout, run: Run) -> str | None:
     if lay.ac == "selective:op":
         return "op-level selective activation checkpointing"
     if g.linear is not None and lay.cp > 1:
-        # context_parallel_linear keeps only the rule's inputs and received states and
+        # context_parallel.delta_rule keeps only the rule's inputs and received states and
         # recomputes each chunk in backward: not what this model counts
         return "context parallel over Gated DeltaNet layers"
     return None

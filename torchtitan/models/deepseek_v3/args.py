@@ -33,8 +33,8 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
     norm_eps: float = 1e-6
     moe: MoEArgs = field(default_factory=MoEArgs)
     # Multi-head latent attention: 0 = queries from one full-rank projection.
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 512
+    q_latent_rank: int = 0
+    kv_latent_rank: int = 512
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128

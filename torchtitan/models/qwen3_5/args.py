@@ -24,7 +24,8 @@ from torchtitan.protocols.model import BaseModelArgs
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
 
-LINEAR, FULL = "linear_attention", "full_attention"
+# layer_types as config.json names them: Gated DeltaNet (the delta rule) or full attention
+DELTA_RULE, FULL = "linear_attention", "full_attention"
 
 
 def qwen3_5_moe(num_experts: int, top_k: int) -> MoEArgs:
@@ -57,13 +58,13 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     rope_theta: float = 10_000_000.0
     partial_rotary_factor: float = 0.25  # RoPE on the first quarter of each head's channels
     # Gated DeltaNet
-    linear_n_k_heads: int = 16
-    linear_n_v_heads: int = 32
-    linear_k_head_dim: int = 128
-    linear_v_head_dim: int = 128
-    linear_conv_kernel: int = 4
+    delta_rule_n_k_heads: int = 16
+    delta_rule_n_v_heads: int = 32
+    delta_rule_k_head_dim: int = 128
+    delta_rule_v_head_dim: int = 128
+    delta_rule_conv_kernel: int = 4
     # tokens per chunk of the chunked delta rule (a [chunk, chunk] system per chunk and head)
-    linear_chunk_size: int = 64
+    delta_rule_chunk_size: int = 64
     ffn_hidden_dim: int = 12288  # dense SwiGLU hidden size (intermediate_size)
     norm_eps: float = 1e-6
     max_seq_len: int = 4096
@@ -78,7 +79,7 @@ class Qwen3_5ModelArgs(BaseModelArgs):
         if not self.layer_types:
             interval = self.full_attention_interval
             self.layer_types = [
-                FULL if (i + 1) % interval == 0 else LINEAR for i in range(self.n_layers)
+                FULL if (i + 1) % interval == 0 else DELTA_RULE for i in range(self.n_layers)
             ]
 
     @property
@@ -98,8 +99,8 @@ class Qwen3_5ModelArgs(BaseModelArgs):
             parallel_dims.tp,
             n_heads=self.n_heads,
             n_kv_heads=self.n_kv_heads,
-            linear_n_k_heads=self.linear_n_k_heads,
-            linear_n_v_heads=self.linear_n_v_heads,
+            delta_rule_n_k_heads=self.delta_rule_n_k_heads,
+            delta_rule_n_v_heads=self.delta_rule_n_v_heads,
         )
         if self.moe is None:
             check_no_experts(parallel_dims, "this qwen3_5 flavor (dense)")
@@ -126,7 +127,7 @@ class Qwen3_5ModelArgs(BaseModelArgs):
         products and ``6 * 2 * 2 * k_dim * v_dim`` for reading and updating the state, per
         value head (independent of the sequence length)."""
         full = 12 * self.n_full_layers * self.n_heads * self.head_dim * seq_len
-        k, v, chunk = self.linear_k_head_dim, self.linear_v_head_dim, self.linear_chunk_size
-        per_head = 12 * chunk * (k + v) + 24 * k * v
-        linear = (self.n_layers - self.n_full_layers) * self.linear_n_v_heads * per_head
-        return nparams_and_flops(model, full + linear, self.moe, self.tie_word_embeddings)
+        k, v = self.delta_rule_k_head_dim, self.delta_rule_v_head_dim
+        per_head = 12 * self.delta_rule_chunk_size * (k + v) + 24 * k * v
+        delta_rule = (self.n_layers - self.n_full_layers) * self.delta_rule_n_v_heads * per_head
+        return nparams_and_flops(model, full + delta_rule, self.moe, self.tie_word_embeddings)
