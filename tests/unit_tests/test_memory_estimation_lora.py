@@ -165,7 +165,7 @@ def test_closed_form_stores_nf4_bases_and_the_start_stays_below_training():
     NF4 base, one block in fp32 and one gathered weight being quantized) stays below the
     training peak on 1 to 8 GPUs, where a whole fp32 base would need 4 bytes per value."""
     qlora = analytic_fit(_parse(*LLAMA3_70B_QLORA))
-    g = analytic.Geometry.from_model_args(llama3_flavors["70B"])
+    g = llama3_flavors["70B"].geometry()
     linears = analytic._dense_linears(g)
     block = sum(r * c for r, c, _ in linears.values())
     adapters = sum(16 * (r + c) for r, c, _ in linears.values())

@@ -19,6 +19,7 @@ from torchtitan.layers.gated_deltanet import GatedDeltaNet
 from torchtitan.models.qwen3_5.args import FULL
 from torchtitan.models.qwen3_5.flavors import qwen3_5_flavors
 from torchtitan.models.qwen3_5.model import Qwen3_5Model
+from torchtitan.protocols.geometry import DeltaRuleMixer, Geometry
 
 QWEN3_5_DEBUG_TOML = str(REPO_ROOT / "train_configs" / "qwen3_5_debug.toml")
 PARAMETERS = "parameters (sharded fp32; NF4 bases)"
@@ -31,8 +32,8 @@ def test_closed_form_parameter_bytes_are_the_models(flavor):
     args = qwen3_5_flavors[flavor]
     with torch.device("meta"):
         numel = sum(p.numel() for p in Qwen3_5Model(args).parameters())
-    geometry = analytic.Geometry.from_model_args(args)
-    assert geometry.linear is not None and geometry.linear.layers == args.n_layers * 3 // 4
+    geometry = args.geometry()
+    assert geometry.delta_rule is not None and geometry.delta_rule.layers == args.n_layers * 3 // 4
     estimate = analytic.estimate(
         geometry, analytic.Layout(), analytic.Run(seq_len=64, local_batch=1, param_bytes=4)
     )
@@ -80,7 +81,7 @@ def test_gated_deltanet_layer_keeps_what_autograd_saves(seq, dtype, n_k_heads):
     x = torch.randn(batch, seq, dim, dtype=dtype, requires_grad=True)
     measured = _kept_by_autograd(layer, x)
     a = 2 if dtype == torch.bfloat16 else 4
-    geometry = analytic.Geometry(
+    geometry = Geometry(
         dim=dim,
         n_layers=1,
         n_heads=1,
@@ -88,7 +89,7 @@ def test_gated_deltanet_layer_keeps_what_autograd_saves(seq, dtype, n_k_heads):
         head_dim=1,
         ffn_dim=1,
         vocab_size=1,
-        linear=analytic.GatedDeltaNet((0,), n_k_heads, 4, 16, 24, 4, 16),
+        delta_rule=DeltaRuleMixer((0,), n_k_heads, 4, 16, 24, 4, 16),
     )
     layout = analytic.Layout(dp_shard=2 if a == 2 else 1)  # bf16 compute under FSDP
     run = analytic.Run(seq_len=seq, local_batch=batch, param_bytes=a)
@@ -129,7 +130,7 @@ def test_context_parallel_over_gated_deltanet_is_declined():
     """CP hands the rule's state between ranks and recomputes each chunk in backward: the
     closed form says it does not cover that rather than count the one-device activations.
     A Qwen3.5 model of full-attention layers only is a gated GQA decoder, covered under CP."""
-    geometry = analytic.Geometry.from_model_args(qwen3_5_flavors["9B"])
+    geometry = qwen3_5_flavors["9B"].geometry()
     cp = analytic.Layout(dp_shard=2, cp=2)
     run = analytic.Run(seq_len=8192, local_batch=1)
     assert analytic.not_covered(geometry, cp, run) == "context parallel over Gated DeltaNet layers"
@@ -137,8 +138,8 @@ def test_context_parallel_over_gated_deltanet_is_declined():
     assert analytic.estimate(geometry, dataclasses.replace(cp, cp=1, dp_shard=4), run)
 
     args = dataclasses.replace(qwen3_5_flavors["debugmodel"], layer_types=[FULL] * 4)
-    attention_only = analytic.Geometry.from_model_args(args)
-    assert attention_only.linear is None and attention_only.output_gate
+    attention_only = args.geometry()
+    assert attention_only.delta_rule is None and attention_only.output_gate
     short = analytic.Run(seq_len=256, local_batch=2)
     assert analytic.not_covered(attention_only, cp, short) is None
     assert analytic.estimate(attention_only, cp, short)
@@ -150,7 +151,7 @@ def test_activation_checkpointing_follows_the_layer_types(ac):
     on the layer types (every 4th block of 9B is full attention): the blocks' kept bytes add
     up block by block and the recompute is the largest recomputed block's (against traces of
     the debug model, FSDP 2: full +1.0 %, selective 2 +0.8 %, selective 4 +0.7 %)."""
-    g = analytic.Geometry.from_model_args(qwen3_5_flavors["9B"])
+    g = qwen3_5_flavors["9B"].geometry()
     layout = analytic.Layout(dp_shard=8, ac=ac)
     run = analytic.Run(seq_len=4096, local_batch=1)
     stage = analytic._stage_sizes(g, layout, run, first=True, last=True)
@@ -162,7 +163,7 @@ def test_activation_checkpointing_follows_the_layer_types(ac):
     every = 1 if ac == "full" else int(ac.split(":")[1])
     recomputed = [i for i in range(g.n_layers) if (i + 1) % every == 0]
     expected_kept = sum(
-        a_in if i in recomputed else mixers[i in g.linear.layer_ids] for i in range(g.n_layers)
+        a_in if i in recomputed else mixers[i in g.delta_rule.layer_ids] for i in range(g.n_layers)
     )
     assert stage.kept * g.n_layers == pytest.approx(expected_kept)
     # selective 4 recomputes only the attention blocks, the others a Gated DeltaNet block

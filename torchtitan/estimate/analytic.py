@@ -29,200 +29,9 @@ from torchtitan.components.quantization import FLOAT8_LINEAR
 from torchtitan.config import ConfigError
 from torchtitan.distributed.activation_checkpoint import keeps_attention_output
 from torchtitan.layers.loss import auto_chunk_tokens
+from torchtitan.protocols.geometry import DeltaRuleMixer, Geometry, LatentAttention
 
 GiB = 2**30
-
-
-@dataclass(frozen=True)
-class Experts:
-    """The MoE feed-forward of every block after the first ``dense_layers``."""
-
-    num_experts: int
-    top_k: int
-    hidden_dim: int  # one routed expert's
-    shared_hidden_dim: int  # all shared experts together (0: none)
-    dense_layers: int
-    shared_gate: bool = False  # the shared experts' output scaled by sigmoid(x . w) (Qwen3.5)
-
-
-@dataclass(frozen=True)
-class LatentAttention:
-    """DeepSeek's multi-head latent attention (MLA) projections."""
-
-    q_latent_rank: int  # 0: one full-rank query projection
-    kv_latent_rank: int
-    rope_head_dim: int
-    v_head_dim: int
-
-
-@dataclass(frozen=True)
-class GatedDeltaNet:
-    """Qwen3.5's linear-attention mixer (``layers/gated_deltanet.py``) in the blocks
-    ``layer_ids`` (the others: gated full attention). Query/key heads serve ``n_v_heads /
-    n_k_heads`` value heads each; the chunked rule works on chunks of ``chunk_size`` tokens."""
-
-    layer_ids: tuple[int, ...]
-    n_k_heads: int
-    n_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    conv_kernel: int
-    chunk_size: int
-
-    @property
-    def layers(self) -> int:
-        return len(self.layer_ids)
-
-    @property
-    def key_dim(self) -> int:
-        return self.n_k_heads * self.k_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.n_v_heads * self.v_head_dim
-
-
-@dataclass(frozen=True)
-class Geometry:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int  # of queries and keys
-    ffn_dim: int  # of the dense feed-forward
-    vocab_size: int
-    qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
-    tied_embeddings: bool = False
-    experts: Experts | None = None
-    mla: LatentAttention | None = None
-    linear: GatedDeltaNet | None = None  # Gated DeltaNet blocks (the rest: full attention)
-    output_gate: bool = False  # wq also yields a sigmoid gate per attention output channel
-    zero_centred_norms: bool = False  # every RMSNorm is layers/norms.ZeroCenteredRMSNorm
-
-    @classmethod
-    def from_model_args(cls, args) -> Geometry | None:
-        """None for model args that are not a decoder of Llama, Qwen3, DeepSeek-V3, gpt-oss
-        or Qwen3.5 style (gpt-oss: a MoE in every block; its biases and sinks are below 0.1 %
-        of its weights and not counted)."""
-        try:
-            if hasattr(args, "kv_latent_rank"):
-                return cls._deepseek(args)
-            if hasattr(args, "delta_rule_n_v_heads"):  # Gated DeltaNet layers
-                return cls._qwen3_5(args)
-            return cls(
-                dim=args.dim,
-                n_layers=args.n_layers,
-                n_heads=args.n_heads,
-                n_kv_heads=args.kv_heads,
-                head_dim=args.head_dim,
-                ffn_dim=getattr(args, "ffn_hidden_dim", None) or args.moe_hidden_dim,
-                vocab_size=args.vocab_size,
-                qk_norm=getattr(args, "qk_norm", False),
-                tied_embeddings=getattr(args, "tie_word_embeddings", False),
-                experts=_experts(
-                    getattr(args, "moe", None), getattr(args, "moe_hidden_dim", 0), dense_layers=0
-                ),
-            )
-        except AttributeError:
-            return None
-
-    @classmethod
-    def _deepseek(cls, args) -> Geometry:
-        return cls(
-            dim=args.dim,
-            n_layers=args.n_layers,
-            n_heads=args.n_heads,
-            n_kv_heads=args.n_heads,
-            head_dim=args.qk_nope_head_dim + args.qk_rope_head_dim,
-            ffn_dim=args.inter_dim,
-            vocab_size=args.vocab_size,
-            experts=_experts(args.moe, args.moe_inter_dim, args.n_dense_layers),
-            mla=LatentAttention(
-                args.q_latent_rank, args.kv_latent_rank, args.qk_rope_head_dim, args.v_head_dim
-            ),
-        )
-
-    @classmethod
-    def _qwen3_5(cls, args) -> Geometry | None:
-        """Qwen3.5: Gated DeltaNet blocks by ``layer_types``, gated GQA in the others
-        (partial RoPE costs nothing extra), zero-centred norms, a dense SwiGLU or a MoE with
-        one gated shared expert of ``shared_expert_hidden_dim`` in every block. None for
-        other mixers in ``layer_types``."""
-        kinds = list(args.layer_types)
-        if len(kinds) != args.n_layers or set(kinds) - {"linear_attention", "full_attention"}:
-            return None
-        linear_layers = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
-        experts = _experts(args.moe, args.moe_hidden_dim, dense_layers=0)
-        if experts is not None:
-            experts = dataclasses.replace(
-                experts,
-                shared_hidden_dim=args.shared_expert_hidden_dim
-                if args.moe.num_shared_experts
-                else 0,
-                shared_gate=args.moe.shared_expert_gate and args.moe.num_shared_experts > 0,
-            )
-        return cls(
-            dim=args.dim,
-            n_layers=args.n_layers,
-            n_heads=args.n_heads,
-            n_kv_heads=args.n_kv_heads,
-            head_dim=args.head_dim,
-            # no dense block in a MoE flavor: its unused ffn_hidden_dim would count as the
-            # widest feed-forward
-            ffn_dim=args.ffn_hidden_dim if args.moe is None else args.moe_hidden_dim,
-            vocab_size=args.vocab_size,
-            qk_norm=True,
-            tied_embeddings=args.tie_word_embeddings,
-            experts=experts,
-            linear=GatedDeltaNet(
-                linear_layers,
-                args.delta_rule_n_k_heads,
-                args.delta_rule_n_v_heads,
-                args.delta_rule_k_head_dim,
-                args.delta_rule_v_head_dim,
-                args.delta_rule_conv_kernel,
-                args.delta_rule_chunk_size,
-            )
-            if linear_layers
-            else None,
-            output_gate=True,
-            zero_centred_norms=True,
-        )
-
-    @property
-    def v_dim(self) -> int:
-        """All heads' value channels (the attention output width)."""
-        return self.n_heads * (self.mla.v_head_dim if self.mla else self.head_dim)
-
-    @property
-    def moe_layers(self) -> int:
-        return 0 if self.experts is None else self.n_layers - self.experts.dense_layers
-
-    @property
-    def linear_layers(self) -> int:
-        return 0 if self.linear is None else self.linear.layers
-
-    def block_kinds(self) -> list[tuple[float, bool, bool]]:
-        """(share of the blocks, Gated DeltaNet mixer, MoE feed-forward) of each kind of
-        block the model has. The mixer and the feed-forward are counted apart (their sizes
-        add), so the shares are products of the two: exact for every model here, in which
-        one of the two is the same in every block."""
-        linear = self.linear_layers / self.n_layers
-        moe = self.moe_layers / self.n_layers
-        return [
-            (mixer_share * ffn_share, is_linear, is_moe)
-            for is_linear, mixer_share in ((False, 1 - linear), (True, linear))
-            for is_moe, ffn_share in ((False, 1 - moe), (True, moe))
-            if mixer_share * ffn_share > 0
-        ]
-
-
-def _experts(moe, hidden_dim: int, dense_layers: int) -> Experts | None:
-    if moe is None:
-        return None
-    return Experts(
-        moe.num_experts, moe.top_k, hidden_dim, moe.num_shared_experts * hidden_dim, dense_layers
-    )
 
 
 @dataclass(frozen=True)
@@ -453,7 +262,7 @@ def _latent_attention_shapes(g: Geometry, mla: LatentAttention) -> list[Shape]:
     ]
 
 
-def _linear_attention_shapes(d: GatedDeltaNet, dim: int) -> list[Shape]:
+def _linear_attention_shapes(d: DeltaRuleMixer, dim: int) -> list[Shape]:
     """A Gated DeltaNet mixer: the q/k/v/z/a/b projections, the convolution taps, decay rates
     and dt_bias split by heads under TP (with the projections' rows), the per-head gated norm
     replicated, out_proj row-wise."""
@@ -493,7 +302,7 @@ def _ffn_shapes(g: Geometry, moe: bool) -> list[Shape]:
 
 
 def _block_shapes(g: Geometry, moe: bool, linear: bool = False) -> list[Shape]:
-    mixer = _linear_attention_shapes(g.linear, g.dim) if linear else _attention_shapes(g)
+    mixer = _linear_attention_shapes(g.delta_rule, g.dim) if linear else _attention_shapes(g)
     return mixer + _ffn_shapes(g, moe) + [(g.dim, 1, "rep"), (g.dim, 1, "rep")]
 
 
@@ -639,7 +448,7 @@ def _linear_attention_kept_per_token(g: Geometry, lay: Layout, run: Run, a: int)
       each chunk ([k_dim, v_dim]) and its carry: per token (k_dim v_dim + 2) / C; plus the
       causal mask of each chunk ([C, C] bool, shared by the heads) and two per-token masks.
     """
-    d, t = g.linear, lay.tp
+    d, t = g.delta_rule, lay.tp
     e = a if lay.fsdp else 4
     k, v = d.key_dim / t, d.value_dim / t
     k_heads, heads = d.n_k_heads / t, d.n_v_heads / t
@@ -683,9 +492,9 @@ def _linear_backward_bytes(g: Geometry, lay: Layout, tokens: float) -> float:
     """A Gated DeltaNet block's backward temporaries (the pure-PyTorch rule; 0 without such
     blocks): about three fp32 gradients of its widest per-token tensor, over the value heads
     [k_dim], [v_dim] or [C] (within about 20 % of tracked backwards of one layer)."""
-    if g.linear is None:
+    if g.delta_rule is None:
         return 0.0
-    d = g.linear
+    d = g.delta_rule
     widest = max(d.k_head_dim, d.v_head_dim, d.chunk_size)
     return 3 * 4 * tokens * d.n_v_heads / lay.tp * widest
 
@@ -704,7 +513,7 @@ def _mixer_activation_bytes(
 ) -> list[tuple[float, bool, float]]:
     """(share of the blocks, Gated DeltaNet, what one such block keeps without AC) for each
     kind of token mixer of the model (the feed-forward: the mean over dense and MoE)."""
-    linear_share = g.linear_layers / g.n_layers
+    linear_share = g.delta_rule_layers / g.n_layers
     return [
         (share, linear, _layer_activation_bytes(g, lay, run, a, tokens, linear))
         for share, linear in ((1 - linear_share, False), (linear_share, True))
@@ -723,7 +532,7 @@ def _hybrid_blocks(
     """(what the block keeps under the configured AC, what its recompute rebuilds) of each
     block in order, for a model of Gated DeltaNet and attention blocks on one pipeline stage
     (None otherwise): which blocks every-N selective AC recomputes depends on their mixer."""
-    if g.linear is None or lay.pp > 1:
+    if g.delta_rule is None or lay.pp > 1:
         return None
     a_kind = {linear: a for _, linear, a in mixers}
     # a recomputed attention block keeps its attention output and log-sum-exp
@@ -735,7 +544,7 @@ def _hybrid_blocks(
     every = int(lay.ac.split(":")[1]) if lay.ac.startswith("selective:") else 1
     blocks = []
     for i in range(g.n_layers):
-        linear = i in g.linear.layer_ids
+        linear = i in g.delta_rule.layer_ids
         if lay.ac == "none" or (i + 1) % every:
             blocks.append((a_kind[linear], 0.0))
         else:
@@ -787,7 +596,7 @@ def not_covered(g: Geometry, lay: Layout, run: Run) -> str | None:
         return "float8 linears (their casts and scales; the trace covers them)"
     if lay.ac == "selective:op":
         return "op-level selective activation checkpointing"
-    if g.linear is not None and lay.cp > 1:
+    if g.delta_rule is not None and lay.cp > 1:
         # context_parallel.delta_rule keeps only the rule's inputs and received states and
         # recomputes each chunk in backward: not what this model counts
         return "context parallel over Gated DeltaNet layers"
@@ -1174,7 +983,7 @@ def from_job_config(
         cp_headtail=parallel_dims.cp_load_balancer == "headtail",
         ac_keeps_attention=keeps_attention_output(ac, parallel_dims.ring_cp),
     )
-    geometry = Geometry.from_model_args(model_args)
+    geometry = model_args.geometry()
     if geometry is not None and LORA in job_config.model.converters:
         run = dataclasses.replace(run, lora=lora_from_config(job_config, geometry))
     if run.lora is None or "output" not in run.lora.adapted:  # components/training_loss.py's choice
@@ -1188,7 +997,7 @@ _BLOCK_MODULE = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": 
 def lora_from_config(job_config, g: Geometry) -> LoRA:
     """The linears that ``lora.target_modules`` adapts, matched as the converter matches them
     against this geometry's FQNs; ConfigError where the closed form cannot follow."""
-    if g.experts is not None or g.mla is not None or g.linear is not None:
+    if g.experts is not None or g.mla is not None or g.delta_rule is not None:
         raise ConfigError(
             f"model.converters=['lora'] on {job_config.model.name!r}: the closed form covers "
             "LoRA on dense decoders only (no Gated DeltaNet); use --memory_estimation.mode estimate"

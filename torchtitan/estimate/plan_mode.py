@@ -12,7 +12,7 @@ from torchtitan.components.adapters.lora import LORA
 from torchtitan.components.quantization import FLOAT8_LINEAR
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.checks import check_job_config
-from torchtitan.estimate import analytic, layout_search, report
+from torchtitan.estimate import layout_search, report
 from torchtitan.estimate.build import build_parallel_dims, estimation_model_args
 from torchtitan.estimate.coverage import coverage_gap, resolve_world_size
 from torchtitan.estimate.trace import trace_training_memory
@@ -70,8 +70,8 @@ def plan_request(job_config: JobConfig) -> layout_search.PlanRequest:
         )
     spec = get_train_spec(job_config.model.name)
     model_args = estimation_model_args(job_config, spec)
-    geometry = analytic.Geometry.from_model_args(model_args)
-    if geometry is None or geometry.experts is not None or geometry.linear is not None:
+    geometry = model_args.geometry()
+    if geometry is None or geometry.experts is not None or geometry.delta_rule is not None:
         raise ConfigError(
             f"model.name: the planner covers dense attention decoders (no expert-parallel "
             f"layouts, no linear-attention layers); {spec.name!r} {job_config.model.flavor!r} "

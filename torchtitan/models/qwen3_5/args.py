@@ -6,8 +6,8 @@ shared expert) in every block."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -19,6 +19,7 @@ from torchtitan.models.common.args import (
     nparams_and_flops,
     require,
 )
+from torchtitan.protocols.geometry import DeltaRuleMixer, Experts, Geometry
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
@@ -73,7 +74,6 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     moe_hidden_dim: int = 512  # one routed expert's hidden size (moe_intermediate_size)
     shared_expert_hidden_dim: int = 512  # shared_expert_intermediate_size
     depth_init: bool = True
-    qk_norm: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -118,6 +118,54 @@ class Qwen3_5ModelArgs(BaseModelArgs):
             "parallelism.pipeline_parallel_degree: this qwen3_5 flavor ties the output layer "
             "to the embedding, which sit on different pipeline stages; use "
             "pipeline_parallel_degree 1 or an untied flavor",
+        )
+
+    def geometry(self) -> Geometry | None:
+        """Gated DeltaNet blocks by ``layer_types``, gated GQA with q/k norms in the others
+        (partial RoPE costs nothing extra), zero-centred norms, a dense SwiGLU or a MoE with
+        one gated shared expert of ``shared_expert_hidden_dim`` in every block. None for
+        other mixers in ``layer_types``."""
+        kinds = list(self.layer_types)
+        if len(kinds) != self.n_layers or set(kinds) - {DELTA_RULE, FULL}:
+            return None
+        delta_rule_layers = tuple(i for i, kind in enumerate(kinds) if kind == DELTA_RULE)
+        return Geometry(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            # no dense block in a MoE flavor: its unused ffn_hidden_dim would count as the
+            # widest feed-forward
+            ffn_dim=self.ffn_hidden_dim if self.moe is None else self.moe_hidden_dim,
+            vocab_size=self.vocab_size,
+            qk_norm=True,
+            tied_embeddings=self.tie_word_embeddings,
+            experts=self._experts(),
+            delta_rule=DeltaRuleMixer(
+                delta_rule_layers,
+                self.delta_rule_n_k_heads,
+                self.delta_rule_n_v_heads,
+                self.delta_rule_k_head_dim,
+                self.delta_rule_v_head_dim,
+                self.delta_rule_conv_kernel,
+                self.delta_rule_chunk_size,
+            )
+            if delta_rule_layers
+            else None,
+            output_gate=True,
+            zero_centred_norms=True,
+        )
+
+    def _experts(self) -> Experts | None:
+        """The routed experts and the one shared expert of its own width, gated."""
+        if self.moe is None:
+            return None
+        shared = self.moe.num_shared_experts > 0
+        return replace(
+            Experts.from_moe(self.moe, self.moe_hidden_dim),
+            shared_hidden_dim=self.shared_expert_hidden_dim if shared else 0,
+            shared_gate=self.moe.shared_expert_gate and shared,
         )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
