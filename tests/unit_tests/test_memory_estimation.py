@@ -9,8 +9,9 @@ import torch
 
 from tests.launcher import REPO_ROOT
 from torchtitan.config import ConfigManager
-from torchtitan.estimate import analytic
 from torchtitan.estimate.cli import main, measure_single_process
+from torchtitan.estimate.closed_form.from_config import from_job_config
+from torchtitan.estimate.closed_form.peak import estimate_peak
 from torchtitan.estimate.trace import trace_training_memory
 
 DEBUG_TOML = str(REPO_ROOT / "train_configs" / "debug_model.toml")
@@ -210,10 +211,10 @@ def _traced_and_closed_form(config, world_size: int, target: str) -> tuple[int, 
     """The traced peak and the closed form's."""
     outcome = trace_training_memory(config, world_size, target)
     setup = outcome.setup
-    geometry, layout, run = analytic.from_job_config(
+    geometry, layout, run = from_job_config(
         config, setup.model_args, setup.parallel_dims, 1, target
     )
-    return outcome.result.peak_bytes, analytic.estimate(geometry, layout, run).peak_bytes
+    return outcome.result.peak_bytes, estimate_peak(geometry, layout, run).peak_bytes
 
 
 def _analytic_error(config, world_size: int, target: str) -> float:
@@ -537,10 +538,10 @@ def test_muon_step_closed_form_matches_the_trace(world_size, overrides):
             args += overrides
         config = ConfigManager().parse_args(args)
         outcome = trace_training_memory(config, world_size, "cuda")
-        geometry, layout, run = analytic.from_job_config(
+        geometry, layout, run = from_job_config(
             config, outcome.setup.model_args, outcome.setup.parallel_dims, 1, "cuda"
         )
-        closed_form = analytic.estimate(geometry, layout, run).phases["optimizer step"]
+        closed_form = estimate_peak(geometry, layout, run).phases["optimizer step"]
         traced = outcome.result.phase_peaks[(2, "optimizer_step")]
         assert abs(closed_form / traced - 1) < 0.015, (name, closed_form, traced)
         steps[name] = traced

@@ -16,8 +16,11 @@ from torchtitan.components.adapters.qlora import (
     QUANTIZE_SCRATCH_BYTES,
 )
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.estimate import analytic
 from torchtitan.estimate.cli import analytic_fit
+from torchtitan.estimate.closed_form.from_config import from_job_config
+from torchtitan.estimate.closed_form.peak import estimate_peak, training_peak
+from torchtitan.estimate.closed_form.phases import BASE_LOAD
+from torchtitan.estimate.closed_form.shapes import dense_linears
 from torchtitan.estimate.memory_tracker import EstimationMemTracker
 from torchtitan.estimate.trace import trace_training_memory
 from torchtitan.models.llama3.flavors import llama3_flavors
@@ -39,10 +42,10 @@ def _peaks(config, world_size: int = 2, target: str = "cuda") -> tuple[int, int,
     """(traced peak, closed-form peak, the trace's recipe)."""
     outcome = trace_training_memory(config, world_size, target)
     setup = outcome.setup
-    geometry, layout, run = analytic.from_job_config(
+    geometry, layout, run = from_job_config(
         config, setup.model_args, setup.parallel_dims, 1, target
     )
-    return outcome.result.peak_bytes, analytic.estimate(geometry, layout, run).peak_bytes, setup
+    return outcome.result.peak_bytes, estimate_peak(geometry, layout, run).peak_bytes, setup
 
 
 @pytest.mark.slow
@@ -166,7 +169,7 @@ def test_closed_form_stores_nf4_bases_and_the_start_stays_below_training():
     training peak on 1 to 8 GPUs, where a whole fp32 base would need 4 bytes per value."""
     qlora = analytic_fit(_parse(*LLAMA3_70B_QLORA))
     g = llama3_flavors["70B"].geometry()
-    linears = analytic._dense_linears(g)
+    linears = dense_linears(g)
     block = sum(r * c for r, c, _ in linears.values())
     adapters = sum(16 * (r + c) for r, c, _ in linears.values())
     rest = 2 * g.vocab_size * g.dim + (2 * g.dim + adapters) * g.n_layers + g.dim
@@ -175,15 +178,15 @@ def test_closed_form_stores_nf4_bases_and_the_start_stays_below_training():
     assert params == pytest.approx(expected, rel=1e-6)
     largest = max(r * c for r, c, _ in linears.values())
     start = params + 4 * block / 2 + QUANTIZE_BYTES_PER_VALUE * largest + QUANTIZE_SCRATCH_BYTES
-    assert qlora.peak.phases[analytic.BASE_LOAD] == pytest.approx(start, rel=1e-6)
+    assert qlora.peak.phases[BASE_LOAD] == pytest.approx(start, rel=1e-6)
     assert qlora.verdict.startswith("verdict: fits")
-    training, _ = analytic.training_peak(qlora.peak)
+    training, _ = training_peak(qlora.peak)
     lora = analytic_fit(_parse(*LLAMA3_70B_QLORA, "--lora.base_quantization", "none"))
     assert not lora.verdict.startswith("verdict: fits")
     for gpus in ("1", "2", "4", "8"):
         fit = analytic_fit(_parse(*LLAMA3_70B_QLORA, "--memory_estimation.world_size", gpus))
-        assert fit.peak.phase != analytic.BASE_LOAD, gpus
-        assert fit.peak.phases[analytic.BASE_LOAD] < 4 * block * g.n_layers / int(gpus)
+        assert fit.peak.phase != BASE_LOAD, gpus
+        assert fit.peak.phases[BASE_LOAD] < 4 * block * g.n_layers / int(gpus)
 
 
 @pytest.mark.slow
@@ -206,12 +209,12 @@ def test_trace_quantizes_as_the_trainer_and_the_closed_form_follows():
     assert outcome.result.breakdown["Sharded Param"] < lora / 3
     setup = outcome.setup
     config = _parse(*qlora, "--lora.base_quantization", "nf4")
-    closed = analytic.estimate(
-        *analytic.from_job_config(config, setup.model_args, setup.parallel_dims, 1, "cuda")
+    closed = estimate_peak(
+        *from_job_config(config, setup.model_args, setup.parallel_dims, 1, "cuda")
     )
-    training, _ = analytic.training_peak(closed)
+    training, _ = training_peak(closed)
     assert abs(training / outcome.result.peak_bytes - 1) < 0.01, (training, outcome.result)
-    assert closed.phases[analytic.BASE_LOAD] > closed.phases["optimizer step"]
+    assert closed.phases[BASE_LOAD] > closed.phases["optimizer step"]
 
 
 def test_the_tracker_counts_no_bytes_on_meta():

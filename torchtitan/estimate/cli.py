@@ -12,8 +12,16 @@ from torchtitan.components.adapters.lora import LORA
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.estimate import analytic, plot, report
+from torchtitan.estimate import plot, report
 from torchtitan.estimate.build import estimation_model_args
+from torchtitan.estimate.closed_form.from_config import from_job_config
+from torchtitan.estimate.closed_form.peak import (
+    AnalyticEstimate,
+    estimate_peak,
+    not_covered,
+    training_peak,
+)
+from torchtitan.estimate.closed_form.phases import BASE_LOAD
 from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
 from torchtitan.estimate.measure_mode import measure_single_process, run_measure
 from torchtitan.estimate.plan_mode import run_plan
@@ -30,29 +38,29 @@ _ENABLE_FLAGS = ("--memory_estimation.enable", "--memory_estimation.enabled")
 
 def closed_form_of(
     job_config: JobConfig, outcome: TraceOutcome, target: str
-) -> analytic.AnalyticEstimate | str:
+) -> AnalyticEstimate | str:
     """The closed form of the traced run, or why there is none."""
     setup = outcome.setup
-    geometry, layout, run = analytic.from_job_config(
+    geometry, layout, run = from_job_config(
         job_config, setup.model_args, setup.parallel_dims, setup.grad_accum_steps, target
     )
     if geometry is None:
         return "analytic estimate: not available (the model args are not a decoder it knows)"
-    closed_form = analytic.estimate(geometry, layout, run)
+    closed_form = estimate_peak(geometry, layout, run)
     if closed_form is None:
-        return f"analytic estimate: not available for {analytic.not_covered(geometry, layout, run)}"
+        return f"analytic estimate: not available for {not_covered(geometry, layout, run)}"
     return closed_form
 
 
-def analytic_lines(closed_form: analytic.AnalyticEstimate | str, traced: int) -> list[str]:
+def analytic_lines(closed_form: AnalyticEstimate | str, traced: int) -> list[str]:
     """The closed form beside the trace; under QLoRA the training phases beside the trace,
     and the start (the base made NF4 block by block), which only the closed form models."""
     if isinstance(closed_form, str):
         return [closed_form]
-    load = closed_form.phases.get(analytic.BASE_LOAD)
+    load = closed_form.phases.get(BASE_LOAD)
     if load is None:
         return report.analytic_lines(traced, closed_form)
-    peak, phase = analytic.training_peak(closed_form)
+    peak, phase = training_peak(closed_form)
     training = dataclasses.replace(closed_form, peak_bytes=peak, phase=phase)
     return report.analytic_lines(traced, training) + [
         f"QLoRA start (closed form; not traced): making the base NF4 block by block needs "
@@ -60,11 +68,11 @@ def analytic_lines(closed_form: analytic.AnalyticEstimate | str, traced: int) ->
     ]
 
 
-def start_peak(closed_form: analytic.AnalyticEstimate | str) -> int:
+def start_peak(closed_form: AnalyticEstimate | str) -> int:
     """QLoRA's start peak (0 without): the allocations before the first step."""
     if isinstance(closed_form, str):
         return 0
-    return int(closed_form.phases.get(analytic.BASE_LOAD, 0))
+    return int(closed_form.phases.get(BASE_LOAD, 0))
 
 
 def degrees(parallel_dims: ParallelDims) -> str:
@@ -200,7 +208,7 @@ def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int
 
 @dataclass
 class AnalyticFit:
-    peak: analytic.AnalyticEstimate
+    peak: AnalyticEstimate
     parallel_dims: ParallelDims
     verdict: str
 
@@ -219,7 +227,7 @@ def analytic_fit(job_config: JobConfig) -> AnalyticFit:
     parallel_dims = check_covered(job_config, world_size)
     model_args = estimation_model_args(job_config, get_train_spec(job_config.model.name))
     accum = grad_accumulation_steps(job_config.training, parallel_dims)
-    geometry, layout, run = analytic.from_job_config(
+    geometry, layout, run = from_job_config(
         job_config, model_args, parallel_dims, accum, me.target_device
     )
     if geometry is None:
@@ -227,11 +235,11 @@ def analytic_fit(job_config: JobConfig) -> AnalyticFit:
             f"model.name={job_config.model.name!r}: the closed form does not cover this model; "
             "use mode estimate"
         )
-    closed_form = analytic.estimate(geometry, layout, run)
+    closed_form = estimate_peak(geometry, layout, run)
     if closed_form is None:
         raise ConfigError(
             f"model.name={job_config.model.name!r}: the closed form does not cover "
-            f"{analytic.not_covered(geometry, layout, run)}; use mode estimate"
+            f"{not_covered(geometry, layout, run)}; use mode estimate"
         )
     additions = report.device_additions(
         closed_form.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib

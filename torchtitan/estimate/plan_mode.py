@@ -74,7 +74,7 @@ def plan_request(job_config: JobConfig) -> layout_search.PlanRequest:
     if geometry is None or geometry.experts is not None or geometry.delta_rule is not None:
         raise ConfigError(
             f"model.name: the planner covers dense attention decoders (no expert-parallel "
-            f"layouts, no linear-attention layers); {spec.name!r} {job_config.model.flavor!r} "
+            f"layouts, no Gated DeltaNet layers); {spec.name!r} {job_config.model.flavor!r} "
             "is not one; use mode analytic or estimate"
         )
     global_batch = (
