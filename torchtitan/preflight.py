@@ -86,7 +86,7 @@ def _check_lora(
     """``lora.target_modules`` selects linears of this model (on the meta device: no memory)
     and an NF4 base suits them and the layout."""
     if LORA not in job_config.model.converters:
-        if uses_nf4(job_config):
+        if uses_nf4(job_config.lora):
             raise ConfigError(f'{QLORA_FIELD}: "nf4" needs "lora" in model.converters')
         return
     converters = job_config.model.converters

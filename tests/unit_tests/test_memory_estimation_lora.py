@@ -16,9 +16,9 @@ from torchtitan.components.adapters.qlora import (
     QUANTIZE_SCRATCH_BYTES,
 )
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.estimate.cli import analytic_fit
-from torchtitan.estimate.closed_form.from_config import from_job_config
-from torchtitan.estimate.closed_form.peak import estimate_peak, training_peak
+from torchtitan.estimate.build import TrainingBuild
+from torchtitan.estimate.cli import analytic_fit, closed_form_of
+from torchtitan.estimate.closed_form.peak import training_peak
 from torchtitan.estimate.closed_form.phases import BASE_LOAD
 from torchtitan.estimate.closed_form.shapes import dense_linears
 from torchtitan.estimate.memory_tracker import EstimationMemTracker
@@ -40,12 +40,9 @@ def _parse(*args: str):
 
 def _peaks(config, world_size: int = 2, target: str = "cuda") -> tuple[int, int, object]:
     """(traced peak, closed-form peak, the trace's recipe)."""
-    outcome = trace_training_memory(config, world_size, target)
+    outcome = trace_training_memory(TrainingBuild(config, world_size, target))
     setup = outcome.setup
-    geometry, layout, run = from_job_config(
-        config, setup.model_args, setup.parallel_dims, 1, target
-    )
-    return outcome.result.peak_bytes, estimate_peak(geometry, layout, run).peak_bytes, setup
+    return outcome.result.peak_bytes, closed_form_of(setup, target).peak_bytes, setup
 
 
 @pytest.mark.slow
@@ -124,12 +121,11 @@ def test_closed_form_adapts_what_the_converter_selects(targets, names):
 def _meta_llama(config):
     import torch
 
-    from torchtitan.estimate.build import estimation_model_args
     from torchtitan.protocols import get_train_spec
 
     spec = get_train_spec(config.model.name)
     with torch.device("meta"):
-        return spec.model_cls(estimation_model_args(config, spec))
+        return spec.model_cls(TrainingBuild(config, 1, "cuda").model_args())
 
 
 def test_closed_form_refuses_what_it_does_not_model():
@@ -204,14 +200,11 @@ def test_trace_quantizes_as_the_trainer_and_the_closed_form_follows():
         "--lora.target_modules",
         "attention,mlp",
     ]
-    outcome = trace_training_memory(_parse(*qlora, "--lora.base_quantization", "nf4"), 2, "cuda")
-    lora = trace_training_memory(_parse(*qlora), 2, "cuda").result.breakdown["Sharded Param"]
-    assert outcome.result.breakdown["Sharded Param"] < lora / 3
-    setup = outcome.setup
-    config = _parse(*qlora, "--lora.base_quantization", "nf4")
-    closed = estimate_peak(
-        *from_job_config(config, setup.model_args, setup.parallel_dims, 1, "cuda")
-    )
+    nf4 = _parse(*qlora, "--lora.base_quantization", "nf4")
+    outcome = trace_training_memory(TrainingBuild(nf4, 2, "cuda"))
+    lora = trace_training_memory(TrainingBuild(_parse(*qlora), 2, "cuda")).result.breakdown
+    assert outcome.result.breakdown["Sharded Param"] < lora["Sharded Param"] / 3
+    closed = closed_form_of(outcome.setup, "cuda")
     training, _ = training_peak(closed)
     assert abs(training / outcome.result.peak_bytes - 1) < 0.01, (training, outcome.result)
     assert closed.phases[BASE_LOAD] > closed.phases["optimizer step"]
