@@ -17,7 +17,7 @@ from torch._dynamo import list_backends
 
 from torchtitan.components.adapters.lora import LORA, select_targets
 from torchtitan.components.adapters.qlora import FIELD as QLORA_FIELD
-from torchtitan.components.adapters.qlora import LOW_PRECISION_CONVERTERS, NF4, check_qlora
+from torchtitan.components.adapters.qlora import LOW_PRECISION_CONVERTERS, check_qlora, uses_nf4
 from torchtitan.components.checkpointing.manager import check_checkpoint_inputs
 from torchtitan.components.quantization import check_quantization
 from torchtitan.config import (
@@ -101,7 +101,7 @@ def _check_lora(
     """``lora.target_modules`` selects linears of this model (on the meta device: no memory)
     and an NF4 base suits them and the layout."""
     if LORA not in converters:
-        if lora.base_quantization == NF4:
+        if uses_nf4(lora):
             raise ConfigError(f'{QLORA_FIELD}: "nf4" needs "lora" in model.converters')
         return
     later = [c for c in converters[converters.index(LORA) + 1 :] if c in LOW_PRECISION_CONVERTERS]

@@ -277,7 +277,7 @@ def materialize(
     values unset, as a fake-tensor trace does), then build optimizers and LR schedulers.
     Under QLoRA the adapted linears' base weights stay on meta (``Recipe.pending_base``)."""
     target = init_device or device
-    pending = PendingBase(meta.model_parts, target, seed) if uses_nf4(job_config) else None
+    pending = PendingBase(meta.model_parts, target, seed) if uses_nf4(job_config.lora) else None
     for part in meta.model_parts:
         if pending is not None:
             pending.materialize_except(part)
@@ -380,7 +380,6 @@ def train_context_factory(
 
 # ---------------------------------------------------------------------------- the step
 ForwardBackward = Callable[[Recipe, MicroBatch, StepObserver], "torch.Tensor | None"]
-
 
 
 def forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> torch.Tensor:

@@ -59,7 +59,7 @@ from scripts.bench.benchmark import _git, machine  # noqa: E402
 from torchtitan.layers.loss import cross_entropy_loss  # noqa: E402
 from torchtitan.models.qwen3.args import Qwen3ModelArgs  # noqa: E402
 from torchtitan.models.qwen3.model import Qwen3Model  # noqa: E402
-from torchtitan.models.qwen3_5.args import FULL, LINEAR, Qwen3_5ModelArgs  # noqa: E402
+from torchtitan.models.qwen3_5.args import DELTA_RULE, FULL, Qwen3_5ModelArgs  # noqa: E402
 from torchtitan.models.qwen3_5.model import Qwen3_5Model  # noqa: E402
 
 MiB = 2**20
@@ -113,17 +113,19 @@ def build_models(a: argparse.Namespace, max_seq_len: int) -> dict[str, nn.Module
         ffn_hidden_dim=a.ffn_hidden_dim,
         max_seq_len=max_seq_len,
     )
-    linear = dict(
-        linear_n_k_heads=a.linear_k_heads,
-        linear_n_v_heads=a.linear_v_heads,
-        linear_k_head_dim=a.linear_head_dim,
-        linear_v_head_dim=a.linear_head_dim,
-        linear_chunk_size=a.chunk_size,
+    delta_rule = dict(
+        delta_rule_n_k_heads=a.linear_k_heads,
+        delta_rule_n_v_heads=a.linear_v_heads,
+        delta_rule_k_head_dim=a.linear_head_dim,
+        delta_rule_v_head_dim=a.linear_head_dim,
+        delta_rule_chunk_size=a.chunk_size,
     )
-    hybrid = [LINEAR] * (a.layers - 1) + [FULL]
+    hybrid = [DELTA_RULE] * (a.layers - 1) + [FULL]
     args = {
-        "Qwen3.5": Qwen3_5ModelArgs(**common, **linear, layer_types=hybrid),
-        "Qwen3.5 all linear": Qwen3_5ModelArgs(**common, **linear, layer_types=[LINEAR] * a.layers),
+        "Qwen3.5": Qwen3_5ModelArgs(**common, **delta_rule, layer_types=hybrid),
+        "Qwen3.5 all linear": Qwen3_5ModelArgs(
+            **common, **delta_rule, layer_types=[DELTA_RULE] * a.layers
+        ),
         "Qwen3": Qwen3ModelArgs(**common),
     }
     if a.no_all_linear:
@@ -147,7 +149,7 @@ def describe(model: nn.Module) -> str:
         p.numel() for m in (model.tok_embeddings, model.output, model.norm) for p in m.parameters()
     )
     kinds = layer_kinds(model)
-    mixers = ", ".join(f"{kinds.count(k)} {k}" for k in (LINEAR, FULL) if k in kinds)
+    mixers = ", ".join(f"{kinds.count(k)} {k}" for k in (DELTA_RULE, FULL) if k in kinds)
     return f"{total:,} parameters ({total - outer:,} in the blocks); {mixers}"
 
 
@@ -358,17 +360,17 @@ def main() -> None:
                 f"{1e3 * min(result.steps):,.1f} | {1e3 * statistics.median(result.cpu):,.1f} | "
                 f"{1e6 * median / seq:,.2f} | {iters} | {sum(result.saved.values()) / MiB:,.1f} |"
             )
-            full, linear = per_block(result, FULL), per_block(result, LINEAR)
+            full, delta_rule = per_block(result, FULL), per_block(result, DELTA_RULE)
             layers = " / ".join(
                 f"{1e3 * statistics.median(v):,.0f}" for v in result.layer_seconds.values()
             )
             layer_rows.append(
                 f"| {seq} | {name} | {_fmt(full and 1e3 * full, ',.1f')} | "
-                f"{_fmt(linear and 1e3 * linear, ',.1f')} | {layers} | "
+                f"{_fmt(delta_rule and 1e3 * delta_rule, ',.1f')} | {layers} | "
                 f"{1e3 * statistics.median(result.outside):,.1f} | "
                 f"{100 * statistics.median(result.full_share):.0f}% | "
                 f"{_fmt(saved_per_block(model, result, FULL), ',.1f')} | "
-                f"{_fmt(saved_per_block(model, result, LINEAR), ',.1f')} |"
+                f"{_fmt(saved_per_block(model, result, DELTA_RULE), ',.1f')} |"
             )
             print(main_rows[-1], flush=True)
         print(f"(seq {seq}: {time.perf_counter() - start:.0f} s)", flush=True)

@@ -9,8 +9,8 @@ import torch
 
 from tests.launcher import REPO_ROOT
 from torchtitan.config import ConfigManager
-from torchtitan.estimate import analytic
-from torchtitan.estimate.cli import main, measure_single_process
+from torchtitan.estimate.build import TrainingBuild
+from torchtitan.estimate.cli import closed_form_of, main, measure_single_process
 from torchtitan.estimate.trace import trace_training_memory
 
 DEBUG_TOML = str(REPO_ROOT / "train_configs" / "debug_model.toml")
@@ -66,8 +66,8 @@ def test_trace_equals_real_cpu_allocations(world_size, overrides):
     """Fake-tensor trace vs the CPU allocator's events while the same steps run on real
     tensors (one rank of ``world_size`` in this process, fake process group)."""
     config = _config("--memory_estimation.target_device", "cpu", *overrides)
-    estimate = trace_training_memory(config, world_size, "cpu").result.peak_bytes
-    measured = measure_single_process(config, world_size)
+    estimate = trace_training_memory(TrainingBuild(config, world_size, "cpu")).result.peak_bytes
+    measured = measure_single_process(TrainingBuild(config, world_size, "cpu"))
     assert measured.peak_bytes == estimate
     assert measured.tracker.peak_bytes == estimate
 
@@ -84,8 +84,8 @@ def test_trace_of_float8_linears_equals_real_cpu_tensors(world_size, overrides):
     the trace equals the tensors of the real run exactly; the CPU allocator also sees the
     emulated casts' scratch inside their kernels (measured +1.4 % and +2.3 % at the peak)."""
     config = _config("--memory_estimation.target_device", "cpu", *FLOAT8, *overrides)
-    estimate = trace_training_memory(config, world_size, "cpu").result.peak_bytes
-    measured = measure_single_process(config, world_size)
+    estimate = trace_training_memory(TrainingBuild(config, world_size, "cpu")).result.peak_bytes
+    measured = measure_single_process(TrainingBuild(config, world_size, "cpu"))
     assert measured.tracker.peak_bytes == estimate
     assert 0 <= measured.peak_bytes / estimate - 1 < 0.03
 
@@ -109,8 +109,8 @@ def test_trace_of_the_chunked_loss_equals_real_cpu_allocations(tp, dtype):
         "100",
     )
     world_size = 2 * int(tp)
-    estimate = trace_training_memory(config, world_size, "cpu").result.peak_bytes
-    measured = measure_single_process(config, world_size)
+    estimate = trace_training_memory(TrainingBuild(config, world_size, "cpu")).result.peak_bytes
+    measured = measure_single_process(TrainingBuild(config, world_size, "cpu"))
     assert measured.peak_bytes == estimate
     assert measured.tracker.peak_bytes == estimate
 
@@ -208,12 +208,8 @@ def test_analytic_counts_kept_attention_outputs_like_the_trace(ac):
 
 def _traced_and_closed_form(config, world_size: int, target: str) -> tuple[int, int]:
     """The traced peak and the closed form's."""
-    outcome = trace_training_memory(config, world_size, target)
-    setup = outcome.setup
-    geometry, layout, run = analytic.from_job_config(
-        config, setup.model_args, setup.parallel_dims, 1, target
-    )
-    return outcome.result.peak_bytes, analytic.estimate(geometry, layout, run).peak_bytes
+    outcome = trace_training_memory(TrainingBuild(config, world_size, target))
+    return outcome.result.peak_bytes, closed_form_of(outcome.setup, target).peak_bytes
 
 
 def _analytic_error(config, world_size: int, target: str) -> float:
@@ -281,7 +277,7 @@ def test_cuda_target_keeps_what_the_fused_rms_norm_keeps():
     config = _config()
     tokens, dim = 4 * 64, 64
     kept = {
-        target: trace_training_memory(config, 2, target)
+        target: trace_training_memory(TrainingBuild(config, 2, target))
         .result.modules["layers.0.attention_norm"]
         .activations_kept
         for target in ("cpu", "cuda")
@@ -305,7 +301,7 @@ def test_llama3_8b_fsdp8_matches_h200_reference():
             "0",
         ]
     )
-    peak = trace_training_memory(config, 8, "cuda").result.peak_bytes
+    peak = trace_training_memory(TrainingBuild(config, 8, "cuda")).result.peak_bytes
     assert abs(peak / (69.5 * GiB) - 1) < 0.05
 
 
@@ -536,11 +532,8 @@ def test_muon_step_closed_form_matches_the_trace(world_size, overrides):
         elif "--parallelism.tensor_parallel_degree" in overrides:
             args += overrides
         config = ConfigManager().parse_args(args)
-        outcome = trace_training_memory(config, world_size, "cuda")
-        geometry, layout, run = analytic.from_job_config(
-            config, outcome.setup.model_args, outcome.setup.parallel_dims, 1, "cuda"
-        )
-        closed_form = analytic.estimate(geometry, layout, run).phases["optimizer step"]
+        outcome = trace_training_memory(TrainingBuild(config, world_size, "cuda"))
+        closed_form = closed_form_of(outcome.setup, "cuda").phases["optimizer step"]
         traced = outcome.result.phase_peaks[(2, "optimizer_step")]
         assert abs(closed_form / traced - 1) < 0.015, (name, closed_form, traced)
         steps[name] = traced

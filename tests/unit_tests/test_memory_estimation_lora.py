@@ -16,8 +16,11 @@ from torchtitan.components.adapters.qlora import (
     QUANTIZE_SCRATCH_BYTES,
 )
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.estimate import analytic
-from torchtitan.estimate.cli import analytic_fit
+from torchtitan.estimate.build import TrainingBuild
+from torchtitan.estimate.cli import analytic_fit, closed_form_of
+from torchtitan.estimate.closed_form.peak import training_peak
+from torchtitan.estimate.closed_form.phases import BASE_LOAD
+from torchtitan.estimate.closed_form.shapes import dense_linears
 from torchtitan.estimate.memory_tracker import EstimationMemTracker
 from torchtitan.estimate.trace import trace_training_memory
 from torchtitan.models.llama3.flavors import llama3_flavors
@@ -37,12 +40,9 @@ def _parse(*args: str):
 
 def _peaks(config, world_size: int = 2, target: str = "cuda") -> tuple[int, int, object]:
     """(traced peak, closed-form peak, the trace's recipe)."""
-    outcome = trace_training_memory(config, world_size, target)
+    outcome = trace_training_memory(TrainingBuild(config, world_size, target))
     setup = outcome.setup
-    geometry, layout, run = analytic.from_job_config(
-        config, setup.model_args, setup.parallel_dims, 1, target
-    )
-    return outcome.result.peak_bytes, analytic.estimate(geometry, layout, run).peak_bytes, setup
+    return outcome.result.peak_bytes, closed_form_of(setup, target).peak_bytes, setup
 
 
 @pytest.mark.slow
@@ -121,12 +121,11 @@ def test_closed_form_adapts_what_the_converter_selects(targets, names):
 def _meta_llama(config):
     import torch
 
-    from torchtitan.estimate.build import estimation_model_args
     from torchtitan.protocols import get_train_spec
 
     spec = get_train_spec(config.model.name)
     with torch.device("meta"):
-        return spec.model_cls(estimation_model_args(config, spec))
+        return spec.model_cls(TrainingBuild(config, 1, "cuda").model_args())
 
 
 def test_closed_form_refuses_what_it_does_not_model():
@@ -165,8 +164,8 @@ def test_closed_form_stores_nf4_bases_and_the_start_stays_below_training():
     NF4 base, one block in fp32 and one gathered weight being quantized) stays below the
     training peak on 1 to 8 GPUs, where a whole fp32 base would need 4 bytes per value."""
     qlora = analytic_fit(_parse(*LLAMA3_70B_QLORA))
-    g = analytic.Geometry.from_model_args(llama3_flavors["70B"])
-    linears = analytic._dense_linears(g)
+    g = llama3_flavors["70B"].geometry()
+    linears = dense_linears(g)
     block = sum(r * c for r, c, _ in linears.values())
     adapters = sum(16 * (r + c) for r, c, _ in linears.values())
     rest = 2 * g.vocab_size * g.dim + (2 * g.dim + adapters) * g.n_layers + g.dim
@@ -175,15 +174,15 @@ def test_closed_form_stores_nf4_bases_and_the_start_stays_below_training():
     assert params == pytest.approx(expected, rel=1e-6)
     largest = max(r * c for r, c, _ in linears.values())
     start = params + 4 * block / 2 + QUANTIZE_BYTES_PER_VALUE * largest + QUANTIZE_SCRATCH_BYTES
-    assert qlora.peak.phases[analytic.BASE_LOAD] == pytest.approx(start, rel=1e-6)
+    assert qlora.peak.phases[BASE_LOAD] == pytest.approx(start, rel=1e-6)
     assert qlora.verdict.startswith("verdict: fits")
-    training, _ = analytic.training_peak(qlora.peak)
+    training, _ = training_peak(qlora.peak)
     lora = analytic_fit(_parse(*LLAMA3_70B_QLORA, "--lora.base_quantization", "none"))
     assert not lora.verdict.startswith("verdict: fits")
     for gpus in ("1", "2", "4", "8"):
         fit = analytic_fit(_parse(*LLAMA3_70B_QLORA, "--memory_estimation.world_size", gpus))
-        assert fit.peak.phase != analytic.BASE_LOAD, gpus
-        assert fit.peak.phases[analytic.BASE_LOAD] < 4 * block * g.n_layers / int(gpus)
+        assert fit.peak.phase != BASE_LOAD, gpus
+        assert fit.peak.phases[BASE_LOAD] < 4 * block * g.n_layers / int(gpus)
 
 
 @pytest.mark.slow
@@ -201,17 +200,14 @@ def test_trace_quantizes_as_the_trainer_and_the_closed_form_follows():
         "--lora.target_modules",
         "attention,mlp",
     ]
-    outcome = trace_training_memory(_parse(*qlora, "--lora.base_quantization", "nf4"), 2, "cuda")
-    lora = trace_training_memory(_parse(*qlora), 2, "cuda").result.breakdown["Sharded Param"]
-    assert outcome.result.breakdown["Sharded Param"] < lora / 3
-    setup = outcome.setup
-    config = _parse(*qlora, "--lora.base_quantization", "nf4")
-    closed = analytic.estimate(
-        *analytic.from_job_config(config, setup.model_args, setup.parallel_dims, 1, "cuda")
-    )
-    training, _ = analytic.training_peak(closed)
+    nf4 = _parse(*qlora, "--lora.base_quantization", "nf4")
+    outcome = trace_training_memory(TrainingBuild(nf4, 2, "cuda"))
+    lora = trace_training_memory(TrainingBuild(_parse(*qlora), 2, "cuda")).result.breakdown
+    assert outcome.result.breakdown["Sharded Param"] < lora["Sharded Param"] / 3
+    closed = closed_form_of(outcome.setup, "cuda")
+    training, _ = training_peak(closed)
     assert abs(training / outcome.result.peak_bytes - 1) < 0.01, (training, outcome.result)
-    assert closed.phases[analytic.BASE_LOAD] > closed.phases["optimizer step"]
+    assert closed.phases[BASE_LOAD] > closed.phases["optimizer step"]
 
 
 def test_the_tracker_counts_no_bytes_on_meta():

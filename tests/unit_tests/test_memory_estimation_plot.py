@@ -9,6 +9,7 @@ import pytest
 from tests.launcher import REPO_ROOT
 from torchtitan.config import ConfigManager
 from torchtitan.estimate import cli, plot, report
+from torchtitan.estimate.build import TrainingBuild
 from torchtitan.estimate.cli import main
 from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
 
@@ -29,7 +30,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def outcome() -> TraceOutcome:
-    return trace_training_memory(ConfigManager().parse_args(TINY), 2, "cuda")
+    return trace_training_memory(TrainingBuild(ConfigManager().parse_args(TINY), 2, "cuda"))
 
 
 @pytest.fixture

@@ -267,18 +267,21 @@ def test_memory_estimator_covers_float8_linears_for_the_target():
     """float8 linears are traced; the trainer's hardware check judges the target, not this
     host: a CUDA target (of unknown kind) passes without emulation, a CPU target needs it.
     MX and the grouped-GEMM converters are not covered."""
+    from torchtitan.estimate.build import TrainingBuild
     from torchtitan.estimate.coverage import check_covered
 
+    def covered(args: list[str]):
+        config = ConfigManager().parse_args(args)
+        return check_covered(TrainingBuild(config, 1, config.memory_estimation.target_device))
+
     float8 = TINY + ["--model.converters", "float8"]
-    check_covered(ConfigManager().parse_args(float8), 1)
+    covered(float8)
     with pytest.raises(ConfigError, match=r"^quantize.linear.float8.emulate: float8 matmuls"):
-        check_covered(
-            ConfigManager().parse_args(float8 + ["--memory_estimation.target_device", "cpu"]), 1
-        )
-    mx = ConfigManager().parse_args(TINY + ["--model.converters", "mx"])
+        covered(float8 + ["--memory_estimation.target_device", "cpu"])
+    mx = TINY + ["--model.converters", "mx"]
     with pytest.raises(
         ConfigError,
         match=r"^model.converters=\['mx'\]: MX training and float8 / MX grouped GEMMs .* is "
         r"not covered",
     ):
-        check_covered(mx, 1)
+        covered(mx)

@@ -1,4 +1,4 @@
-"""The memory estimator's closed form on Qwen3.5 (``estimate/analytic.py``): parameter
+"""The memory estimator's closed form on Qwen3.5 (``estimate/closed_form/``): parameter
 bytes equal to the model's, what one Gated DeltaNet layer keeps for backward against what
 autograd saves, the debug models' closed form against their traces, and the layouts it
 declines (context parallel over Gated DeltaNet layers)."""
@@ -14,11 +14,16 @@ import torch
 from tests.launcher import REPO_ROOT
 from tests.unit_tests.test_memory_estimation import _analytic_error
 from torchtitan.config import ConfigManager
-from torchtitan.estimate import analytic
+from torchtitan.estimate.closed_form.blocks import mixer_activation_bytes
+from torchtitan.estimate.closed_form.delta_rule import delta_rule_kept_per_token
+from torchtitan.estimate.closed_form.inputs import Layout, Run
+from torchtitan.estimate.closed_form.peak import estimate_peak, not_covered
+from torchtitan.estimate.closed_form.stage import stage_sizes
 from torchtitan.layers.gated_deltanet import GatedDeltaNet
 from torchtitan.models.qwen3_5.args import FULL
 from torchtitan.models.qwen3_5.flavors import qwen3_5_flavors
 from torchtitan.models.qwen3_5.model import Qwen3_5Model
+from torchtitan.protocols.geometry import DeltaRuleMixer, Geometry
 
 QWEN3_5_DEBUG_TOML = str(REPO_ROOT / "train_configs" / "qwen3_5_debug.toml")
 PARAMETERS = "parameters (sharded fp32; NF4 bases)"
@@ -31,11 +36,9 @@ def test_closed_form_parameter_bytes_are_the_models(flavor):
     args = qwen3_5_flavors[flavor]
     with torch.device("meta"):
         numel = sum(p.numel() for p in Qwen3_5Model(args).parameters())
-    geometry = analytic.Geometry.from_model_args(args)
-    assert geometry.linear is not None and geometry.linear.layers == args.n_layers * 3 // 4
-    estimate = analytic.estimate(
-        geometry, analytic.Layout(), analytic.Run(seq_len=64, local_batch=1, param_bytes=4)
-    )
+    geometry = args.geometry()
+    assert geometry.delta_rule is not None and geometry.delta_rule.layers == args.n_layers * 3 // 4
+    estimate = estimate_peak(geometry, Layout(), Run(seq_len=64, local_batch=1, param_bytes=4))
     assert estimate.items[PARAMETERS] == 4 * numel
 
 
@@ -80,7 +83,7 @@ def test_gated_deltanet_layer_keeps_what_autograd_saves(seq, dtype, n_k_heads):
     x = torch.randn(batch, seq, dim, dtype=dtype, requires_grad=True)
     measured = _kept_by_autograd(layer, x)
     a = 2 if dtype == torch.bfloat16 else 4
-    geometry = analytic.Geometry(
+    geometry = Geometry(
         dim=dim,
         n_layers=1,
         n_heads=1,
@@ -88,11 +91,11 @@ def test_gated_deltanet_layer_keeps_what_autograd_saves(seq, dtype, n_k_heads):
         head_dim=1,
         ffn_dim=1,
         vocab_size=1,
-        linear=analytic.GatedDeltaNet((0,), n_k_heads, 4, 16, 24, 4, 16),
+        delta_rule=DeltaRuleMixer((0,), n_k_heads, 4, 16, 24, 4, 16),
     )
-    layout = analytic.Layout(dp_shard=2 if a == 2 else 1)  # bf16 compute under FSDP
-    run = analytic.Run(seq_len=seq, local_batch=batch, param_bytes=a)
-    per_token = analytic._linear_attention_kept_per_token(geometry, layout, run, a)
+    layout = Layout(dp_shard=2 if a == 2 else 1)  # bf16 compute under FSDP
+    run = Run(seq_len=seq, local_batch=batch, param_bytes=a)
+    per_token = delta_rule_kept_per_token(geometry, layout, run, a)
     closed_form = per_token * batch * seq
     assert abs(closed_form / measured - 1) < 0.01, (closed_form, measured)
 
@@ -129,19 +132,19 @@ def test_context_parallel_over_gated_deltanet_is_declined():
     """CP hands the rule's state between ranks and recomputes each chunk in backward: the
     closed form says it does not cover that rather than count the one-device activations.
     A Qwen3.5 model of full-attention layers only is a gated GQA decoder, covered under CP."""
-    geometry = analytic.Geometry.from_model_args(qwen3_5_flavors["9B"])
-    cp = analytic.Layout(dp_shard=2, cp=2)
-    run = analytic.Run(seq_len=8192, local_batch=1)
-    assert analytic.not_covered(geometry, cp, run) == "context parallel over Gated DeltaNet layers"
-    assert analytic.estimate(geometry, cp, run) is None
-    assert analytic.estimate(geometry, dataclasses.replace(cp, cp=1, dp_shard=4), run)
+    geometry = qwen3_5_flavors["9B"].geometry()
+    cp = Layout(dp_shard=2, cp=2)
+    run = Run(seq_len=8192, local_batch=1)
+    assert not_covered(geometry, cp, run) == "context parallel over Gated DeltaNet layers"
+    assert estimate_peak(geometry, cp, run) is None
+    assert estimate_peak(geometry, dataclasses.replace(cp, cp=1, dp_shard=4), run)
 
     args = dataclasses.replace(qwen3_5_flavors["debugmodel"], layer_types=[FULL] * 4)
-    attention_only = analytic.Geometry.from_model_args(args)
-    assert attention_only.linear is None and attention_only.output_gate
-    short = analytic.Run(seq_len=256, local_batch=2)
-    assert analytic.not_covered(attention_only, cp, short) is None
-    assert analytic.estimate(attention_only, cp, short)
+    attention_only = args.geometry()
+    assert attention_only.delta_rule is None and attention_only.output_gate
+    short = Run(seq_len=256, local_batch=2)
+    assert not_covered(attention_only, cp, short) is None
+    assert estimate_peak(attention_only, cp, short)
 
 
 @pytest.mark.parametrize("ac", ["full", "selective:2", "selective:4"])
@@ -150,19 +153,17 @@ def test_activation_checkpointing_follows_the_layer_types(ac):
     on the layer types (every 4th block of 9B is full attention): the blocks' kept bytes add
     up block by block and the recompute is the largest recomputed block's (against traces of
     the debug model, FSDP 2: full +1.0 %, selective 2 +0.8 %, selective 4 +0.7 %)."""
-    g = analytic.Geometry.from_model_args(qwen3_5_flavors["9B"])
-    layout = analytic.Layout(dp_shard=8, ac=ac)
-    run = analytic.Run(seq_len=4096, local_batch=1)
-    stage = analytic._stage_sizes(g, layout, run, first=True, last=True)
+    g = qwen3_5_flavors["9B"].geometry()
+    layout = Layout(dp_shard=8, ac=ac)
+    run = Run(seq_len=4096, local_batch=1)
+    stage = stage_sizes(g, layout, run, first=True, last=True)
     a_in = 2 * 4096 * g.dim
-    mixers = {
-        linear: a for _, linear, a in analytic._mixer_activation_bytes(g, layout, run, 2, 4096)
-    }
+    mixers = {linear: a for _, linear, a in mixer_activation_bytes(g, layout, run, 2, 4096)}
     assert mixers[True] > mixers[False]  # a Gated DeltaNet block keeps more
     every = 1 if ac == "full" else int(ac.split(":")[1])
     recomputed = [i for i in range(g.n_layers) if (i + 1) % every == 0]
     expected_kept = sum(
-        a_in if i in recomputed else mixers[i in g.linear.layer_ids] for i in range(g.n_layers)
+        a_in if i in recomputed else mixers[i in g.delta_rule.layer_ids] for i in range(g.n_layers)
     )
     assert stage.kept * g.n_layers == pytest.approx(expected_kept)
     # selective 4 recomputes only the attention blocks, the others a Gated DeltaNet block

@@ -99,11 +99,13 @@ def test_the_recurrent_state_keeps_its_shape(model):
     """Constant memory: after 20 more tokens the convolution tail is still the last K - 1 = 3
     inputs of the q/k/v channels and the state one [k_dim, v_dim] matrix per value head."""
     args = model.model_args
-    channels = 2 * args.linear_n_k_heads * args.linear_k_head_dim
-    channels += args.linear_n_v_heads * args.linear_v_head_dim
+    channels = 2 * args.delta_rule_n_k_heads * args.delta_rule_k_head_dim
+    channels += args.delta_rule_n_v_heads * args.delta_rule_v_head_dim
     expected = (
-        torch.Size([2, args.linear_conv_kernel - 1, channels]),
-        torch.Size([2, args.linear_n_v_heads, args.linear_k_head_dim, args.linear_v_head_dim]),
+        torch.Size([2, args.delta_rule_conv_kernel - 1, channels]),
+        torch.Size(
+            [2, args.delta_rule_n_v_heads, args.delta_rule_k_head_dim, args.delta_rule_v_head_dim]
+        ),
     )
     tokens = prompt(21 + NEW_TOKENS, seed=2)
     _, caches, after_prompt, at_end = step_by_step(model, tokens, 21)

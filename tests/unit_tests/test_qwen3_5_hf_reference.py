@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from torchtitan.components.checkpointing.huggingface import load_hf_weights  # noqa: E402
 from torchtitan.layers import gated_deltanet  # noqa: E402
-from torchtitan.models.qwen3_5.args import FULL, LINEAR, Qwen3_5ModelArgs, qwen3_5_moe  # noqa: E402
+from torchtitan.models.qwen3_5.args import DELTA_RULE, FULL, Qwen3_5ModelArgs, qwen3_5_moe  # noqa: E402
 from torchtitan.models.qwen3_5.flavors import qwen3_5_flavors  # noqa: E402
 from torchtitan.models.qwen3_5.model import Qwen3_5Model  # noqa: E402
 from torchtitan.models.qwen3_5.state_dict_adapter import (  # noqa: E402
@@ -35,15 +35,15 @@ DENSE = Qwen3_5ModelArgs(
     vocab_size=VOCAB,
     dim=64,
     n_layers=4,
-    layer_types=[LINEAR, FULL, LINEAR, FULL],
+    layer_types=[DELTA_RULE, FULL, DELTA_RULE, FULL],
     n_heads=4,
     n_kv_heads=2,
     head_dim=16,
-    linear_n_k_heads=2,
-    linear_n_v_heads=4,
-    linear_k_head_dim=8,
-    linear_v_head_dim=12,
-    linear_chunk_size=16,
+    delta_rule_n_k_heads=2,
+    delta_rule_n_v_heads=4,
+    delta_rule_k_head_dim=8,
+    delta_rule_v_head_dim=12,
+    delta_rule_chunk_size=16,
     ffn_hidden_dim=96,
     max_seq_len=64,
 )
@@ -122,7 +122,10 @@ def loaded(request, tmp_path_factory):
 
 def test_same_logits_as_transformers(loaded):
     args, hf, ours, _ = loaded
-    assert set(hf.config.layer_types) == {LINEAR, FULL} and SEQ_LEN > 2 * args.linear_chunk_size
+    assert (
+        set(hf.config.layer_types) == {DELTA_RULE, FULL}
+        and SEQ_LEN > 2 * args.delta_rule_chunk_size
+    )
     with torch.no_grad():
         assert hf(tokens()).logits.std() > 0.3  # not trivially satisfied
     assert max_logit_error(ours, hf, tokens()) < TOLERANCE

@@ -9,17 +9,32 @@ import sys
 from dataclasses import dataclass
 
 from torchtitan.components.adapters.lora import LORA
-from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.config import (
+    ConfigError,
+    ConfigManager,
+    JobConfig,
+    MemoryEstimationConfig,
+    ModelConfig,
+)
 from torchtitan.config.entry import config_errors_exit
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.estimate import analytic, plot, report
-from torchtitan.estimate.build import estimation_model_args
-from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
+from torchtitan.estimate import plot, report
+from torchtitan.estimate.build import TrainingBuild
+from torchtitan.estimate.closed_form.from_config import closed_form_inputs
+from torchtitan.estimate.closed_form.inputs import Layout, Run
+from torchtitan.estimate.closed_form.peak import (
+    AnalyticEstimate,
+    estimate_peak,
+    not_covered,
+    training_peak,
+)
+from torchtitan.estimate.closed_form.phases import BASE_LOAD
+from torchtitan.estimate.coverage import check_covered, eager, resolve_world_size
 from torchtitan.estimate.measure_mode import measure_single_process, run_measure
 from torchtitan.estimate.plan_mode import run_plan
 from torchtitan.estimate.steps import ITERATIONS, microbatches_per_step
 from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
-from torchtitan.protocols import get_train_spec
+from torchtitan.protocols.geometry import Geometry
 from torchtitan.recipe import Recipe, grad_accumulation_steps, resolve_for_device
 from torchtitan.tools.logging import init_logger
 
@@ -28,31 +43,39 @@ from torchtitan.tools.logging import init_logger
 _ENABLE_FLAGS = ("--memory_estimation.enable", "--memory_estimation.enabled")
 
 
-def closed_form_of(
-    job_config: JobConfig, outcome: TraceOutcome, target: str
-) -> analytic.AnalyticEstimate | str:
-    """The closed form of the traced run, or why there is none."""
-    setup = outcome.setup
-    geometry, layout, run = analytic.from_job_config(
-        job_config, setup.model_args, setup.parallel_dims, setup.grad_accum_steps, target
+def closed_form_of(setup: Recipe, target: str) -> AnalyticEstimate | str:
+    """The closed form of the traced recipe (built from ``setup.job_config``), or why there
+    is none."""
+    config = setup.job_config
+    geometry, layout, run = closed_form_inputs(
+        setup.model_args,
+        setup.parallel_dims,
+        setup.grad_accum_steps,
+        target,
+        training=config.training,
+        optimizer=config.optimizer,
+        parallelism=config.parallelism,
+        activation_checkpoint=config.activation_checkpoint,
+        model=config.model,
+        lora=config.lora,
     )
     if geometry is None:
         return "analytic estimate: not available (the model args are not a decoder it knows)"
-    closed_form = analytic.estimate(geometry, layout, run)
+    closed_form = estimate_peak(geometry, layout, run)
     if closed_form is None:
-        return f"analytic estimate: not available for {analytic.not_covered(geometry, layout, run)}"
+        return f"analytic estimate: not available for {not_covered(geometry, layout, run)}"
     return closed_form
 
 
-def analytic_lines(closed_form: analytic.AnalyticEstimate | str, traced: int) -> list[str]:
+def analytic_lines(closed_form: AnalyticEstimate | str, traced: int) -> list[str]:
     """The closed form beside the trace; under QLoRA the training phases beside the trace,
     and the start (the base made NF4 block by block), which only the closed form models."""
     if isinstance(closed_form, str):
         return [closed_form]
-    load = closed_form.phases.get(analytic.BASE_LOAD)
+    load = closed_form.phases.get(BASE_LOAD)
     if load is None:
         return report.analytic_lines(traced, closed_form)
-    peak, phase = analytic.training_peak(closed_form)
+    peak, phase = training_peak(closed_form)
     training = dataclasses.replace(closed_form, peak_bytes=peak, phase=phase)
     return report.analytic_lines(traced, training) + [
         f"QLoRA start (closed form; not traced): making the base NF4 block by block needs "
@@ -60,11 +83,11 @@ def analytic_lines(closed_form: analytic.AnalyticEstimate | str, traced: int) ->
     ]
 
 
-def start_peak(closed_form: analytic.AnalyticEstimate | str) -> int:
+def start_peak(closed_form: AnalyticEstimate | str) -> int:
     """QLoRA's start peak (0 without): the allocations before the first step."""
     if isinstance(closed_form, str):
         return 0
-    return int(closed_form.phases.get(analytic.BASE_LOAD, 0))
+    return int(closed_form.phases.get(BASE_LOAD, 0))
 
 
 def degrees(parallel_dims: ParallelDims) -> str:
@@ -73,15 +96,14 @@ def degrees(parallel_dims: ParallelDims) -> str:
     return " x ".join(parts) or "single device"
 
 
-def header_lines(job_config: JobConfig, setup: Recipe, world_size: int, target: str) -> list[str]:
-    t, o = job_config.training, job_config.optimizer
-    vocab_source = (
-        "tokenizer" if job_config.model.tokenizer_path else "flavor; no model.tokenizer_path"
-    )
-    ac = job_config.activation_checkpoint
+def header_lines(setup: Recipe, world_size: int, target: str) -> list[str]:
+    """What was traced: the model, layout, batch, dtypes, optimizer and AC of the recipe."""
+    model, t, o = setup.job_config.model, setup.job_config.training, setup.job_config.optimizer
+    vocab_source = "tokenizer" if model.tokenizer_path else "flavor; no model.tokenizer_path"
+    ac = setup.job_config.activation_checkpoint
     ac_text = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
     lines = [
-        f"memory estimate: {job_config.model.name} {job_config.model.flavor}, {world_size} ranks "
+        f"memory estimate: {model.name} {model.flavor}, {world_size} ranks "
         f"({degrees(setup.parallel_dims)})",
         f"  seq_len {t.seq_len} x local batch {t.local_batch_size}, {_microbatch_text(setup)}; "
         f"params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}; "
@@ -94,7 +116,7 @@ def header_lines(job_config: JobConfig, setup: Recipe, world_size: int, target: 
             else ""
         ),
     ]
-    converters = [name for name in job_config.model.converters if name != LORA]
+    converters = [name for name in model.converters if name != LORA]
     if converters:
         lines.append(
             f"  model converters {', '.join(converters)}: traced eagerly as configured "
@@ -117,32 +139,32 @@ def _microbatch_text(setup: Recipe) -> str:
 
 def run_estimate(job_config: JobConfig) -> int:
     me = job_config.memory_estimation
-    world_size = resolve_world_size(job_config)
-    job_config = eager_config(job_config)
-    check_covered(job_config, world_size)
+    world_size = resolve_world_size(me)
+    job_config = dataclasses.replace(job_config, compile=eager(job_config.compile))
+    build = TrainingBuild(job_config, world_size, me.target_device)
+    check_covered(build)
     if me.disable_fake_mode:
-        return _estimate_on_real_tensors(job_config, world_size)
-    outcome = trace_training_memory(job_config, world_size, me.target_device)
-    print("\n".join(estimate_lines(job_config, outcome, world_size)))
+        return _estimate_on_real_tensors(build)
+    outcome = trace_training_memory(build)
+    print("\n".join(estimate_lines(outcome, world_size, me)))
     if me.plot is not None:
-        plot.save_breakdown_plot(
-            outcome.result, plot_title(job_config, outcome, world_size), me.plot
-        )
+        title = plot_title(job_config.model, outcome, world_size, me.target_device)
+        plot.save_breakdown_plot(outcome.result, title, me.plot)
         print(f"plot: {me.plot}")
     return 0
 
 
-def plot_title(job_config: JobConfig, outcome: TraceOutcome, world_size: int) -> str:
-    m = job_config.model
+def plot_title(model: ModelConfig, outcome: TraceOutcome, world_size: int, target: str) -> str:
+    layout = degrees(outcome.setup.parallel_dims)
     return (
-        f"{m.name} {m.flavor}, {world_size} ranks ({degrees(outcome.setup.parallel_dims)}): "
-        f"traced memory per rank by phase, target {job_config.memory_estimation.target_device}"
+        f"{model.name} {model.flavor}, {world_size} ranks ({layout}): "
+        f"traced memory per rank by phase, target {target}"
     )
 
 
-def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int) -> list[str]:
-    me, result = job_config.memory_estimation, outcome.result
-    lines = header_lines(job_config, outcome.setup, world_size, me.target_device)
+def estimate_lines(outcome: TraceOutcome, world_size: int, me: MemoryEstimationConfig) -> list[str]:
+    result = outcome.result
+    lines = header_lines(outcome.setup, world_size, me.target_device)
     traced = (
         "rank 0"
         if outcome.stage_peaks is None
@@ -168,7 +190,7 @@ def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int
     lines += (
         report.breakdown_lines(result) + report.phase_lines(result) + report.module_lines(result)
     )
-    closed_form = closed_form_of(job_config, outcome, me.target_device)
+    closed_form = closed_form_of(outcome.setup, me.target_device)
     lines += [""] + analytic_lines(closed_form, result.peak_bytes) + [""]
     if me.target_device == "cpu":
         return lines + [
@@ -181,7 +203,7 @@ def estimate_lines(job_config: JobConfig, outcome: TraceOutcome, world_size: int
 
 @dataclass
 class AnalyticFit:
-    peak: analytic.AnalyticEstimate
+    peak: AnalyticEstimate
     parallel_dims: ParallelDims
     verdict: str
 
@@ -189,39 +211,54 @@ class AnalyticFit:
 def analytic_fit(job_config: JobConfig) -> AnalyticFit:
     """The closed-form peak of the configured layout (checked as the trainer checks it) and
     the verdict for ``memory_estimation.device_memory_gib``: instant even for 405B or 671B,
-    whose traces would take far longer."""
+    whose traces would take far longer. Mode analytic's computation."""
     me = job_config.memory_estimation
     if me.device_memory_gib is None:
         raise ConfigError(
             "memory_estimation.device_memory_gib: mode analytic needs the memory per GPU "
             "in GiB, e.g. --memory_estimation.device_memory_gib 80"
         )
-    world_size = resolve_world_size(job_config)
-    parallel_dims = check_covered(job_config, world_size)
-    model_args = estimation_model_args(job_config, get_train_spec(job_config.model.name))
-    accum = grad_accumulation_steps(job_config.training, parallel_dims)
-    geometry, layout, run = analytic.from_job_config(
-        job_config, model_args, parallel_dims, accum, me.target_device
+    build = TrainingBuild(job_config, resolve_world_size(me), me.target_device)
+    parallel_dims = check_covered(build)
+    geometry, layout, run = closed_form_inputs(
+        build.model_args(),
+        parallel_dims,
+        grad_accumulation_steps(job_config.training, parallel_dims),
+        me.target_device,
+        training=job_config.training,
+        optimizer=job_config.optimizer,
+        parallelism=job_config.parallelism,
+        activation_checkpoint=job_config.activation_checkpoint,
+        model=job_config.model,
+        lora=job_config.lora,
     )
-    if geometry is None:
-        raise ConfigError(
-            f"model.name={job_config.model.name!r}: the closed form does not cover this model; "
-            "use mode estimate"
-        )
-    closed_form = analytic.estimate(geometry, layout, run)
-    if closed_form is None:
-        raise ConfigError(
-            f"model.name={job_config.model.name!r}: the closed form does not cover "
-            f"{analytic.not_covered(geometry, layout, run)}; use mode estimate"
-        )
+    closed_form = _covered_closed_form(geometry, layout, run, job_config.model.name)
     additions = report.device_additions(
-        closed_form.peak_bytes, world_size, me.reserved_margin, me.nccl_allowance_gib
+        closed_form.peak_bytes, build.world_size, me.reserved_margin, me.nccl_allowance_gib
     )
     return AnalyticFit(
         closed_form,
         parallel_dims,
         report.fit_verdict(closed_form.peak_bytes, additions, me.device_memory_gib),
     )
+
+
+def _covered_closed_form(
+    geometry: Geometry | None, layout: Layout, run: Run, model_name: str
+) -> AnalyticEstimate:
+    """The closed form's peak, or a ConfigError saying why it does not cover the run."""
+    if geometry is None:
+        raise ConfigError(
+            f"model.name={model_name!r}: the closed form does not cover this model; "
+            "use mode estimate"
+        )
+    closed_form = estimate_peak(geometry, layout, run)
+    if closed_form is None:
+        raise ConfigError(
+            f"model.name={model_name!r}: the closed form does not cover "
+            f"{not_covered(geometry, layout, run)}; use mode estimate"
+        )
+    return closed_form
 
 
 def run_analytic(job_config: JobConfig) -> int:
@@ -240,10 +277,10 @@ def run_analytic(job_config: JobConfig) -> int:
     return 0
 
 
-def _estimate_on_real_tensors(job_config: JobConfig, world_size: int) -> int:
-    measured = measure_single_process(job_config, world_size)
+def _estimate_on_real_tensors(build: TrainingBuild) -> int:
+    measured = measure_single_process(build)
     print(
-        f"measured on real tensors (rank 0 of {world_size} emulated in one process, "
+        f"measured on real tensors (rank 0 of {build.world_size} emulated in one process, "
         f"{measured.method}): {report.size(measured.peak_bytes)} ({measured.peak_bytes:,} B)"
     )
     if measured.tracker is not None:

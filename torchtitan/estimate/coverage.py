@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import os
 
 from torchtitan.components.adapters.lora import LORA
 from torchtitan.components.quantization import FLOAT8_LINEAR
-from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config import (
+    CompileConfig,
+    ConfigError,
+    MemoryEstimationConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.estimate.build import build_parallel_dims
+from torchtitan.estimate.build import TrainingBuild
 from torchtitan.estimate.pipeline_replay import SPLIT_BACKWARD_GAP
 
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -22,8 +28,8 @@ COVERED = (
 )
 
 
-def resolve_world_size(job_config: JobConfig) -> int:
-    configured = job_config.memory_estimation.world_size
+def resolve_world_size(memory_estimation: MemoryEstimationConfig) -> int:
+    configured = memory_estimation.world_size
     if configured is not None:
         return configured
     if "NGPU" in os.environ:
@@ -34,9 +40,8 @@ def resolve_world_size(job_config: JobConfig) -> int:
     )
 
 
-def converters_gap(job_config: JobConfig) -> str | None:
+def converters_gap(converters: list[str]) -> str | None:
     """The converters the estimator does not model (LoRA and float8 linears it traces)."""
-    converters = job_config.model.converters
     if not [name for name in converters if name != LORA and name not in FLOAT8_LINEAR]:
         return None
     return (
@@ -45,45 +50,50 @@ def converters_gap(job_config: JobConfig) -> str | None:
     )
 
 
-def coverage_gap(job_config: JobConfig, parallel_dims: ParallelDims) -> str | None:
-    """Why the estimator cannot trace this config, or None."""
-    gap = converters_gap(job_config)
+def coverage_gap(
+    converters: list[str],
+    parallelism: ParallelismConfig,
+    training: TrainingConfig,
+    parallel_dims: ParallelDims,
+) -> str | None:
+    """Why the estimator cannot trace this run, or None."""
+    gap = converters_gap(converters)
     if gap:
         return gap
     if (
         parallel_dims.pp_enabled
-        and job_config.parallelism.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
+        and parallelism.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
     ):
-        schedule = job_config.parallelism.pipeline_parallel_schedule
+        schedule = parallelism.pipeline_parallel_schedule
         return f"parallelism.pipeline_parallel_schedule={schedule}: {SPLIT_BACKWARD_GAP}"
-    if job_config.parallelism.enable_async_tensor_parallel:
+    if parallelism.enable_async_tensor_parallel:
         return "parallelism.enable_async_tensor_parallel: async tensor parallel"
-    if job_config.training.enable_cpu_offload:
+    if training.enable_cpu_offload:
         return "training.enable_cpu_offload: CPU offload"
     return None
 
 
-def check_covered(job_config: JobConfig, world_size: int) -> ParallelDims:
+def check_covered(build: TrainingBuild) -> ParallelDims:
     """The trainer's checks for the target device (never this host's; a GPU of unknown
     kind), then what the estimator covers; the ParallelDims of a CPU mesh to trace on."""
-    gap = converters_gap(job_config)
-    target = job_config.memory_estimation.target_device
-    parallel_dims = None if gap else build_parallel_dims(job_config, world_size, "cpu", target)
-    gap = gap or coverage_gap(job_config, parallel_dims)
+    config = build.config
+    gap = converters_gap(config.model.converters)
+    parallel_dims = None if gap else build.parallel_dims()
+    gap = gap or coverage_gap(
+        config.model.converters, config.parallelism, config.training, parallel_dims
+    )
     if gap is not None:
         raise ConfigError(f"{gap} is not covered by the memory estimator yet (covered: {COVERED})")
     return parallel_dims
 
 
-def eager_config(job_config: JobConfig) -> JobConfig:
+def eager(compile_config: CompileConfig) -> CompileConfig:
     """Tracing runs eagerly: compile is turned off, with a notice (compiled runs usually
     need somewhat less memory)."""
-    if not job_config.compile.enable:
-        return job_config
+    if not compile_config.enable:
+        return compile_config
     print(
         "note: compile.enable is ignored: the estimate traces eager mode (compiled runs "
         "usually need somewhat less activation memory)"
     )
-    config = copy.deepcopy(job_config)
-    config.compile.enable = False
-    return config
+    return dataclasses.replace(compile_config, enable=False)

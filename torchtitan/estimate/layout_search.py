@@ -13,7 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchtitan.estimate.analytic import Geometry, GiB, Layout, Run, estimate
+from torchtitan.estimate.closed_form.inputs import Layout, Run
+from torchtitan.estimate.closed_form.peak import estimate_peak
+from torchtitan.estimate.report import GiB
+from torchtitan.protocols.geometry import Geometry
 
 EFFECTIVE_FLOPS = 400e12  # per GPU: about 40 % of H100/H200 dense bf16 peak
 INTRA_NODE_BYTES_PER_S = 400e9
@@ -93,7 +96,7 @@ def _best_batch(req: PlanRequest, lay: Layout) -> PlanEntry | None:
             grad_accum=per_dp // local,
             param_bytes=req.param_bytes,
         )
-        peak = estimate(req.geometry, lay, run).peak_bytes
+        peak = estimate_peak(req.geometry, lay, run).peak_bytes
         if _need(req, peak) <= req.device_memory_gib * GiB:
             seconds = step_seconds(req, lay, local, per_dp // local)
             tokens = req.global_batch * req.seq_len
@@ -198,7 +201,7 @@ def smallest_need(req: PlanRequest) -> tuple[int, Layout] | None:
     best = None
     for lay in _layouts(req):
         run = Run(seq_len=req.seq_len, local_batch=1, param_bytes=req.param_bytes)
-        need = _need(req, estimate(req.geometry, lay, run).peak_bytes)
+        need = _need(req, estimate_peak(req.geometry, lay, run).peak_bytes)
         if best is None or need < best[0]:
             best = (need, lay)
     return best

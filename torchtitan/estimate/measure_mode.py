@@ -9,16 +9,18 @@ the other."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
 
-from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config import ConfigError, JobConfig, ParallelismConfig
 from torchtitan.distributed.parallel_dims import default_device_type
 from torchtitan.distributed.process import init_distributed, leave_together
 from torchtitan.estimate import report
-from torchtitan.estimate.coverage import check_covered, eager_config, resolve_world_size
+from torchtitan.estimate.build import TrainingBuild
+from torchtitan.estimate.coverage import check_covered, eager, resolve_world_size
 from torchtitan.estimate.emulation import fake_process_group
 from torchtitan.estimate.real_steps import MeasuredOutcome, measure_training_memory
 from torchtitan.estimate.steps import ITERATIONS
@@ -37,68 +39,75 @@ def _measuring_device(target: str) -> torch.device:
     return torch.device(device_type)
 
 
-def measure_single_process(job_config: JobConfig, world_size: int) -> MeasuredOutcome:
-    """One rank of ``world_size`` on real tensors: collectives are no-ops (fake process
+def measure_single_process(build: TrainingBuild) -> MeasuredOutcome:
+    """One rank of ``build.world_size`` on real tensors: collectives are no-ops (fake process
     group) and every buffer has its per-rank size."""
-    device = _measuring_device(job_config.memory_estimation.target_device)
+    device = _measuring_device(build.target)
+    _check_one_process(build.config.parallelism)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with fake_process_group(build.world_size):
+        return measure_training_memory(build, device)
+
+
+def _check_one_process(parallelism: ParallelismConfig) -> None:
+    """Expert and pipeline parallel move real tensors between ranks: not in one process."""
     for field, what in (
         ("expert_parallel_degree", "route tokens between expert-parallel ranks"),
         ("pipeline_parallel_degree", "pass activations between pipeline stages"),
     ):
-        if getattr(job_config.parallelism, field) > 1:
+        if getattr(parallelism, field) > 1:
             raise ConfigError(
                 f"parallelism.{field}: real tensors in one process cannot {what}; measure under "
                 "torchrun (torchrun --nproc_per_node N scripts/estimate/estimation.py ... "
                 "--memory_estimation.mode measure)"
             )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    with fake_process_group(world_size):
-        return measure_training_memory(job_config, device)
 
 
-def _measure_distributed(job_config: JobConfig) -> list[MeasuredOutcome]:
+def _measure_distributed(build: TrainingBuild) -> list[MeasuredOutcome]:
     """Every rank of a torchrun launch measures itself; all outcomes are gathered."""
+    config = build.config
     device = init_distributed(
-        job_config.comm, job_config.job.dump_folder, job_config.training.enable_cpu_offload
+        config.comm, config.job.dump_folder, config.training.enable_cpu_offload
     )
-    mine = measure_training_memory(job_config, device)
+    mine = measure_training_memory(build, device)
     outcomes: list[MeasuredOutcome | None] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, mine)
     leave_together()
     return outcomes
 
 
-def _traced_peaks(job_config: JobConfig, world_size: int, target: str) -> list[int]:
-    outcome = trace_training_memory(job_config, world_size, target)
+def _traced_peaks(build: TrainingBuild) -> list[int]:
+    outcome = trace_training_memory(build)
     return outcome.stage_peaks or [outcome.result.peak_bytes]
 
 
-def traced_peaks_in_fresh_process(job_config: JobConfig, world_size: int, target: str) -> list[int]:
+def traced_peaks_in_fresh_process(build: TrainingBuild) -> list[int]:
     """The traced peak of each pipeline rank (one entry without pipeline parallel)."""
-    return in_fresh_process(_traced_peaks, job_config, world_size, target)
+    return in_fresh_process(_traced_peaks, build)
 
 
 def run_measure(job_config: JobConfig) -> int:
     me = job_config.memory_estimation
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    world_size = int(os.environ["WORLD_SIZE"]) if launched else resolve_world_size(job_config)
+    world_size = int(os.environ["WORLD_SIZE"]) if launched else resolve_world_size(me)
     if launched and me.world_size not in (None, world_size):
         raise ConfigError(
             f"memory_estimation.world_size ({me.world_size}) differs from torchrun's WORLD_SIZE "
             f"({world_size}); drop it or launch that many processes"
         )
-    job_config = eager_config(job_config)
-    check_covered(job_config, world_size)
+    job_config = dataclasses.replace(job_config, compile=eager(job_config.compile))
+    build = TrainingBuild(job_config, world_size, me.target_device)
+    check_covered(build)
     _measuring_device(me.target_device)
     if not launched:
-        measured = [measure_single_process(job_config, world_size)]
-        estimates = traced_peaks_in_fresh_process(job_config, world_size, me.target_device)
+        measured = [measure_single_process(build)]
+        estimates = traced_peaks_in_fresh_process(build)
         print("\n".join(measure_lines(estimates, measured, world_size, launched)))
         return 0
-    measured = _measure_distributed(job_config)
+    measured = _measure_distributed(build)
     if int(os.environ["RANK"]) == 0:
-        estimates = traced_peaks_in_fresh_process(job_config, world_size, me.target_device)
+        estimates = traced_peaks_in_fresh_process(build)
         print("\n".join(measure_lines(estimates, measured, world_size, launched)))
     return 0
 

@@ -10,13 +10,13 @@ from collections.abc import Iterator
 
 from torchtitan.components.adapters.lora import LORA
 from torchtitan.components.quantization import FLOAT8_LINEAR
-from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config import ConfigError, JobConfig, MemoryEstimationConfig, TrainingConfig
 from torchtitan.config.checks import check_job_config
-from torchtitan.estimate import analytic, layout_search, report
-from torchtitan.estimate.build import build_parallel_dims, estimation_model_args
+from torchtitan.estimate import layout_search, report
+from torchtitan.estimate.build import TrainingBuild
 from torchtitan.estimate.coverage import coverage_gap, resolve_world_size
 from torchtitan.estimate.trace import trace_training_memory
-from torchtitan.protocols import get_train_spec
+from torchtitan.protocols.geometry import Geometry
 
 
 def progress(message: str) -> None:
@@ -27,7 +27,8 @@ def progress(message: str) -> None:
 
 def run_plan(job_config: JobConfig) -> int:
     me, training = job_config.memory_estimation, job_config.training
-    request = plan_request(job_config)
+    build = TrainingBuild(job_config, resolve_world_size(me), me.target_device)
+    request = plan_request(build, me, training)
     entries, enumerated = analytic_pass(request)
     print(
         f"plan: {job_config.model.name} {job_config.model.flavor}, seq_len {training.seq_len}, "
@@ -44,60 +45,69 @@ def run_plan(job_config: JobConfig) -> int:
             file=sys.stderr,
         )
         return 1
-    for line in plan_lines(job_config, request, entries, enumerated):
+    for line in plan_lines(build, request, entries, enumerated, me.plan_traced_layouts):
         print(line, flush=True)
     return 0
 
 
-def plan_request(job_config: JobConfig) -> layout_search.PlanRequest:
-    """What to plan, from the config: the model's geometry, the batch, the GPUs."""
-    me, training = job_config.memory_estimation, job_config.training
-    world_size = resolve_world_size(job_config)
-    if me.device_memory_gib is None:
-        raise ConfigError(
-            "memory_estimation.device_memory_gib: mode plan needs the memory per GPU in GiB, "
-            "e.g. --memory_estimation.device_memory_gib 80"
-        )
-    if LORA in job_config.model.converters:
-        raise ConfigError(
-            "model.converters: the planner does not model LoRA yet; use --memory_estimation.mode "
-            "analytic (one layout, instant) or estimate"
-        )
-    if any(name in FLOAT8_LINEAR for name in job_config.model.converters):
-        raise ConfigError(
-            "model.converters: the planner does not model float8 linears yet; use "
-            "--memory_estimation.mode estimate (traced)"
-        )
-    spec = get_train_spec(job_config.model.name)
-    model_args = estimation_model_args(job_config, spec)
-    geometry = analytic.Geometry.from_model_args(model_args)
-    if geometry is None or geometry.experts is not None or geometry.linear is not None:
-        raise ConfigError(
-            f"model.name: the planner covers dense attention decoders (no expert-parallel "
-            f"layouts, no linear-attention layers); {spec.name!r} {job_config.model.flavor!r} "
-            "is not one; use mode analytic or estimate"
-        )
+def plan_request(
+    build: TrainingBuild, me: MemoryEstimationConfig, training: TrainingConfig
+) -> layout_search.PlanRequest:
+    """What to plan: the model's geometry, the batch, the GPUs."""
+    _check_plannable(me, build.config.model.converters)
     global_batch = (
         training.global_batch_size
         if training.global_batch_size > 0
-        else training.local_batch_size * world_size
+        else training.local_batch_size * build.world_size
     )
     overhead = (
         report.CUBLAS_WORKSPACE_BYTES
         + report.CUDA_CONTEXT_BYTES
-        + (me.nccl_allowance_gib * 2**30 if world_size > 1 else 0)
+        + (me.nccl_allowance_gib * 2**30 if build.world_size > 1 else 0)
     )
     return layout_search.PlanRequest(
-        geometry=geometry,
+        geometry=_planned_geometry(build),
         seq_len=training.seq_len,
         global_batch=global_batch,
-        world_size=world_size,
+        world_size=build.world_size,
         device_memory_gib=me.device_memory_gib,
         gpus_per_node=me.gpus_per_node,
         param_bytes=4 if training.mixed_precision_param == "float32" else 2,
         overhead_bytes=overhead,
         reserved_margin=me.reserved_margin,
     )
+
+
+def _check_plannable(me: MemoryEstimationConfig, converters: list[str]) -> None:
+    """The planner needs the memory per GPU, and models neither LoRA nor float8 yet."""
+    if me.device_memory_gib is None:
+        raise ConfigError(
+            "memory_estimation.device_memory_gib: mode plan needs the memory per GPU in GiB, "
+            "e.g. --memory_estimation.device_memory_gib 80"
+        )
+    if LORA in converters:
+        raise ConfigError(
+            "model.converters: the planner does not model LoRA yet; use --memory_estimation.mode "
+            "analytic (one layout, instant) or estimate"
+        )
+    if any(name in FLOAT8_LINEAR for name in converters):
+        raise ConfigError(
+            "model.converters: the planner does not model float8 linears yet; use "
+            "--memory_estimation.mode estimate (traced)"
+        )
+
+
+def _planned_geometry(build: TrainingBuild) -> Geometry:
+    """The geometry of a dense attention decoder, the planner's models."""
+    model = build.config.model
+    geometry = build.model_args().geometry()
+    if geometry is None or geometry.experts is not None or geometry.delta_rule is not None:
+        raise ConfigError(
+            f"model.name: the planner covers dense attention decoders (no expert-parallel "
+            f"layouts, no Gated DeltaNet layers); {model.name!r} {model.flavor!r} "
+            "is not one; use mode analytic or estimate"
+        )
+    return geometry
 
 
 def analytic_pass(
@@ -126,12 +136,16 @@ OTHER_ROWS = 5
 
 
 def plan_lines(
-    job_config: JobConfig, request: layout_search.PlanRequest, entries, enumerated: int
+    build: TrainingBuild,
+    request: layout_search.PlanRequest,
+    entries: list[layout_search.PlanEntry],
+    enumerated: int,
+    traced_layouts: int,
 ) -> Iterator[str]:
-    """The best layouts the trainer runs and the estimator traces (the first few traced,
-    each line as its trace ends), then the best of the others (analytic figures only, with
-    the reason)."""
-    gaps = [layout_gap(layout_config(job_config, request, e), request.world_size) for e in entries]
+    """The best layouts the trainer runs and the estimator traces (the first
+    ``traced_layouts`` traced, each line as its trace ends), then the best of the others
+    (analytic figures only, with the reason)."""
+    gaps = [layout_gap(layout_build(build, request, e)) for e in entries]
     supported = [(i, e) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is None]
     others = [
         (i, e, gap) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is not None
@@ -146,7 +160,7 @@ def plan_lines(
     yield "  layouts the trainer runs and the estimator traces:"
     yield _plan_header()
     yield from [_plan_row(i, e) for i, e in supported[:PLAN_ROWS]] or ["    (none)"]
-    yield from _traced_lines(job_config, request, supported)
+    yield from _traced_lines(build, request, supported[:traced_layouts])
     if others:
         yield from ["", "  better-ranked or other layouts, analytic only:", _plan_header()]
         yield from [_plan_row(i, e) + f"  {gap}" for i, e, gap in others[:OTHER_ROWS]]
@@ -168,9 +182,10 @@ def _plan_row(rank: int, entry: layout_search.PlanEntry) -> str:
 
 
 def _traced_lines(
-    job_config: JobConfig, request: layout_search.PlanRequest, supported
+    build: TrainingBuild,
+    request: layout_search.PlanRequest,
+    chosen: list[tuple[int, layout_search.PlanEntry]],
 ) -> Iterator[str]:
-    chosen = supported[: job_config.memory_estimation.plan_traced_layouts]
     to_trace = sum(entry.layout.pp == 1 for _, entry in chosen)
     traced = 0
     for rank, entry in chosen:
@@ -182,11 +197,11 @@ def _traced_lines(
             )
             continue
         traced += 1
-        yield _traced_line(job_config, request, rank, entry, f"{traced} of {to_trace}")
+        yield _traced_line(build, request, rank, entry, f"{traced} of {to_trace}")
 
 
 def _traced_line(
-    job_config: JobConfig,
+    build: TrainingBuild,
     request: layout_search.PlanRequest,
     rank: int,
     entry: layout_search.PlanEntry,
@@ -196,11 +211,7 @@ def _traced_line(
         f"tracing layout {count} (#{rank} {entry.layout.describe()}, local batch "
         f"{entry.local_batch}) on fake tensors ..."
     )
-    outcome = trace_training_memory(
-        layout_config(job_config, request, entry),
-        request.world_size,
-        job_config.memory_estimation.target_device,
-    )
+    outcome = trace_training_memory(layout_build(build, request, entry))
     progress(f"traced layout {count} in {outcome.seconds:.0f} s")
     peak = outcome.result.peak_bytes
     return (
@@ -209,10 +220,12 @@ def _traced_line(
     )
 
 
-def layout_config(
-    job_config: JobConfig, request: layout_search.PlanRequest, entry: layout_search.PlanEntry
-) -> JobConfig:
-    config = copy.deepcopy(job_config)
+def layout_build(
+    build: TrainingBuild, request: layout_search.PlanRequest, entry: layout_search.PlanEntry
+) -> TrainingBuild:
+    """The configured run on the entry's layout: its degrees, AC and local batch, the
+    request's global batch, eager."""
+    config = copy.deepcopy(build.config)
     lay, p = entry.layout, config.parallelism
     p.data_parallel_replicate_degree, p.data_parallel_shard_degree = lay.dp_replicate, lay.dp_shard
     p.context_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree = (
@@ -224,19 +237,19 @@ def layout_config(
     config.training.local_batch_size = entry.local_batch
     config.training.global_batch_size = request.global_batch
     config.compile.enable = False
-    return config
+    return TrainingBuild(config, request.world_size, build.target)
 
 
-def layout_gap(config: JobConfig, world_size: int) -> str | None:
+def layout_gap(build: TrainingBuild) -> str | None:
     """Why a layout cannot be traced ('not in trainer: ...', 'estimator: ... not covered
     yet'), or None."""
+    config = build.config
     try:
         check_job_config(config)
-        target = config.memory_estimation.target_device
-        parallel_dims = build_parallel_dims(config, world_size, "cpu", target)
+        parallel_dims = build.parallel_dims()
     except ConfigError as e:
         return f"not in trainer: {_first_clause(str(e))}"
-    gap = coverage_gap(config, parallel_dims)
+    gap = coverage_gap(config.model.converters, config.parallelism, config.training, parallel_dims)
     return None if gap is None else f"estimator: {gap.split(':')[1].strip()} not covered yet"
 
 

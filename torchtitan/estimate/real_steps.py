@@ -16,13 +16,11 @@ import gc
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan.config import JobConfig
-from torchtitan.estimate.build import build_estimation_recipe, build_parallel_dims
+from torchtitan.estimate.build import TrainingBuild
 from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
 from torchtitan.estimate.steps import run_training_steps
 from torchtitan.recipe import Recipe, resolve_for_device
@@ -155,16 +153,17 @@ def _measure_cuda(setup: Recipe) -> MeasuredOutcome:
     )
 
 
-def measure_training_memory(job_config: JobConfig, device: torch.device) -> MeasuredOutcome:
-    """Run the steps for real on this rank (the default process group must exist)."""
-    resolve_for_device(job_config, device.type)
-    parallel_dims = build_parallel_dims(job_config, dist.get_world_size(), device.type)
-    setup = build_estimation_recipe(job_config, parallel_dims, device, seed=INIT_SEED)
+def measure_training_memory(build: TrainingBuild, device: torch.device) -> MeasuredOutcome:
+    """Run the steps for real on this rank (the default process group must exist, of
+    ``build.world_size`` ranks; ``device`` of the build's target type)."""
+    resolve_for_device(build.config, device.type)
+    parallel_dims = build.parallel_dims(device.type)
+    setup = build.recipe(parallel_dims, device, seed=INIT_SEED)
     if device.type == "cuda":
         return _measure_cuda(setup)
     measured = _measure_cpu(setup)
     if setup.pipeline is not None:
         del setup
-        replay_setup = build_estimation_recipe(job_config, parallel_dims, device, seed=INIT_SEED)
+        replay_setup = build.recipe(parallel_dims, device, seed=INIT_SEED)
         measured.replayed = _measure_cpu(replay_setup, replay_pipeline=True)
     return measured

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan.estimate.analytic import AnalyticEstimate
+from torchtitan.estimate.closed_form.peak import AnalyticEstimate
 from torchtitan.estimate.memory_tracker import TrackerResult
 
 GiB = 2**30

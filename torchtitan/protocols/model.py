@@ -15,6 +15,7 @@ from torchtitan.layers.attention import MaskSpec
 if TYPE_CHECKING:
     from torchtitan.config import ModelConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.geometry import Geometry
     from torchtitan.protocols.tokenizer import BaseTokenizer
 
 
@@ -67,6 +68,12 @@ class BaseModelArgs(ABC):
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:  # noqa: B027 (optional hook)
         """Raise ConfigError when this model cannot run under ``parallel_dims`` (e.g. heads
         not divisible by the tensor-parallel degree). Called before any process group."""
+
+    def geometry(self) -> Geometry | None:
+        """What the blocks hold, for the memory estimator's closed form
+        (``protocols/geometry.py``); None: not a decoder the closed form knows (the estimator
+        then traces it only)."""
+        return None
 
 
 class ModelProtocol(Protocol):

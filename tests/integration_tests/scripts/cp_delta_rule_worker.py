@@ -1,4 +1,4 @@
-"""Run by test_context_parallel_linear under torchrun with 4 processes: the context-parallel
+"""Run by test_context_parallel_delta_rule under torchrun with 4 processes: the context-parallel
 Gated DeltaNet kernel (``ContextParallelDeltaRule``: convolution and delta rule) against
 ``DeltaRule`` on the whole sequence, forward and every input/weight gradient, for cp 2 (two
 cp groups of non-adjacent global ranks) and cp 4, load balancers headtail and none, with and

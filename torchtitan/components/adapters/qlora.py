@@ -31,7 +31,7 @@ from torchtitan.layers.init import clean_fqn
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
-    from torchtitan.config import JobConfig, LoRAConfig
+    from torchtitan.config import LoRAConfig
     from torchtitan.distributed import ParallelDims
 
 NF4 = "nf4"
@@ -49,8 +49,8 @@ QUANTIZE_SCRATCH_BYTES = 128 * 2**20
 LOW_PRECISION_CONVERTERS = ("float8", "quantize.linear.float8", "mx", "quantize.linear.mx")
 
 
-def uses_nf4(job_config: JobConfig) -> bool:
-    return job_config.lora.base_quantization == NF4
+def uses_nf4(lora: LoRAConfig) -> bool:
+    return lora.base_quantization == NF4
 
 
 def import_to_nf4() -> Callable[..., Any]:
@@ -78,7 +78,7 @@ def check_qlora(
 ) -> None:
     """One-line refusals, before any process starts, for what NF4 bases cannot do with these
     converters, this layout and these adapted linears."""
-    if lora.base_quantization != NF4:
+    if not uses_nf4(lora):
         return
     if importlib.util.find_spec("torchao") is None:  # found, not imported: its import is noisy
         import_to_nf4()

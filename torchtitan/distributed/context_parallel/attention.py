@@ -33,7 +33,7 @@ them unsharded): each rank builds, once per batch, the :class:`BlockPlan` of the
 queries meet; fully masked blocks are skipped, and load balancing is unaffected.
 
 All communication of the attention layers is in this file (Gated DeltaNet's state hand-off:
-``context_parallel_linear.py``); every collective runs on ``cp_mesh.get_group()`` and works
+``delta_rule.py``); every collective runs on ``cp_mesh.get_group()`` and works
 on gloo (CPU) and NCCL (CUDA).
 """
 

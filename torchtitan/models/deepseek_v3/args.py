@@ -15,6 +15,7 @@ from torchtitan.models.common.args import (
     nparams_and_flops,
     require,
 )
+from torchtitan.protocols.geometry import Experts, Geometry, LatentAttention
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
@@ -33,8 +34,8 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
     norm_eps: float = 1e-6
     moe: MoEArgs = field(default_factory=MoEArgs)
     # Multi-head latent attention: 0 = queries from one full-rank projection.
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 512
+    q_latent_rank: int = 0
+    kv_latent_rank: int = 512
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
@@ -72,6 +73,23 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
                 f"model: num_expert_groups ({self.moe.num_expert_groups}) must divide "
                 f"num_experts ({self.moe.num_experts})",
             )
+
+    def geometry(self) -> Geometry:
+        """Latent attention (every head its own keys and values), a dense feed-forward in the
+        first ``n_dense_layers`` blocks, MoE with shared experts in the others."""
+        return Geometry(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_heads,
+            head_dim=self.qk_head_dim,
+            ffn_dim=self.inter_dim,
+            vocab_size=self.vocab_size,
+            experts=Experts.from_moe(self.moe, self.moe_inter_dim, self.n_dense_layers),
+            mla=LatentAttention(
+                self.q_latent_rank, self.kv_latent_rank, self.qk_rope_head_dim, self.v_head_dim
+            ),
+        )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token (``common/args.py``); attention adds

@@ -51,18 +51,18 @@ class MLA(nn.Module):
         super().__init__()
         self.nope_dim, self.rope_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.v_dim = args.v_head_dim
-        self.kv_lora_rank = args.kv_lora_rank
+        self.kv_latent_rank = args.kv_latent_rank
         q_out = args.n_heads * args.qk_head_dim
-        if args.q_lora_rank == 0:
+        if args.q_latent_rank == 0:
             self.wq = nn.Linear(args.dim, q_out, bias=False)
         else:
-            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
-            self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
-        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+            self.wq_a = nn.Linear(args.dim, args.q_latent_rank, bias=False)
+            self.q_norm = nn.RMSNorm(args.q_latent_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(args.q_latent_rank, q_out, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_latent_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(args.kv_latent_rank, eps=args.norm_eps)
         kv_out = args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)
-        self.wkv_b = nn.Linear(args.kv_lora_rank, kv_out, bias=False)
+        self.wkv_b = nn.Linear(args.kv_latent_rank, kv_out, bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.softmax_scale = args.softmax_scale
         self.inner_attention = build_attention(args.attn_type, args.mask_spec)
@@ -83,7 +83,7 @@ class MLA(nn.Module):
         bsz, seq_len, _ = x.shape
         q = self._queries(x).view(bsz, seq_len, -1, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_latent_rank, self.rope_dim], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq_len, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         n_heads = kv.shape[2]

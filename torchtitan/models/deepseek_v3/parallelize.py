@@ -97,7 +97,7 @@ def mla_block_tp_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
     latent projections and norms are replicated; the feed-forward as in the shared plan."""
     attention = block.attention
     plan: dict[str, ParallelStyle] = attention_input_plan() | {
-        "attention.wkv_a": ReplicateParallel(sum_grad_from=attention.kv_lora_rank),
+        "attention.wkv_a": ReplicateParallel(sum_grad_from=attention.kv_latent_rank),
         "attention.kv_norm": ReplicateParallel(),
         "attention.wkv_b": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),

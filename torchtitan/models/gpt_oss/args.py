@@ -6,7 +6,7 @@ SwiGLU)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -19,6 +19,7 @@ from torchtitan.models.common.args import (
     nparams_and_flops,
     require,
 )
+from torchtitan.protocols.geometry import Experts, Geometry
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
@@ -71,7 +72,6 @@ class GptOssModelArgs(BaseModelArgs):
     moe: MoEArgs = field(default_factory=lambda: gpt_oss_moe(32, 4))
     moe_hidden_dim: int = 2880
     depth_init: bool = True
-    qk_norm: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -115,6 +115,20 @@ class GptOssModelArgs(BaseModelArgs):
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)
         check_expert_layout(parallel_dims, self.moe, {"moe_hidden_dim": self.moe_hidden_dim})
+
+    def geometry(self) -> Geometry:
+        """A MoE in every block; its biases and attention sinks (below 0.1 % of the
+        weights) are not counted."""
+        return Geometry(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            ffn_dim=self.moe_hidden_dim,
+            vocab_size=self.vocab_size,
+            experts=Experts.from_moe(self.moe, self.moe_hidden_dim),
+        )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token (``common/args.py``); attention adds

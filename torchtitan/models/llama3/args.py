@@ -13,6 +13,7 @@ from torchtitan.models.common.args import (
     check_tp_divides_heads,
     nparams_and_flops,
 )
+from torchtitan.protocols.geometry import Geometry
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
@@ -58,6 +59,17 @@ class TransformerModelArgs(BaseModelArgs):
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_no_experts(parallel_dims, "llama3")
         check_tp_divides_heads(parallel_dims.tp, n_heads=self.n_heads, n_kv_heads=self.kv_heads)
+
+    def geometry(self) -> Geometry:
+        return Geometry(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            ffn_dim=self.ffn_hidden_dim,
+            vocab_size=self.vocab_size,
+        )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token (``common/args.py``); attention adds

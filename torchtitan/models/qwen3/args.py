@@ -4,7 +4,7 @@ feed-forward a MoE layer of ``moe.num_experts`` routed experts, no shared expert
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -17,6 +17,7 @@ from torchtitan.models.common.args import (
     nparams_and_flops,
     require,
 )
+from torchtitan.protocols.geometry import Experts, Geometry
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
@@ -53,8 +54,6 @@ class Qwen3ModelArgs(BaseModelArgs):
     moe_hidden_dim: int = 768  # one expert's hidden size (moe_intermediate_size)
     # Scale the std of output projections by layer depth (else by n_layers).
     depth_init: bool = True
-    # Queries and keys are RMS-normalised per head (read by the memory estimate).
-    qk_norm: ClassVar[bool] = True
 
     @property
     def kv_heads(self) -> int:
@@ -81,6 +80,22 @@ class Qwen3ModelArgs(BaseModelArgs):
             "parallelism.pipeline_parallel_degree: this qwen3 flavor ties the output layer to the "
             "embedding, which sit on different pipeline stages; use pipeline_parallel_degree 1 "
             "or an untied flavor (8B and larger)",
+        )
+
+    def geometry(self) -> Geometry:
+        """Queries and keys RMS-normalised per head; a MoE flavor's ``ffn_hidden_dim`` (Hugging
+        Face's intermediate_size) counts as the dense feed-forward's width."""
+        return Geometry(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            ffn_dim=self.ffn_hidden_dim,
+            vocab_size=self.vocab_size,
+            qk_norm=True,
+            tied_embeddings=self.tie_word_embeddings,
+            experts=None if self.moe is None else Experts.from_moe(self.moe, self.moe_hidden_dim),
         )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

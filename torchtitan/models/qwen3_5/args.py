@@ -6,8 +6,8 @@ shared expert) in every block."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -19,12 +19,14 @@ from torchtitan.models.common.args import (
     nparams_and_flops,
     require,
 )
+from torchtitan.protocols.geometry import DeltaRuleMixer, Experts, Geometry
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
 
-LINEAR, FULL = "linear_attention", "full_attention"
+# layer_types as config.json names them: Gated DeltaNet (the delta rule) or full attention
+DELTA_RULE, FULL = "linear_attention", "full_attention"
 
 
 def qwen3_5_moe(num_experts: int, top_k: int) -> MoEArgs:
@@ -57,13 +59,13 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     rope_theta: float = 10_000_000.0
     partial_rotary_factor: float = 0.25  # RoPE on the first quarter of each head's channels
     # Gated DeltaNet
-    linear_n_k_heads: int = 16
-    linear_n_v_heads: int = 32
-    linear_k_head_dim: int = 128
-    linear_v_head_dim: int = 128
-    linear_conv_kernel: int = 4
+    delta_rule_n_k_heads: int = 16
+    delta_rule_n_v_heads: int = 32
+    delta_rule_k_head_dim: int = 128
+    delta_rule_v_head_dim: int = 128
+    delta_rule_conv_kernel: int = 4
     # tokens per chunk of the chunked delta rule (a [chunk, chunk] system per chunk and head)
-    linear_chunk_size: int = 64
+    delta_rule_chunk_size: int = 64
     ffn_hidden_dim: int = 12288  # dense SwiGLU hidden size (intermediate_size)
     norm_eps: float = 1e-6
     max_seq_len: int = 4096
@@ -72,13 +74,12 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     moe_hidden_dim: int = 512  # one routed expert's hidden size (moe_intermediate_size)
     shared_expert_hidden_dim: int = 512  # shared_expert_intermediate_size
     depth_init: bool = True
-    qk_norm: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             interval = self.full_attention_interval
             self.layer_types = [
-                FULL if (i + 1) % interval == 0 else LINEAR for i in range(self.n_layers)
+                FULL if (i + 1) % interval == 0 else DELTA_RULE for i in range(self.n_layers)
             ]
 
     @property
@@ -98,8 +99,8 @@ class Qwen3_5ModelArgs(BaseModelArgs):
             parallel_dims.tp,
             n_heads=self.n_heads,
             n_kv_heads=self.n_kv_heads,
-            linear_n_k_heads=self.linear_n_k_heads,
-            linear_n_v_heads=self.linear_n_v_heads,
+            delta_rule_n_k_heads=self.delta_rule_n_k_heads,
+            delta_rule_n_v_heads=self.delta_rule_n_v_heads,
         )
         if self.moe is None:
             check_no_experts(parallel_dims, "this qwen3_5 flavor (dense)")
@@ -119,6 +120,54 @@ class Qwen3_5ModelArgs(BaseModelArgs):
             "pipeline_parallel_degree 1 or an untied flavor",
         )
 
+    def geometry(self) -> Geometry | None:
+        """Gated DeltaNet blocks by ``layer_types``, gated GQA with q/k norms in the others
+        (partial RoPE costs nothing extra), zero-centred norms, a dense SwiGLU or a MoE with
+        one gated shared expert of ``shared_expert_hidden_dim`` in every block. None for
+        other mixers in ``layer_types``."""
+        kinds = list(self.layer_types)
+        if len(kinds) != self.n_layers or set(kinds) - {DELTA_RULE, FULL}:
+            return None
+        delta_rule_layers = tuple(i for i, kind in enumerate(kinds) if kind == DELTA_RULE)
+        return Geometry(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            # no dense block in a MoE flavor: its unused ffn_hidden_dim would count as the
+            # widest feed-forward
+            ffn_dim=self.ffn_hidden_dim if self.moe is None else self.moe_hidden_dim,
+            vocab_size=self.vocab_size,
+            qk_norm=True,
+            tied_embeddings=self.tie_word_embeddings,
+            experts=self._experts(),
+            delta_rule=DeltaRuleMixer(
+                delta_rule_layers,
+                self.delta_rule_n_k_heads,
+                self.delta_rule_n_v_heads,
+                self.delta_rule_k_head_dim,
+                self.delta_rule_v_head_dim,
+                self.delta_rule_conv_kernel,
+                self.delta_rule_chunk_size,
+            )
+            if delta_rule_layers
+            else None,
+            output_gate=True,
+            zero_centred_norms=True,
+        )
+
+    def _experts(self) -> Experts | None:
+        """The routed experts and the one shared expert of its own width, gated."""
+        if self.moe is None:
+            return None
+        shared = self.moe.num_shared_experts > 0
+        return replace(
+            Experts.from_moe(self.moe, self.moe_hidden_dim),
+            shared_hidden_dim=self.shared_expert_hidden_dim if shared else 0,
+            shared_gate=self.moe.shared_expert_gate and shared,
+        )
+
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token (``common/args.py``). Full-attention
         layers add ``12 * n_heads * head_dim * seq_len``; a Gated DeltaNet layer adds the
@@ -126,7 +175,7 @@ class Qwen3_5ModelArgs(BaseModelArgs):
         products and ``6 * 2 * 2 * k_dim * v_dim`` for reading and updating the state, per
         value head (independent of the sequence length)."""
         full = 12 * self.n_full_layers * self.n_heads * self.head_dim * seq_len
-        k, v, chunk = self.linear_k_head_dim, self.linear_v_head_dim, self.linear_chunk_size
-        per_head = 12 * chunk * (k + v) + 24 * k * v
-        linear = (self.n_layers - self.n_full_layers) * self.linear_n_v_heads * per_head
-        return nparams_and_flops(model, full + linear, self.moe, self.tie_word_embeddings)
+        k, v = self.delta_rule_k_head_dim, self.delta_rule_v_head_dim
+        per_head = 12 * self.delta_rule_chunk_size * (k + v) + 24 * k * v
+        delta_rule = (self.n_layers - self.n_full_layers) * self.delta_rule_n_v_heads * per_head
+        return nparams_and_flops(model, full + delta_rule, self.moe, self.tie_word_embeddings)

@@ -14,16 +14,16 @@ _DEBUG = dict(
     n_heads=4,
     n_kv_heads=2,
     head_dim=16,
-    linear_n_k_heads=2,
-    linear_n_v_heads=4,
-    linear_k_head_dim=16,
-    linear_v_head_dim=16,
-    linear_chunk_size=16,
+    delta_rule_n_k_heads=2,
+    delta_rule_n_v_heads=4,
+    delta_rule_k_head_dim=16,
+    delta_rule_v_head_dim=16,
+    delta_rule_chunk_size=16,
     max_seq_len=2048,
 )
 
 qwen3_5_flavors: dict[str, Qwen3_5ModelArgs] = {
-    # heads (4), KV heads (2), linear key (2) and value heads (4) divisible by 2 for TP
+    # heads (4), KV heads (2), delta-rule key (2) and value heads (4) divisible by 2 for TP
     "debugmodel": Qwen3_5ModelArgs(**_DEBUG, ffn_hidden_dim=192),
     # 8 experts (EP up to 8) of hidden size 32 (ETP up to 4) and a shared expert of 64
     "debugmodel_moe": Qwen3_5ModelArgs(

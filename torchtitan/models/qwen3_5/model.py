@@ -22,7 +22,7 @@ from torchtitan.layers.gqa import GQAttention
 from torchtitan.layers.moe import MoE
 from torchtitan.layers.norms import ZeroCenteredRMSNorm
 from torchtitan.layers.rope import rope_frequencies
-from torchtitan.models.qwen3_5.args import LINEAR, Qwen3_5ModelArgs
+from torchtitan.models.qwen3_5.args import DELTA_RULE, Qwen3_5ModelArgs
 
 _FFNS = r"(feed_forward|moe\.experts|moe\.shared_experts)"
 _INIT_RULES = InitRules(
@@ -40,16 +40,16 @@ def rope_inv_freq(args: Qwen3_5ModelArgs, device: torch.device | None = None) ->
 
 
 def build_mixer(args: Qwen3_5ModelArgs, layer: int) -> nn.Module:
-    if args.layer_types[layer] == LINEAR:
+    if args.layer_types[layer] == DELTA_RULE:
         return GatedDeltaNet(
             args.dim,
-            args.linear_n_k_heads,
-            args.linear_n_v_heads,
-            args.linear_k_head_dim,
-            args.linear_v_head_dim,
-            args.linear_conv_kernel,
+            args.delta_rule_n_k_heads,
+            args.delta_rule_n_v_heads,
+            args.delta_rule_k_head_dim,
+            args.delta_rule_v_head_dim,
+            args.delta_rule_conv_kernel,
             args.norm_eps,
-            chunk_size=args.linear_chunk_size,
+            chunk_size=args.delta_rule_chunk_size,
             block_causal=args.mask_spec.block_causal,
         )
     return GQAttention(

@@ -31,7 +31,7 @@ from torchtitan.models.common.hf_keys import (
     rope_settings,
     rotate_half_to_interleaved,
 )
-from torchtitan.models.qwen3_5.args import FULL, LINEAR, Qwen3_5ModelArgs, qwen3_5_moe
+from torchtitan.models.qwen3_5.args import DELTA_RULE, FULL, Qwen3_5ModelArgs, qwen3_5_moe
 from torchtitan.tools.logging import logger
 
 _LINEAR = {
@@ -144,8 +144,8 @@ class Qwen3_5StateDictAdapter(DecoderStateDictAdapter):
 
     def _split_sizes(self) -> list[int]:
         args = self.model_args
-        key_dim = args.linear_n_k_heads * args.linear_k_head_dim
-        return [key_dim, key_dim, args.linear_n_v_heads * args.linear_v_head_dim]
+        key_dim = args.delta_rule_n_k_heads * args.delta_rule_k_head_dim
+        return [key_dim, key_dim, args.delta_rule_n_v_heads * args.delta_rule_v_head_dim]
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The three parts of a fused tensor fuse only together; a lone part converts only on
@@ -216,11 +216,11 @@ def to_hf_config(args: Qwen3_5ModelArgs) -> dict[str, Any]:
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
         "head_dim": args.head_dim,
-        "linear_num_key_heads": args.linear_n_k_heads,
-        "linear_num_value_heads": args.linear_n_v_heads,
-        "linear_key_head_dim": args.linear_k_head_dim,
-        "linear_value_head_dim": args.linear_v_head_dim,
-        "linear_conv_kernel_dim": args.linear_conv_kernel,
+        "linear_num_key_heads": args.delta_rule_n_k_heads,
+        "linear_num_value_heads": args.delta_rule_n_v_heads,
+        "linear_key_head_dim": args.delta_rule_k_head_dim,
+        "linear_value_head_dim": args.delta_rule_v_head_dim,
+        "linear_conv_kernel_dim": args.delta_rule_conv_kernel,
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": args.max_seq_len,
@@ -265,7 +265,7 @@ def from_hf_config(config: Mapping[str, Any]) -> Qwen3_5ModelArgs:
         if bad:
             raise ValueError(f"config.json: {message}")
     layer_types = list(text.get("layer_types") or [])
-    unknown = sorted(set(layer_types) - {LINEAR, FULL})
+    unknown = sorted(set(layer_types) - {DELTA_RULE, FULL})
     if unknown:
         raise ValueError(f"config.json: unknown layer_types {unknown}")
     args = Qwen3_5ModelArgs(
@@ -279,11 +279,11 @@ def from_hf_config(config: Mapping[str, Any]) -> Qwen3_5ModelArgs:
         head_dim=require(text, "head_dim"),
         rope_theta=float(rope["rope_theta"]),
         partial_rotary_factor=float(rope.get("partial_rotary_factor", 0.25)),
-        linear_n_k_heads=require(text, "linear_num_key_heads"),
-        linear_n_v_heads=require(text, "linear_num_value_heads"),
-        linear_k_head_dim=require(text, "linear_key_head_dim"),
-        linear_v_head_dim=require(text, "linear_value_head_dim"),
-        linear_conv_kernel=text.get("linear_conv_kernel_dim", 4),
+        delta_rule_n_k_heads=require(text, "linear_num_key_heads"),
+        delta_rule_n_v_heads=require(text, "linear_num_value_heads"),
+        delta_rule_k_head_dim=require(text, "linear_key_head_dim"),
+        delta_rule_v_head_dim=require(text, "linear_value_head_dim"),
+        delta_rule_conv_kernel=text.get("linear_conv_kernel_dim", 4),
         ffn_hidden_dim=text.get("intermediate_size") or 0,
         norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(
@@ -308,11 +308,11 @@ def _compared_fields(args: Qwen3_5ModelArgs) -> dict[str, Any]:
         "head_dim": args.head_dim,
         "rope_theta": args.rope_theta,
         "partial_rotary_factor": args.partial_rotary_factor,
-        "linear_n_k_heads": args.linear_n_k_heads,
-        "linear_n_v_heads": args.linear_n_v_heads,
-        "linear_k_head_dim": args.linear_k_head_dim,
-        "linear_v_head_dim": args.linear_v_head_dim,
-        "linear_conv_kernel": args.linear_conv_kernel,
+        "delta_rule_n_k_heads": args.delta_rule_n_k_heads,
+        "delta_rule_n_v_heads": args.delta_rule_n_v_heads,
+        "delta_rule_k_head_dim": args.delta_rule_k_head_dim,
+        "delta_rule_v_head_dim": args.delta_rule_v_head_dim,
+        "delta_rule_conv_kernel": args.delta_rule_conv_kernel,
         "vocab_size": args.vocab_size,
         "norm_eps": args.norm_eps,
         "tie_word_embeddings": args.tie_word_embeddings,
