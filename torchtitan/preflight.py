@@ -18,7 +18,7 @@ from torch._dynamo import list_backends
 from torchtitan.components.adapters.lora import LORA, select_targets
 from torchtitan.components.adapters.qlora import FIELD as QLORA_FIELD
 from torchtitan.components.adapters.qlora import LOW_PRECISION_CONVERTERS, check_qlora, uses_nf4
-from torchtitan.components.checkpointing.manager import check_checkpoint_inputs
+from torchtitan.components.checkpointing.folders import check_checkpoint_inputs
 from torchtitan.components.quantization import check_quantization
 from torchtitan.config import (
     CheckpointConfig,

@@ -43,6 +43,7 @@ from torchtitan.config import (
     JobConfig,
     ParallelismConfig,
     TrainingConfig,
+    ValidationConfig,
 )
 from torchtitan.data.micro_batch import MicroBatch, model_inputs
 from torchtitan.distributed import ParallelDims
@@ -117,12 +118,11 @@ def set_moe_aux_loss_scale(model: nn.Module, grad_accum_steps: int) -> None:
         moe.aux_loss_scale = 1 / grad_accum_steps
 
 
-def max_seq_len(job_config: JobConfig) -> int:
+def max_seq_len(training: TrainingConfig, validation: ValidationConfig) -> int:
     """The longest sequence the model sees: training's, or validation's if that is longer."""
-    seq_len = job_config.training.seq_len
-    if job_config.validation.enable:
-        seq_len = max(seq_len, job_config.validation.seq_len)
-    return seq_len
+    if validation.enable:
+        return max(training.seq_len, validation.seq_len)
+    return training.seq_len
 
 
 def model_args_from_config(
@@ -135,7 +135,7 @@ def model_args_from_config(
         raise ConfigError(str(e)) from None
     model_args.update_from_config(
         job_config.model,
-        max_seq_len=max_seq_len(job_config),
+        max_seq_len=max_seq_len(job_config.training, job_config.validation),
         tokenizer=tokenizer,
         moe_force_load_balance=job_config.debug.moe_force_load_balance,
     )

@@ -28,7 +28,8 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchtitan.distributed.context_parallel.attention import ContextParallelAttention, cp_shard
+from torchtitan.distributed.context_parallel.attention import ContextParallelAttention
+from torchtitan.distributed.context_parallel.layout import cp_shard
 from torchtitan.layers.attention import ScaledDotProductAttention
 
 METHODS = ("allgather", "alltoall", "ulysses")

@@ -53,10 +53,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan.distributed.context_parallel.attention import cp_shard
     from torchtitan.distributed.context_parallel.delta_rule import (
         ContextParallelDeltaRule,
     )
+    from torchtitan.distributed.context_parallel.layout import cp_shard
     from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
     from torchtitan.layers.gated_deltanet import DeltaRule, RecurrentSpec
 

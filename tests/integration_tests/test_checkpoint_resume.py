@@ -18,7 +18,7 @@ from tests.integration_tests.pause_line import PAUSE_LINE
 from tests.launcher import kill_tree, read_metrics, run_command, run_torchrun, start_torchrun
 from tests.layouts import DDP_2, HSDP_2X2
 from tests.parity import train_args
-from torchtitan.components.checkpointing.manager import MANIFEST
+from torchtitan.components.checkpointing.folders import MANIFEST
 from torchtitan.components.checkpointing.safe_loading import read_dcp_metadata
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]

@@ -18,7 +18,7 @@ import pytest
 
 from tests.launcher import REPO_ROOT, run_command
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
-from torchtitan.config.manager import _field_types
+from torchtitan.config.parsing import _field_types
 from torchtitan.distributed.launch import lowest_rank_error
 
 TINY = ["--model.flavor", "debugmodel_tiny", "--training.steps", "1"]

@@ -17,20 +17,19 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan.distributed.context_parallel.attention import (
-    ContextParallelAttention,
-    _to_global_order,
-    apply_cp,
+from torchtitan.distributed.context_parallel.attention import ContextParallelAttention, apply_cp
+from torchtitan.distributed.context_parallel.layout import (
     cp_shard,
     shard_batch_for_cp,
+    to_global_order,
 )
 from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 from torchtitan.layers.attention import MaskSpec
 from torchtitan.layers.blockwise_attention import visible
 from torchtitan.layers.loss import cross_entropy_loss
+from torchtitan.models.common.parallelize import apply_tp
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.parallelize import apply_tp
 
 METHODS = ("allgather", "alltoall", "ulysses")
 BALANCERS = ("headtail", "none")
@@ -42,7 +41,7 @@ def cp_unshard(
     """Inverse of :func:`cp_shard` (no autograd): the full tensor on every cp rank."""
     shards = [torch.empty_like(local) for _ in range(cp_mesh.size())]
     dist.all_gather(shards, local.contiguous(), group=cp_mesh.get_group())
-    return _to_global_order(shards, seq_dim, load_balancer)
+    return to_global_order(shards, seq_dim, load_balancer)
 
 
 def shapes_for(method: str) -> list[tuple[tuple[int, int, int, int], float | None]]:

@@ -15,13 +15,13 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from tests.layouts import single_process_dims
-from torchtitan.components.checkpointing.manager import (
+from torchtitan.components.checkpointing.folders import (
     MANIFEST,
-    CheckpointManager,
     check_checkpoint_inputs,
     inspect_checkpoint,
     purge_old_checkpoints,
 )
+from torchtitan.components.checkpointing.manager import CheckpointManager
 from torchtitan.components.checkpointing.safe_loading import read_dcp_metadata
 from torchtitan.components.optimizers.builder import build_optimizers
 from torchtitan.components.optimizers.lr_schedule import build_lr_schedulers

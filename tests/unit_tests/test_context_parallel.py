@@ -13,13 +13,15 @@ from torch import nn
 from tests.launcher import run_torchrun
 from torchtitan.distributed.context_parallel.attention import (
     ContextParallelAttention,
-    _rank_major_chunks,
-    _to_global_order,
-    _to_rank_major,
     apply_cp,
     check_cp_config,
+)
+from torchtitan.distributed.context_parallel.layout import (
     cp_positions,
     cp_shard,
+    rank_major_chunks,
+    to_global_order,
+    to_rank_major,
 )
 from torchtitan.layers.attention import ScaledDotProductAttention
 from torchtitan.models.llama3.args import TransformerModelArgs
@@ -50,7 +52,7 @@ class FakeMesh:
     ],
 )
 def test_rank_major_chunk_order(cp, balancer, chunks):
-    assert _rank_major_chunks(cp, balancer) == chunks
+    assert rank_major_chunks(cp, balancer) == chunks
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -61,8 +63,8 @@ def test_shards_and_positions_cover_the_sequence(cp, balancer):
     for rank, shard in enumerate(shards):
         positions = cp_positions(24, FakeMesh(cp, rank), balancer)
         assert torch.equal(shard[0], positions * 10)
-    assert torch.equal(_to_global_order(shards, 1, balancer), seq)
-    assert torch.equal(_to_rank_major(seq, 1, cp, balancer), torch.stack(shards))
+    assert torch.equal(to_global_order(shards, 1, balancer), seq)
+    assert torch.equal(to_rank_major(seq, 1, cp, balancer), torch.stack(shards))
 
 
 def test_headtail_balances_causal_work():

@@ -31,6 +31,26 @@ ROOMS: list[tuple[str, ...]] = [
 """Lowest first; the README's Layout section lists the same order. Rooms on one line are
 peers: neither imports the other."""
 
+SUBROOMS: dict[str, list[tuple[str, ...]]] = {
+    "torchtitan.components": [
+        ("adapters",),
+        ("optimizers", "metrics", "quantization", "rank_timeline"),
+        ("checkpointing", "training_loss", "validate"),
+    ],
+    "torchtitan.components.checkpointing": [
+        ("safe_loading", "mxfp4"),
+        ("folders", "huggingface"),
+        ("load_choice", "peft"),
+        ("manager",),
+    ],
+    "torchtitan.distributed.context_parallel": [
+        ("layout", "collectives"),
+        ("attention", "delta_rule"),
+    ],
+}
+"""The same rule inside the packages that group several concerns: each module or
+subpackage at a level, lowest first, peers on one line."""
+
 LAZY_EXCEPTIONS = {("torchtitan.protocols.train_spec", "torchtitan.models")}
 """The train-spec registry imports the built-in models on first use (inside a function)."""
 
@@ -91,6 +111,46 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
+def subroom_upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Within each package of SUBROOMS: a module that imports a sibling at its own level
+    or above (its siblings being the package's direct modules and subpackages)."""
+    found = []
+    for package, levels in SUBROOMS.items():
+        level = {name: i for i, peers in enumerate(levels) for name in peers}
+
+        def child(module: str, package: str = package) -> str | None:
+            if not module.startswith(package + "."):
+                return None
+            return module[len(package) + 1 :].split(".")[0]
+
+        for module, names in sorted(graph.items()):
+            here = child(module)
+            if here is None:
+                continue
+            for name in sorted(names):
+                there = child(name)
+                if there is None or there == here:
+                    continue
+                for part in (here, there):
+                    assert part in level, f"{package}.{part} is not in SUBROOMS: give it a level"
+                if level[there] >= level[here]:
+                    found.append(f"{module} imports {name}: {there} is not below {here}")
+    return found
+
+
+def private_imports(root: Path = REPO_ROOT) -> list[str]:
+    """``from torchtitan.x import _name``: a module reaching into another's private names."""
+    found = []
+    for path in sorted((root / "torchtitan").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchtitan"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        where = path.relative_to(root)
+                        found.append(f"{where} imports {node.module}.{alias.name}")
+    return found
+
+
 def room_of_package(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
@@ -126,6 +186,14 @@ def test_no_module_imports_a_room_above_or_beside_its_own() -> None:
     assert upward_imports(import_graph()) == []
 
 
+def test_inside_a_package_modules_import_only_lower_levels() -> None:
+    assert subroom_upward_imports(import_graph()) == []
+
+
+def test_no_module_imports_private_names_of_another() -> None:
+    assert private_imports() == []
+
+
 def test_modules_import_one_another_without_a_cycle() -> None:
     assert cycles(import_graph()) == []
 
@@ -142,17 +210,64 @@ def test_the_readme_lists_the_rooms_in_this_order() -> None:
         ("components/optimizers/builder.py", "from torchtitan.models.llama3 import Transformer"),
         ("layers/moe.py", "from torchtitan.distributed import ParallelDims"),
         ("estimate/report.py", "from torchtitan.generation import generate"),
-        ("config/manager.py", "import torchtitan.tools.logging"),
+        ("config/parsing.py", "import torchtitan.tools.logging"),
     ],
 )
 def test_a_planted_upward_import_is_found(tmp_path: Path, importer: str, imported: str) -> None:
+    _copy_package(tmp_path)
+    _plant(tmp_path, importer, imported)
+    assert upward_imports(import_graph(tmp_path)), f"{importer}: {imported!r} was not reported"
+
+
+def _copy_package(tmp_path: Path) -> None:
     for path in PACKAGE.rglob("*.py"):
         copy = tmp_path / path.relative_to(REPO_ROOT)
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.write_text(path.read_text())
+
+
+def _plant(tmp_path: Path, importer: str, line: str) -> None:
     planted = tmp_path / "torchtitan" / importer
-    planted.write_text(planted.read_text() + f"\n{imported}\n")
-    assert upward_imports(import_graph(tmp_path)), f"{importer}: {imported!r} was not reported"
+    planted.write_text(planted.read_text() + f"\n{line}\n")
+
+
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        (
+            "distributed/context_parallel/layout.py",
+            "from torchtitan.distributed.context_parallel.attention import apply_cp",
+        ),
+        (
+            "distributed/context_parallel/delta_rule.py",
+            "from torchtitan.distributed.context_parallel.attention import check_cp_config",
+        ),
+        ("components/adapters/lora.py", "from torchtitan.components.checkpointing import manager"),
+        (
+            "components/checkpointing/folders.py",
+            "from torchtitan.components.checkpointing.manager import CheckpointManager",
+        ),
+    ],
+)
+def test_a_planted_import_upward_inside_a_package_is_found(
+    tmp_path: Path, importer: str, imported: str
+) -> None:
+    _copy_package(tmp_path)
+    _plant(tmp_path, importer, imported)
+    assert subroom_upward_imports(import_graph(tmp_path)), f"{importer}: {imported!r} not reported"
+
+
+def test_a_planted_private_name_import_across_cp_modules_is_found(tmp_path: Path) -> None:
+    _copy_package(tmp_path)
+    _plant(
+        tmp_path,
+        "distributed/context_parallel/delta_rule.py",
+        "from torchtitan.distributed.context_parallel.attention import _ring_forward",
+    )
+    assert private_imports(tmp_path) == [
+        "torchtitan/distributed/context_parallel/delta_rule.py imports "
+        "torchtitan.distributed.context_parallel.attention._ring_forward"
+    ]
 
 
 def test_a_planted_cycle_is_found() -> None:

@@ -297,12 +297,17 @@ def test_update_from_config() -> None:
 
     args = tiny_args()
     job_config = ConfigManager().parse_args(["--training.seq_len", "512"])
-    args.update_from_config(job_config.model, max_seq_len=max_seq_len(job_config))
+    args.update_from_config(
+        job_config.model, max_seq_len=max_seq_len(job_config.training, job_config.validation)
+    )
     assert args.max_seq_len == 512 and args.vocab_size == TINY.vocab_size
     with_validation = ConfigManager().parse_args(
         ["--training.seq_len", "512", "--validation.enable", "--validation.seq_len", "1024"]
     )
-    args.update_from_config(with_validation.model, max_seq_len=max_seq_len(with_validation))
+    args.update_from_config(
+        with_validation.model,
+        max_seq_len=max_seq_len(with_validation.training, with_validation.validation),
+    )
     assert args.max_seq_len == 1024  # RoPE covers the longer validation sequences
     args.update_from_config(
         job_config.model, max_seq_len=512, tokenizer=SimpleNamespace(vocab_size=1000)

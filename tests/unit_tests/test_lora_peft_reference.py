@@ -17,13 +17,13 @@ from tests.unit_tests import test_llama3_hf_reference as llama_ref  # noqa: E402
 from tests.unit_tests import test_qwen3_hf_reference as qwen_ref  # noqa: E402
 from torchtitan.components.adapters.lora import LoRAConverter  # noqa: E402
 from torchtitan.components.adapters.lora_linear import adapted_linears  # noqa: E402
-from torchtitan.components.adapters.peft import (  # noqa: E402
+from torchtitan.components.checkpointing.huggingface import load_hf_weights, save_hf_weights  # noqa: E402
+from torchtitan.components.checkpointing.peft import (  # noqa: E402
     ADAPTER_CONFIG,
     load_peft_adapter,
     peft_tensors,
     save_peft_adapter,
 )
-from torchtitan.components.checkpointing.huggingface import load_hf_weights, save_hf_weights  # noqa: E402
 from torchtitan.config import ConfigError, LoRAConfig  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
 from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 from tests.unit_tests.upstream_keys import GENERATIONS, REFUSED_UNLESS_DEFAULT
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.checks import check_job_config, get_field
-from torchtitan.config.manager import (
+from torchtitan.config.parsing import (
     DEPRECATED_ALIASES,
     DEPRECATED_SECTION_ALIASES,
     apply_toml_aliases,

@@ -26,7 +26,7 @@ from torchtitan.config.job_config import (
     TrainingConfig,
     ValidationConfig,
 )
-from torchtitan.config.manager import ConfigManager, config_to_toml, save_config_file
+from torchtitan.config.parsing import ConfigManager, config_to_toml, save_config_file
 
 __all__ = [
     "ActivationCheckpointConfig",

@@ -7,7 +7,7 @@ import sys
 from typing import NoReturn
 
 from torchtitan.config.errors import ConfigError, UserInputError
-from torchtitan.config.manager import ConfigManager, config_to_toml
+from torchtitan.config.parsing import ConfigManager, config_to_toml
 from torchtitan.config.requirements import check_torch_version
 
 USER_ERROR_EXIT_CODE = 2

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.context_parallel.attention import cp_shard, shard_batch_for_cp
+from torchtitan.distributed.context_parallel.layout import cp_shard, shard_batch_for_cp
 from torchtitan.layers.attention import document_positions
 
 

@@ -2,7 +2,7 @@
 
 Accepted, told apart by the keys in the folder's DCP metadata:
 
-- a checkpoint of ``torchtitan/components/checkpointing/manager.py`` (full or model-only): the model
+- a checkpoint of ``torchtitan/components/checkpointing/`` (full or model-only): the model
   weights are stored under their plain FQNs, next to ``optimizer.*`` and ``rng.*``;
 - a flat model-only export (``dcp.save(model.state_dict())``): plain FQNs only;
 - a state dict saved under the key ``"model"`` (``dcp.save({"model": model.state_dict()})``):
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
-from torchtitan.components.checkpointing.manager import inspect_checkpoint, step_folders
+from torchtitan.components.checkpointing.folders import inspect_checkpoint, step_folders
 from torchtitan.components.checkpointing.safe_loading import (
     METADATA_FILE,
     LoadError,

@@ -57,10 +57,6 @@ def check_converter_names(names: list[str]) -> None:
         raise ConfigError(f"model.converters: unknown converter(s) {unknown}; registered: {known}")
 
 
-def _settings(job_config: JobConfig, path: str | None) -> Any:
-    return None if path is None else get_field(job_config, path)
-
-
 class ModelConvertersContainer:
     """Builds the converters named in ``model.converters``, each from its own config section,
     and applies them in order."""
@@ -68,12 +64,12 @@ class ModelConvertersContainer:
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims | None) -> None:
         names = job_config.model.converters
         check_converter_names(names)
-        self.converters = [
-            _converters[name].converter_cls(
-                _settings(job_config, _converters[name].config_section), parallel_dims
-            )
-            for name in names
-        ]
+        self.converters = []
+        for name in names:
+            registration = _converters[name]
+            section = registration.config_section
+            settings = None if section is None else get_field(job_config, section)
+            self.converters.append(registration.converter_cls(settings, parallel_dims))
 
     def convert(self, model: nn.Module) -> None:
         for converter in self.converters:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import torchtitan.distributed.context_parallel.delta_rule as cpl
-from torchtitan.distributed.context_parallel.attention import cp_shard
+from torchtitan.distributed.context_parallel.layout import cp_shard
 from torchtitan.distributed.process import exit_skipping_static_destructors, leave_together
 from torchtitan.layers.gated_deltanet import DeltaRule, RecurrentSpec, l2_normalize
 

@@ -10,18 +10,15 @@ A checkpoint is the folder ``{job.dump_folder}/{checkpoint.folder}/step-N``:
   JSON: ``train_state``, ``lr_scheduler`` and the data-loader state merged over the dp ranks,
   which loads under any dp degree.
 
-A save is written to ``step-N.tmp`` and renamed to ``step-N`` by rank 0 once DCP reports every
-rank's files written (DCP's own all-reduce at the end of a save is the barrier), so a crash
-never leaves a ``step-N`` that looks complete. Loading goes through ``safe_loading`` (no code
-runs from the files; every entry is checked against the metadata first) and JSON.
+A save is written to ``step-N.tmp`` and published as ``step-N`` by rank 0 once DCP reports
+every rank's files written (DCP's own all-reduce at the end of a save is the barrier), so a
+crash never leaves a ``step-N`` that looks complete (``folders``). Which checkpoint loads is
+``load_choice``'s decision; loading goes through ``safe_loading`` (no code runs from the
+files; every entry is checked against the metadata first) and JSON.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,20 +40,29 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from torchtitan.components.adapters.lora_linear import is_lora_param
-from torchtitan.components.adapters.peft import load_peft_adapter, save_peft_adapter
 from torchtitan.components.adapters.qlora import PendingBase
+from torchtitan.components.checkpointing.folders import (
+    FORMAT,
+    MANIFEST,
+    check_seed_folder,
+    plain_json,
+    publish,
+    purge_old_checkpoints,
+    remove_leftovers,
+    write_json_atomic,
+)
 from torchtitan.components.checkpointing.huggingface import (
     HFCheckpointError,
     load_hf_weights,
     save_hf_weights,
 )
-from torchtitan.components.checkpointing.safe_loading import (
-    MANIFEST_FILE,
-    LoadError,
-    check_dcp_folder,
-    load_dcp,
-    read_dcp_metadata,
+from torchtitan.components.checkpointing.load_choice import (
+    LoadChoice,
+    choose_checkpoint,
+    choose_initial_weights,
 )
+from torchtitan.components.checkpointing.peft import load_peft_adapter, save_peft_adapter
+from torchtitan.components.checkpointing.safe_loading import LoadError, load_dcp
 from torchtitan.config import ConfigError
 from torchtitan.data.state import merge_data_states
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
@@ -67,182 +73,7 @@ if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols import StateDictAdapter
 
-MANIFEST = MANIFEST_FILE
-FORMAT = "torchtitan-dcp-1"
-
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_LEFTOVER_RE = re.compile(r"^step-\d+\.(tmp|old)$")
 _BUILTIN_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
-
-
-# ---------------------------------------------------------------------- checkpoint folders
-def step_folders(root: Path) -> dict[int, Path]:
-    """``step-N`` folders under ``root`` by step; other names are ignored."""
-    if not root.is_dir():
-        return {}
-    found = {}
-    for entry in root.iterdir():
-        match = _STEP_RE.match(entry.name)
-        if match and entry.is_dir():
-            found[int(match.group(1))] = entry
-    return found
-
-
-def inspect_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(manifest, None) for a complete checkpoint, else (None, what is wrong with it)."""
-    marker = path / MANIFEST
-    if not marker.is_file():
-        return None, f"{path} is incomplete (no {MANIFEST}: its save did not finish)"
-    try:
-        manifest = json.loads(marker.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return None, f"{path} is corrupt ({MANIFEST} is unreadable: {e})"
-    for name, size in files.items():
-        actual = (path / name).stat().st_size if (path / name).is_file() else None
-        if actual != size:
-            found = "missing" if actual is None else f"{actual} bytes"
-            return None, f"{path} is corrupt ({name}: {found}, expected {size} bytes)"
-    try:
-        check_dcp_folder(path, read_dcp_metadata(path))
-    except LoadError as e:
-        return None, f"corrupt checkpoint: {e}"
-    return manifest, None
-
-
-def complete_checkpoints(root: Path) -> dict[int, dict[str, Any]]:
-    """Manifests of the complete checkpoints under ``root`` by step (marker present)."""
-    out = {}
-    for step, path in step_folders(root).items():
-        try:
-            out[step] = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def _complete_steps(root: Path) -> str:
-    return ", ".join(str(s) for s in sorted(complete_checkpoints(root))) or "none"
-
-
-def _missing_step_error(root: Path, step: int) -> str:
-    return (
-        f"checkpoint.load_step={step}: there is no {root / f'step-{step}'} (complete "
-        f"checkpoints: {_complete_steps(root)}); pick one of those or -1 for the newest"
-    )
-
-
-def _not_a_folder_error(path: Path) -> str:
-    return f"checkpoint.initial_load_path: {path} is not a checkpoint folder"
-
-
-def check_checkpoint_inputs(config: CheckpointConfig, dump_folder: str) -> None:
-    """Refuse, before any process starts, a ``checkpoint.load_step`` or
-    ``checkpoint.initial_load_path`` that names nothing on disk. Loading checks the same
-    again, and the contents, on rank 0."""
-    root = Path(dump_folder) / config.folder
-    if config.create_seed_checkpoint:
-        _check_seed_folder(root)
-        return
-    if not config.enable:
-        return
-    folders = step_folders(root)
-    if config.load_step != -1 and config.load_step not in folders:
-        raise ConfigError(_missing_step_error(root, config.load_step))
-    initial = config.initial_load_path
-    resumes_from_folders = config.load_step != -1 or folders
-    if (
-        initial
-        and not config.initial_load_in_hf
-        and not resumes_from_folders
-        and not Path(initial).is_dir()
-    ):
-        raise ConfigError(_not_a_folder_error(Path(initial)))
-
-
-def _check_seed_folder(root: Path) -> None:
-    """A seed checkpoint goes into a folder without later checkpoints, which a run would
-    load instead of the seed."""
-    existing = sorted(s for s in complete_checkpoints(root) if s != 0)
-    if existing:
-        raise ConfigError(
-            f"checkpoint.create_seed_checkpoint: {root} already holds checkpoints "
-            f"(step-{existing[-1]}), which a later run would load instead of the seed; "
-            "use an empty checkpoint.folder"
-        )
-
-
-def purge_old_checkpoints(root: Path, keep: int) -> list[int]:
-    """Delete all but the ``keep`` newest complete checkpoints; return the deleted steps.
-
-    Only complete ``step-N`` folders count and are deleted (marker first, so an interrupted
-    delete leaves an incomplete folder that loading skips); other entries are left alone.
-    """
-    if keep <= 0:
-        return []
-    steps = sorted(complete_checkpoints(root), reverse=True)
-    deleted = []
-    for step in steps[keep:]:
-        path = root / f"step-{step}"
-        (path / MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(path, ignore_errors=True)
-        deleted.append(step)
-    return deleted
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished ``tmp`` to ``final``, replacing an older checkpoint of that step."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _plain_json(states: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of ``states`` through JSON; a state that is not plain data is an error."""
-    out = {}
-    for key, value in states.items():
-        try:
-            out[key] = json.loads(json.dumps(value))
-        except (TypeError, ValueError) as e:
-            raise TypeError(
-                f"checkpoint: the state {key!r} is not plain JSON data ({e}); its state_dict() "
-                "must return only dicts, lists, strings, numbers, booleans and None"
-            ) from None
-    return out
-
-
-# ---------------------------------------------------------------------- the manager
-@dataclass
-class _LoadChoice:
-    """What rank 0 decided to load (broadcast to every rank)."""
-
-    path: str | None = None
-    manifest: dict[str, Any] | None = None  # None: a plain DCP folder (initial_load_path)
-    model_only: bool = False
-    error: str | None = None
-    hf: bool = False  # a folder of Hugging Face safetensors
-    base: bool = False  # the configured initial weights (not a checkpoint of this run)
 
 
 @dataclass
@@ -456,7 +287,7 @@ class CheckpointManager:
         states.update({name: obj.state_dict() for name, obj in self.states.items()})
         if self.dataloader is not None:
             states["dataloader"] = self._merged_data_state()
-        manifest["states"] = _plain_json(states)
+        manifest["states"] = plain_json(states)
         return manifest
 
     def _merged_data_state(self) -> dict[str, Any]:
@@ -477,8 +308,8 @@ class CheckpointManager:
         if upload is not None:
             upload.result()
         manifest["files"] = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
-        _write_json_atomic(tmp / MANIFEST, manifest)
-        _publish(tmp, final)
+        write_json_atomic(tmp / MANIFEST, manifest)
+        publish(tmp, final)
         kind = "model-only checkpoint" if manifest["model_only"] else "checkpoint"
         logger.info(f"saved {kind} {final} in {time.perf_counter() - start:.2f}s")
 
@@ -535,7 +366,7 @@ class CheckpointManager:
             return True
         return choice.path is not None
 
-    def _decided(self, choose: Callable[[], _LoadChoice]) -> _LoadChoice:
+    def _decided(self, choose: Callable[[], LoadChoice]) -> LoadChoice:
         """Rank 0's choice on every rank; its error raised on every rank."""
         objects = [choose() if self.rank == 0 else None]
         dist.broadcast_object_list(objects, src=0, group=self._group)
@@ -543,7 +374,7 @@ class CheckpointManager:
             raise ConfigError(objects[0].error)
         return objects[0]
 
-    def _load_choice(self, choice: _LoadChoice) -> None:
+    def _load_choice(self, choice: LoadChoice) -> None:
         if choice.hf:
             self._load_hf(Path(choice.path))
             return
@@ -556,7 +387,7 @@ class CheckpointManager:
 
     def _load_base(self) -> None:
         """Before an adapters-only checkpoint: the frozen base from the initial weights."""
-        choice = self._decided(self._choose_base)
+        choice = self._decided(lambda: choose_initial_weights(self.config, self._hf_assets_path()))
         if choice.path is None:
             logger.info(
                 "lora: no checkpoint.initial_load_path; the frozen base is this run's seeded "
@@ -565,15 +396,14 @@ class CheckpointManager:
             return
         self._load_choice(choice)
 
-    def _choose_base(self) -> _LoadChoice:
-        if self.config.initial_load_in_hf:
-            choice = self._choose_hf()
-        elif self.config.initial_load_path:
-            choice = self._choose_initial(Path(self.config.initial_load_path))
-        else:
-            return _LoadChoice()
-        choice.base = True
-        return choice
+    def _choose(self, step: int) -> LoadChoice:
+        """Rank 0: the leftovers of interrupted saves removed, which checkpoint to load."""
+        remove_leftovers(self.root)
+        return choose_checkpoint(self.root, step, self.config, self._hf_assets_path())
+
+    def _hf_assets_path(self) -> str | None:
+        adapter = self.state_dict_adapter
+        return adapter.hf_assets_path if adapter is not None else None
 
     def _adapter(self, field: str) -> StateDictAdapter:
         if self.state_dict_adapter is None:
@@ -609,94 +439,11 @@ class CheckpointManager:
     def create_seed_checkpoint(self) -> None:
         """Write the freshly initialised weights as step-0 (one process); any layout that
         loads it starts from identical weights."""
-        _check_seed_folder(self.root)
-        self._remove_leftovers()
+        check_seed_folder(self.root)
+        remove_leftovers(self.root)
         self._write(0, model_only=True, dtype=None, blocking=True)
         self._wait_for_pending()
         logger.info(f"seed checkpoint written to {self.root / 'step-0'}")
-
-    def _remove_leftovers(self) -> None:
-        """Drop ``step-N.tmp``/``.old`` folders that an interrupted save left behind."""
-        if not self.root.is_dir():
-            return
-        for entry in self.root.iterdir():
-            if _LEFTOVER_RE.match(entry.name):
-                logger.warning(f"removing {entry}, left by an interrupted checkpoint save")
-                shutil.rmtree(entry, ignore_errors=True)
-
-    def _choose(self, step: int) -> _LoadChoice:
-        """Rank 0: which checkpoint to load, or the error to raise on every rank."""
-        self._remove_leftovers()
-        folders = step_folders(self.root)
-        if step != -1:
-            return self._choose_explicit(step, folders)
-        model_only_choice = None
-        for candidate in sorted(folders, reverse=True):
-            manifest, problem = inspect_checkpoint(folders[candidate])
-            if manifest is None:
-                logger.warning(f"skipping checkpoint: {problem}; falling back to an older one")
-            elif not manifest["model_only"]:
-                return _LoadChoice(str(folders[candidate]), manifest, False)
-            elif model_only_choice is None:  # an export or a seed: weights only
-                model_only_choice = _LoadChoice(str(folders[candidate]), manifest, True)
-        if model_only_choice is not None:
-            return model_only_choice
-        return self._choose_base()
-
-    def _choose_explicit(self, step: int, folders: dict[int, Path]) -> _LoadChoice:
-        if step not in folders:
-            return _LoadChoice(error=_missing_step_error(self.root, step))
-        manifest, problem = inspect_checkpoint(folders[step])
-        if manifest is None:
-            return _LoadChoice(
-                error=(
-                    f"checkpoint.load_step={step}: {problem}; pick another step (complete: "
-                    f"{_complete_steps(self.root)}) or -1 for the newest complete checkpoint"
-                )
-            )
-        return _LoadChoice(str(folders[step]), manifest, manifest["model_only"])
-
-    def _choose_hf(self) -> _LoadChoice:
-        adapter = self.state_dict_adapter
-        path = self.config.initial_load_path or (
-            adapter.hf_assets_path if adapter is not None else None
-        )
-        if not path:
-            return _LoadChoice(
-                error=(
-                    "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path (or "
-                    "model.hf_assets_path) to a folder of Hugging Face safetensors"
-                )
-            )
-        return _LoadChoice(str(path), None, True, hf=True)
-
-    def _choose_initial(self, path: Path) -> _LoadChoice:
-        field = "checkpoint.initial_load_path"
-        model_only = self.config.initial_load_model_only
-        if not path.is_dir():
-            return _LoadChoice(error=_not_a_folder_error(path))
-        if not (path / MANIFEST).exists():
-            if not (path / ".metadata").is_file():
-                return _LoadChoice(error=f"{field}: {path} holds no DCP checkpoint (no .metadata)")
-            if not model_only:
-                return _LoadChoice(
-                    error=(
-                        f"{field}: {path} is a plain DCP checkpoint (no {MANIFEST}); "
-                        "only its model weights can load: set checkpoint.initial_load_model_only"
-                    )
-                )
-            return _LoadChoice(str(path), None, True)
-        manifest, problem = inspect_checkpoint(path)
-        if manifest is None:
-            return _LoadChoice(error=f"{field}: {problem}")
-        if manifest["model_only"] and not model_only:
-            return _LoadChoice(
-                error=(
-                    f"{field}: {path} holds model weights only; "
-                    "set checkpoint.initial_load_model_only"
-                )
-            )
-        return _LoadChoice(str(path), manifest, model_only)
 
     def _load(
         self, path: Path, manifest: dict[str, Any] | None, model_only: bool, keys: str

@@ -1,12 +1,6 @@
 """Context parallelism (CP): the ranks of the ``cp`` mesh each hold a slice of every sequence.
 
-Layout. A sequence of length ``S`` is cut into equal chunks. ``"headtail"`` cuts ``2 * cp``
-chunks and gives rank ``r`` chunks ``r`` and ``2 * cp - 1 - r``, so every rank does the same
-amount of causal-attention work; ``"none"`` cuts ``cp`` chunks and gives rank ``r`` chunk ``r``.
-Everything below (batch sharding, RoPE positions, attention masks) follows from that one rule,
-:func:`_chunk_ids`. The attention therefore needs no per-step state: it reads the global length
-as ``S_local * cp`` and its own chunks from its cp rank, which must match how the batch was cut
-(:func:`shard_batch_for_cp` with the same ``load_balancer``).
+The layout of the shards is :mod:`layout`'s (shared with the delta rule).
 
 Attention (:class:`ContextParallelAttention`, the drop-in for the local kernels of
 ``torchtitan/layers/attention.py``; it keeps the replaced kernel's mask):
@@ -32,7 +26,7 @@ Masks follow global positions and the document ids of the whole sequences (the m
 them unsharded): each rank builds, once per batch, the :class:`BlockPlan` of the blocks its
 queries meet; fully masked blocks are skipped, and load balancing is unaffected.
 
-All communication of the attention layers is in this file (Gated DeltaNet's state hand-off:
+The collectives are ``collectives.py``'s (Gated DeltaNet's state hand-off:
 ``delta_rule.py``); every collective runs on ``cp_mesh.get_group()`` and works
 on gloo (CPU) and NCCL (CUDA).
 """
@@ -43,11 +37,24 @@ from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.distributed.context_parallel.collectives import (
+    AllGather,
+    AllToAll,
+    ready,
+    ring_shift,
+)
+from torchtitan.distributed.context_parallel.layout import (
+    chunk_ids,
+    chunk_length,
+    fine_ids,
+    num_chunks,
+    to_global_order,
+    to_rank_major,
+)
 from torchtitan.layers.attention import (
     LOCAL_KERNELS,
     AttentionKernel,
@@ -70,47 +77,6 @@ from torchtitan.layers.blockwise_attention import (
 )
 
 RotateMethod = Literal["allgather", "alltoall", "ulysses"]
-LoadBalancer = Literal["headtail", "none"]
-
-
-# ---------------------------------------------------------------------------- layout
-def _num_chunks(cp: int, load_balancer: str) -> int:
-    if load_balancer not in get_args(LoadBalancer):
-        raise ValueError(
-            f"unknown context-parallel load balancer {load_balancer!r}; "
-            f"expected one of {get_args(LoadBalancer)}"
-        )
-    return 2 * cp if load_balancer == "headtail" else cp
-
-
-def _chunk_ids(cp: int, rank: int, load_balancer: str) -> list[int]:
-    """The global chunk indices cp rank ``rank`` holds, in local order."""
-    if _num_chunks(cp, load_balancer) == cp:
-        return [rank]
-    return [rank, 2 * cp - 1 - rank]
-
-
-def _rank_major_chunks(cp: int, load_balancer: str) -> list[int]:
-    """Global chunk ids in the order they appear when every rank's shard is concatenated."""
-    return [c for r in range(cp) for c in _chunk_ids(cp, r, load_balancer)]
-
-
-def _fine_ids(cp: int, rank: int, load_balancer: str, per_chunk: int) -> list[int]:
-    """The rank's chunks in units of ``1 / per_chunk`` of a chunk (the blocks of a
-    :class:`BlockPlan`), in local order."""
-    return [
-        c * per_chunk + i for c in _chunk_ids(cp, rank, load_balancer) for i in range(per_chunk)
-    ]
-
-
-def _chunk_size(seq_len: int, cp: int, load_balancer: str) -> int:
-    n = _num_chunks(cp, load_balancer)
-    if seq_len % n != 0:
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by {n}, the number of chunks that "
-            f"context parallel (cp={cp}, load_balancer={load_balancer!r}) cuts it into"
-        )
-    return seq_len // n
 
 
 def check_cp_config(
@@ -132,7 +98,7 @@ def check_cp_config(
             f"parallelism.context_parallel_rotate_method must be one of "
             f"{get_args(RotateMethod)}, got {rotate_method!r}"
         )
-    divisor = _num_chunks(cp, load_balancer) * tp
+    divisor = num_chunks(cp, load_balancer) * tp
     if seq_len % divisor != 0:
         raise ValueError(
             f"{seq_len_field} {seq_len} must be divisible by {divisor} (= "
@@ -144,135 +110,6 @@ def check_cp_config(
             f"context_parallel_rotate_method 'ulysses' shards heads: n_heads {n_heads} must be "
             f"divisible by cp {cp} * tp {tp}"
         )
-
-
-# ---------------------------------------------------------------------------- sharding
-def cp_shard(
-    tensor: torch.Tensor, seq_dim: int, cp_mesh: DeviceMesh, load_balancer: str = "headtail"
-) -> torch.Tensor:
-    """This rank's slice of ``tensor`` along ``seq_dim`` (contiguous)."""
-    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    size = _chunk_size(tensor.shape[seq_dim], cp, load_balancer)
-    chunks = tensor.split(size, dim=seq_dim)
-    return torch.cat([chunks[i] for i in _chunk_ids(cp, rank, load_balancer)], dim=seq_dim)
-
-
-def cp_positions(
-    seq_len: int,
-    cp_mesh: DeviceMesh,
-    load_balancer: str = "headtail",
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Global positions ``[S_local]`` (int64) of this rank's tokens, for RoPE."""
-    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    size = _chunk_size(seq_len, cp, load_balancer)
-    return torch.cat(
-        [
-            torch.arange(i * size, (i + 1) * size, device=device)
-            for i in _chunk_ids(cp, rank, load_balancer)
-        ]
-    )
-
-
-def shard_batch_for_cp(
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
-    cp_mesh: DeviceMesh,
-    load_balancer: str = "headtail",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``inputs``/``labels`` ``[batch, seq]`` -> this rank's ``(inputs, labels, positions)``.
-
-    Labels are already shifted by the data loader (``labels[:, p]`` is the target of token
-    ``p``), so they are cut exactly like the inputs.
-    """
-    seq_len = inputs.shape[1]
-    return (
-        cp_shard(inputs, 1, cp_mesh, load_balancer),
-        cp_shard(labels, 1, cp_mesh, load_balancer),
-        cp_positions(seq_len, cp_mesh, load_balancer, inputs.device),
-    )
-
-
-def _to_global_order(shards: list[torch.Tensor], seq_dim: int, load_balancer: str) -> torch.Tensor:
-    """Every cp rank's shard, in rank order -> the full sequence."""
-    cp = len(shards)
-    order = _rank_major_chunks(cp, load_balancer)
-    chunks = [c for shard in shards for c in shard.chunk(len(order) // cp, dim=seq_dim)]
-    by_id = dict(zip(order, chunks))
-    return torch.cat([by_id[i] for i in range(len(order))], dim=seq_dim)
-
-
-def _to_rank_major(x: torch.Tensor, seq_dim: int, cp: int, load_balancer: str) -> torch.Tensor:
-    """The full sequence -> ``[cp, *x.shape with seq / cp]``, rank r's shard at index r."""
-    chunks = x.chunk(_num_chunks(cp, load_balancer), dim=seq_dim)
-    return torch.stack(
-        [
-            torch.cat([chunks[i] for i in _chunk_ids(cp, r, load_balancer)], dim=seq_dim)
-            for r in range(cp)
-        ]
-    )
-
-
-# ---------------------------------------------------------------------------- communication
-class _AllGather(torch.autograd.Function):
-    """``x`` -> ``[cp, *x.shape]``, every rank's ``x`` in rank order. The backward
-    reduce-scatters (sums) the gradients: each rank's keys were used by every rank."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        # [1, ...] pieces concatenated on dim 0 (gloo rejects the stacked form)
-        out = x.new_empty((dist.get_world_size(group), *x.shape))
-        dist.all_gather_single(out, x.unsqueeze(0).contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out = grad.new_empty((1, *grad.shape[1:]))
-        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
-        return out.squeeze(0), None
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` over dim 0 (size cp): rank r's ``x[j]`` goes to rank j, which
-    stores it at ``out[r]``. With equal splits this is its own adjoint."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_to_all(grad, ctx.group), None
-
-
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
-def _ring_shift(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Send ``x`` to the next rank of the ring; return the previous rank's ``x``.
-
-    An all-to-all with one non-empty split (NCCL and gloo turn it into one send and one
-    receive) rather than P2P ops, which torch.compile cannot trace. The result is an
-    AsyncCollectiveTensor: the transfer overlaps whatever runs before its first use.
-    """
-    size = dist.get_world_size(group)
-    if size == 1:
-        return x
-    rank = dist.get_rank(group)
-    send, recv = [0] * size, [0] * size
-    send[(rank + 1) % size] = recv[(rank - 1) % size] = x.numel()
-    return funcol.all_to_all_single(x.reshape(-1), recv, send, group).view(x.shape)
-
-
-def _ready(x: torch.Tensor) -> torch.Tensor:
-    """Wait for a :func:`_ring_shift` result (under torch.compile it is a plain tensor)."""
-    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
 # ---------------------------------------------------------------------------- ring attention
@@ -287,8 +124,8 @@ def _ring_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, fp32 log-sum-exp ``[B, H, S_local]``)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    per_chunk = q.shape[2] // len(_chunk_ids(cp, rank, load_balancer)) // plan.size
-    q_ids = _fine_ids(cp, rank, load_balancer, per_chunk)
+    per_chunk = q.shape[2] // len(chunk_ids(cp, rank, load_balancer)) // plan.size
+    q_ids = fine_ids(cp, rank, load_balancer, per_chunk)
     size = plan.size
     on_fused = fused(q)
     qs = None if on_fused else (q.float() * scale).split(size, dim=2)
@@ -297,8 +134,8 @@ def _ring_forward(
     out = lse = None
     kv = torch.stack([k, v])
     for step in range(cp):
-        kv_next = _ring_shift(kv, group) if step < cp - 1 else None
-        k_ids = _fine_ids(cp, (rank - step) % cp, load_balancer, per_chunk)
+        kv_next = ring_shift(kv, group) if step < cp - 1 else None
+        k_ids = fine_ids(cp, (rank - step) % cp, load_balancer, per_chunk)
         if on_fused:  # one kernel call per query chunk over the held block's visible keys
             out_b, lse_b = fused_partial_forward(q, kv[0], kv[1], plan, q_ids, k_ids, scale)
             out, lse = merge_blocks(out, lse, out_b.float(), lse_b)
@@ -351,8 +188,8 @@ def _ring_backward(
     plan: BlockPlan,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    per_chunk = q.shape[2] // len(_chunk_ids(cp, rank, load_balancer)) // plan.size
-    q_ids = _fine_ids(cp, rank, load_balancer, per_chunk)
+    per_chunk = q.shape[2] // len(chunk_ids(cp, rank, load_balancer)) // plan.size
+    q_ids = fine_ids(cp, rank, load_balancer, per_chunk)
     size = plan.size
     math = None
     if not fused(q):
@@ -368,18 +205,18 @@ def _ring_backward(
     kv = torch.stack([k, v])
     dkv_in_flight = None
     for step in range(cp):
-        kv_next = _ring_shift(kv, group) if step < cp - 1 else None
-        k_ids = _fine_ids(cp, (rank - step) % cp, load_balancer, per_chunk)
+        kv_next = ring_shift(kv, group) if step < cp - 1 else None
+        k_ids = fine_ids(cp, (rank - step) % cp, load_balancer, per_chunk)
         dkv = _held_block_grads(q, kv, out, lse, grad_out, plan, q_ids, k_ids, scale, math, dq)
         # The accumulator of the block held now comes from the previous rank, which held this
         # block one step earlier; after cp hops every accumulator is back with its owner.
         if dkv_in_flight is not None:
             dkv += dkv_in_flight
-        dkv_in_flight = _ring_shift(dkv, group)
+        dkv_in_flight = ring_shift(dkv, group)
         del dkv  # not alive during the next block's temporaries
         if kv_next is not None:
             kv = kv_next
-    dk, dv = _ready(dkv_in_flight)  # a plain tensor, never an AsyncCollectiveTensor, as grads
+    dk, dv = ready(dkv_in_flight)  # a plain tensor, never an AsyncCollectiveTensor, as grads
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -429,13 +266,13 @@ def _allgather_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``plan`` None: the causal mask through SDPA; else the plan's blocks of every key."""
-    shards = _AllGather.apply(torch.stack([k, v]), group).unbind(0)
-    kv = _to_global_order(shards, -2, load_balancer)  # [2, B, H, S, D]
-    q_ids = _chunk_ids(len(shards), dist.get_rank(group), load_balancer)
+    shards = AllGather.apply(torch.stack([k, v]), group).unbind(0)
+    kv = to_global_order(shards, -2, load_balancer)  # [2, B, H, S, D]
+    q_ids = chunk_ids(len(shards), dist.get_rank(group), load_balancer)
     size = q.shape[2] // len(q_ids)
     if plan is not None:
         per_chunk = size // plan.size
-        fine_q = _fine_ids(len(shards), dist.get_rank(group), load_balancer, per_chunk)
+        fine_q = fine_ids(len(shards), dist.get_rank(group), load_balancer, per_chunk)
         all_ids = list(range(kv.shape[3] // plan.size))
         return blockwise_attention(q, kv[0], kv[1], plan, fine_q, all_ids, scale, sinks)
     outs = []
@@ -469,7 +306,7 @@ def _ulysses_attention(
     heads = q.shape[1]
     # [3, B, H, S_l, D] -> [cp (head group), 3, B, H/cp, S_l, D] -> sequence-complete head groups
     qkv = torch.stack([q, k, v]).unflatten(2, (cp, heads // cp)).movedim(2, 0)
-    qkv = _to_global_order(_AllToAll.apply(qkv, group).unbind(0), -2, load_balancer)
+    qkv = to_global_order(AllToAll.apply(qkv, group).unbind(0), -2, load_balancer)
     if plan is None:
         out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True, scale=scale)
     else:
@@ -478,7 +315,7 @@ def _ulysses_attention(
             sinks = sinks.unflatten(0, (cp, heads // cp))[dist.get_rank(group)]
         out = blockwise_attention(qkv[0], qkv[1], qkv[2], plan, all_ids, all_ids, scale, sinks)
     # back to [cp (head group), B, H/cp, S_l, D] -> [B, H, S_l, D]
-    out = _AllToAll.apply(_to_rank_major(out, -2, cp, load_balancer), group)
+    out = AllToAll.apply(to_rank_major(out, -2, cp, load_balancer), group)
     return out.movedim(0, 1).flatten(1, 2)
 
 
@@ -508,7 +345,7 @@ class ContextParallelAttention(AttentionKernel):
                 f"unknown context-parallel rotate method {rotate_method!r}; "
                 f"expected one of {get_args(RotateMethod)}"
             )
-        _num_chunks(cp_mesh.size(), load_balancer)  # validates the name
+        num_chunks(cp_mesh.size(), load_balancer)  # validates the name
         self.cp_mesh = cp_mesh
         self.rotate_method = rotate_method
         self.load_balancer = load_balancer
@@ -526,12 +363,12 @@ class ContextParallelAttention(AttentionKernel):
         """The blocks this rank computes: its queries (all of them under ulysses) against
         every key, in chunks that divide the load balancer's chunks."""
         cp, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
-        chunk = _chunk_size(local_len * cp, cp, self.load_balancer)
+        chunk = chunk_length(local_len * cp, cp, self.load_balancer)
         size = chunk_size(chunk)
         q_ids = (
             list(range(local_len * cp // size))
             if self.rotate_method == "ulysses"
-            else _fine_ids(cp, rank, self.load_balancer, chunk // size)
+            else fine_ids(cp, rank, self.load_balancer, chunk // size)
         )
         k_ids = list(range(local_len * cp // size))
         return build_block_plan(q_ids, k_ids, size, document_ids, self.spec.sliding_window, device)
@@ -554,7 +391,7 @@ class ContextParallelAttention(AttentionKernel):
             )
         mask = own_mask(mask, self.spec)
         cp = self.cp_mesh.size()
-        _chunk_size(q.shape[2] * cp, cp, self.load_balancer)
+        chunk_length(q.shape[2] * cp, cp, self.load_balancer)
         group = self.cp_mesh.get_group()
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         # sinks need the log-sum-exp: the block kernels' paths, never plain SDPA

@@ -1,8 +1,8 @@
 """Context parallelism for the Gated DeltaNet mixer (linear attention): the convolution's
 tails and the delta rule's state travel between the ranks of the ``cp`` mesh.
 
-Layout. Exactly that of :mod:`torchtitan.distributed.context_parallel.attention`
-(:func:`_chunk_ids`): a sequence of length ``S`` is cut into ``n`` chunks of ``L = S / n``
+Layout. Exactly that of the attention, :mod:`torchtitan.distributed.context_parallel.layout`
+(:func:`chunk_ids`): a sequence of length ``S`` is cut into ``n`` chunks of ``L = S / n``
 tokens, ``n = 2 * cp`` under ``"headtail"`` (rank ``r`` holds chunks ``r`` and ``2 * cp - 1 -
 r``, in that order) and ``n = cp`` under ``"none"`` (rank ``r`` holds chunk ``r``). The kernel's
 mask is the document ids of the whole sequences ``[batch, S]`` (the model passes them unsharded;
@@ -13,7 +13,7 @@ and computes exactly what it computes on the whole sequence (forward and backwar
 
 - ``conv``: a chunk's causal convolution (kernel ``K``) reads the last ``K - 1`` inputs before
   the chunk, which another rank holds. Every rank all-gathers the last ``min(K - 1, L)`` rows
-  of each of its chunks (:class:`_AllGather`; its backward reduce-scatters the tails'
+  of each of its chunks (:class:`AllGather`; its backward reduce-scatters the tails'
   gradients), then convolves ``cat(context, chunk)`` per chunk and drops the context's
   outputs. Positions before the sequence are zero; under document ids, earlier positions of
   another document are masked as on one device (global ids of the positions involved).
@@ -78,12 +78,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.distributed.context_parallel.attention import (
-    _AllGather,
-    _chunk_ids,
-    _chunk_size,
-    _num_chunks,
-)
+from torchtitan.distributed.context_parallel.collectives import AllGather
+from torchtitan.distributed.context_parallel.layout import chunk_ids, chunk_length, num_chunks
 from torchtitan.layers.attention import own_mask
 from torchtitan.layers.gated_deltanet import (
     DeltaRule,
@@ -95,9 +91,9 @@ from torchtitan.layers.gated_deltanet import (
 
 def _owners(cp: int, load_balancer: str) -> list[int]:
     """The cp rank holding each global chunk, by chunk id."""
-    owners = [0] * _num_chunks(cp, load_balancer)
+    owners = [0] * num_chunks(cp, load_balancer)
     for rank in range(cp):
-        for chunk in _chunk_ids(cp, rank, load_balancer):
+        for chunk in chunk_ids(cp, rank, load_balancer):
             owners[chunk] = rank
     return owners
 
@@ -118,10 +114,10 @@ class _Chain:
         self.group = group
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.load_balancer = load_balancer
-        self.ids = _chunk_ids(self.cp, self.rank, load_balancer)
+        self.ids = chunk_ids(self.cp, self.rank, load_balancer)
         self.owners = _owners(self.cp, load_balancer)
         self.n = len(self.owners)
-        self.size = _chunk_size(local_len * self.cp, self.cp, load_balancer)
+        self.size = chunk_length(local_len * self.cp, self.cp, load_balancer)
 
     def local_slice(self, chunk: int) -> slice:
         i = self.ids.index(chunk)
@@ -246,10 +242,10 @@ def _conv_contexts(x: torch.Tensor, kernel: int, chain: _Chain) -> dict[int, tor
     width = kernel - 1
     rows = min(width, chain.size)  # the tail kept of every chunk
     local = torch.cat([x[:, chain.local_slice(c)][:, chain.size - rows :] for c in chain.ids], 1)
-    gathered = _AllGather.apply(local, chain.group)  # [cp, batch, chunks per rank * rows, C]
+    gathered = AllGather.apply(local, chain.group)  # [cp, batch, chunks per rank * rows, C]
     pieces = {}
     for rank in range(chain.cp):
-        for i, chunk in enumerate(_chunk_ids(chain.cp, rank, chain.load_balancer)):
+        for i, chunk in enumerate(chunk_ids(chain.cp, rank, chain.load_balancer)):
             pieces[chunk] = gathered[rank, :, i * rows : (i + 1) * rows]
     stream = torch.cat([pieces[c] for c in range(chain.n)], dim=1)  # tails in global order
     contexts = {}
@@ -278,7 +274,7 @@ class ContextParallelDeltaRule(DeltaRule):
         spec: RecurrentSpec,
     ) -> None:
         super().__init__(chunk_size, spec)
-        _num_chunks(cp_mesh.size(), load_balancer)  # validates the name
+        num_chunks(cp_mesh.size(), load_balancer)  # validates the name
         self.cp_mesh = cp_mesh
         self.load_balancer = load_balancer
 

@@ -5,6 +5,8 @@ plan below. Preflight refuses compile for it (MoE layers)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -12,39 +14,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from torchtitan.config import (
-    ActivationCheckpointConfig,
-    CompileConfig,
-    ParallelismConfig,
-    TrainingConfig,
-)
-from torchtitan.distributed import ParallelDims
 from torchtitan.layers.decoder import TransformerBlock
 from torchtitan.models.common.parallelize import (
     attention_input_plan,
     ffn_tp_plan,
     parallelize_decoder,
 )
-
-
-def parallelize_deepseek_v3(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    *,
-    training: TrainingConfig,
-    parallelism: ParallelismConfig,
-    activation_checkpoint: ActivationCheckpointConfig,
-    compile_config: CompileConfig,
-) -> nn.Module:
-    return parallelize_decoder(
-        model,
-        parallel_dims,
-        training=training,
-        parallelism=parallelism,
-        activation_checkpoint=activation_checkpoint,
-        compile_config=compile_config,
-        block_plan=mla_block_tp_plan,
-    )
 
 
 class _SumGradFrom(torch.autograd.Function):
@@ -111,3 +86,7 @@ def mla_block_tp_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
             "attention.wq_b": ColwiseParallel(),
         }
     return plan | ffn_tp_plan(block)
+
+
+parallelize_deepseek_v3 = functools.partial(parallelize_decoder, block_plan=mla_block_tp_plan)
+"""The shared decoder's parallelisms with the MLA block plan."""
