@@ -10,20 +10,12 @@ import re
 import pytest
 import torch
 
+from tests.unit_tests.optimizer_steps import ours, tiny_model, train
 from torchtitan.components.optimizers import muon as muon_module
 from torchtitan.components.optimizers.builder import build_optimizers, muon_split
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.config.checks import check_job_config
-from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
-
-STEPS = 5
-
-
-def tiny_model() -> Transformer:
-    model = Transformer(llama3_flavors["debugmodel_tiny"])
-    model.init_weights(seed=0)
-    return model
 
 
 def config(*args: str):
@@ -32,19 +24,6 @@ def config(*args: str):
     return ConfigManager().parse_args(
         ["--optimizer.name", "Muon", "--optimizer.muon.ns_dtype", "bfloat16", *args]
     )
-
-
-def batches() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 264, (2, 16), generator=g) for _ in range(STEPS + 1)]
-
-
-def train(model: Transformer, step) -> list[torch.Tensor]:
-    for tokens in batches()[:STEPS]:
-        logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        step()
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def reference_steps(model: Transformer, args, ns_dtype=torch.bfloat16):
@@ -77,16 +56,6 @@ def reference_steps(model: Transformer, args, ns_dtype=torch.bfloat16):
             opt.zero_grad()
 
     return step
-
-
-def ours(model: Transformer, args):
-    optimizers = build_optimizers([model], args, None)
-
-    def step():
-        optimizers.step()
-        optimizers.zero_grad()
-
-    return step, optimizers
 
 
 @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])

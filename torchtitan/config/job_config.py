@@ -282,6 +282,11 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
 
+    weight_decay_exclude: list[str] = field(default_factory=list)
+    """Parameters trained without weight decay: FQN patterns (fnmatch, names as in the
+    checkpoint, e.g. "*norm*", "*.bias", "tok_embeddings.*"); each must match a parameter.
+    Under Muon they apply to both its matrices and its AdamW part."""
+
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Kernel: fused where the device supports it (else foreach, with a notice)."""
 
@@ -302,6 +307,9 @@ class OptimizerConfig:
             beta2=IN_0_1_OPEN,
         )
         self.muon.check(f"{path}.muon")
+        for pattern in self.weight_decay_exclude:
+            if not pattern.strip():
+                raise ConfigError(f"{path}.weight_decay_exclude: an empty pattern; drop it")
         refuse_until_supported(self, path, early_step_in_backward="optimizer step in backward")
         if self.name != "Muon":
             self._refuse_muon_settings(path)

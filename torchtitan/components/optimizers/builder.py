@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,20 +31,19 @@ _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
 
 class OptimizersContainer(Stateful):
-    """One optimizer per model part (pipeline stages give several parts), behaving as one."""
+    """One optimizer per model part (pipeline stages give several parts), behaving as one.
+    ``groups`` splits a part's trainable parameters into parameter groups (default: one)."""
 
     def __init__(
         self,
         model_parts: list[nn.Module],
         optimizer_cls: type[torch.optim.Optimizer],
         kwargs: dict[str, Any],
+        groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
     ) -> None:
+        groups = groups or (lambda part: [{"params": trainable(part)}])
         self._hold(
-            model_parts,
-            [
-                (part, optimizer_cls([p for p in part.parameters() if p.requires_grad], **kwargs))
-                for part in model_parts
-            ],
+            model_parts, [(part, optimizer_cls(groups(part), **kwargs)) for part in model_parts]
         )
 
     @classmethod
@@ -93,9 +93,51 @@ class OptimizersContainer(Stateful):
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The saved state by FQN; each group's weight decay stays as configured (the
+        groups come from ``optimizer.weight_decay_exclude``, which a resume may change)."""
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         for part, opt in zip(self._owners, self.optimizers):
+            configured = [group["weight_decay"] for group in opt.param_groups]
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=options)
+            for group, weight_decay in zip(opt.param_groups, configured):
+                group["weight_decay"] = weight_decay
+
+
+def trainable(part: nn.Module) -> list[nn.Parameter]:
+    return [p for p in part.parameters() if p.requires_grad]
+
+
+def _clean(name: str) -> str:
+    """A parameter's name as in the checkpoint (no activation-checkpoint or compile wrapper)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+class WeightDecayGroups:
+    """Splits parameters into the decayed group and the ``optimizer.weight_decay_exclude``
+    group (weight decay 0), by FQN."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = patterns
+
+    def excluded(self, fqn: str) -> bool:
+        return any(fnmatch.fnmatchcase(fqn, pattern) for pattern in self.patterns)
+
+    def split(self, part: nn.Module, params: list[nn.Parameter]) -> list[dict[str, Any]]:
+        """``params`` of ``part`` -> the non-empty groups, decayed first."""
+        fqns = {id(p): _clean(name) for name, p in part.named_parameters()}
+        decayed, exempt = [], []
+        for param in params:
+            (exempt if self.excluded(fqns[id(param)]) else decayed).append(param)
+        groups = [{"params": decayed}] if decayed else []
+        return groups + ([{"params": exempt, "weight_decay": 0.0}] if exempt else [])
+
+    def of_part(self, part: nn.Module) -> list[dict[str, Any]]:
+        return self.split(part, trainable(part))
+
+    def matches(self, model_parts: list[nn.Module]) -> dict[str, int]:
+        """How many parameters (trainable or frozen) each pattern matched."""
+        names = [_clean(name) for part in model_parts for name, _ in part.named_parameters()]
+        return {p: sum(fnmatch.fnmatchcase(n, p) for n in names) for p in self.patterns}
 
 
 def _implementation_kwargs(implementation: str) -> dict[str, bool]:
@@ -141,9 +183,15 @@ def build_optimizers(
         "weight_decay": cfg.weight_decay,
         **_implementation_kwargs(cfg.implementation),
     }
+    decay = WeightDecayGroups(cfg.weight_decay_exclude)
     if cfg.name == "Muon":
-        return _build_muon(model_parts, cfg, kwargs, parallel_dims)
-    return OptimizersContainer(model_parts, _OPTIMIZERS[cfg.name], kwargs)
+        built = _build_muon(model_parts, cfg, kwargs, parallel_dims, decay)
+    else:
+        built = OptimizersContainer(model_parts, _OPTIMIZERS[cfg.name], kwargs, decay.of_part)
+    _check_patterns_match(
+        decay.matches(model_parts), parallel_dims, "optimizer.weight_decay_exclude"
+    )
+    return built
 
 
 def muon_split(
@@ -159,7 +207,7 @@ def muon_split(
         muon.append([])
         adamw.append([])
         for name, p in part.named_parameters():
-            fqn = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            fqn = _clean(name)
             hits = [pattern for pattern in patterns if fnmatch.fnmatchcase(fqn, pattern)]
             for pattern in hits:
                 matches[pattern] += 1
@@ -173,10 +221,11 @@ def _build_muon(
     cfg: OptimizerConfig,
     adamw_kwargs: dict[str, Any],
     parallel_dims: ParallelDims | None,
+    decay: WeightDecayGroups,
 ) -> OptimizersContainer:
     m = cfg.muon
     muon, adamw, matches = muon_split(model_parts, m.adamw_params)
-    _check_patterns_match(matches, parallel_dims)
+    _check_patterns_match(matches, parallel_dims, "optimizer.muon.adamw_params")
     adamw_kwargs = {
         **adamw_kwargs,
         "lr": cfg.lr if m.adamw_lr is None else m.adamw_lr,
@@ -195,7 +244,7 @@ def _build_muon(
                 (
                     part,
                     Muon(
-                        muon_params,
+                        decay.split(part, muon_params),
                         lr=cfg.lr,
                         weight_decay=cfg.weight_decay,
                         momentum=m.momentum,
@@ -209,7 +258,7 @@ def _build_muon(
                 )
             )
         if adamw_params:
-            pairs.append((part, torch.optim.AdamW(adamw_params, **adamw_kwargs)))
+            pairs.append((part, torch.optim.AdamW(decay.split(part, adamw_params), **adamw_kwargs)))
     counts = [sum(p.numel() for p in group) for group in (sum(muon, []), sum(adamw, []))]
     logger.info(
         f"optimizer: Muon on {sum(map(len, muon))} weight matrices ({counts[0]:,} values on "
@@ -219,8 +268,10 @@ def _build_muon(
     return OptimizersContainer.of(model_parts, pairs)
 
 
-def _check_patterns_match(matches: dict[str, int], parallel_dims: ParallelDims | None) -> None:
-    """Every adamw_params pattern names a parameter of the model (a pipeline stage sees only
+def _check_patterns_match(
+    matches: dict[str, int], parallel_dims: ParallelDims | None, field: str
+) -> None:
+    """Every pattern of ``field`` names a parameter of the model (a pipeline stage sees only
     its own: there the counts are summed over the stages, once, while building)."""
     counts = list(matches.values())
     if parallel_dims is not None and parallel_dims.pp_enabled and counts:
@@ -233,7 +284,7 @@ def _check_patterns_match(matches: dict[str, int], parallel_dims: ParallelDims |
     for pattern, count in zip(matches, counts):
         if count == 0:
             raise ConfigError(
-                f"optimizer.muon.adamw_params: {pattern!r} matches no parameter; use names "
+                f"{field}: {pattern!r} matches no parameter; use names "
                 "as in the checkpoint, e.g. 'tok_embeddings.*' or 'layers.*.attention.wo.weight'"
             )
 
