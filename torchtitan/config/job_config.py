@@ -287,6 +287,10 @@ class OptimizerConfig:
     checkpoint, e.g. "*norm*", "*.bias", "tok_embeddings.*"); each must match a parameter.
     Under Muon they apply to both its matrices and its AdamW part."""
 
+    lr_multipliers: dict[str, float] = field(default_factory=dict)
+    """FQN pattern -> multiplier of the learning rate (and of the schedule) for the matched
+    parameters, e.g. {"tok_embeddings.*" = 0.5}; the first matching pattern wins."""
+
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Kernel: fused where the device supports it (else foreach, with a notice)."""
 
@@ -310,6 +314,12 @@ class OptimizerConfig:
         for pattern in self.weight_decay_exclude:
             if not pattern.strip():
                 raise ConfigError(f"{path}.weight_decay_exclude: an empty pattern; drop it")
+        for pattern, factor in self.lr_multipliers.items():
+            if not factor > 0:
+                raise ConfigError(
+                    f"{path}.lr_multipliers: {pattern!r} = {factor} must be > 0 (a parameter "
+                    "that should not train is frozen, not given lr 0)"
+                )
         refuse_until_supported(self, path, early_step_in_backward="optimizer step in backward")
         if self.name != "Muon":
             self._refuse_muon_settings(path)

@@ -112,32 +112,52 @@ def _clean(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-class WeightDecayGroups:
-    """Splits parameters into the decayed group and the ``optimizer.weight_decay_exclude``
-    group (weight decay 0), by FQN."""
+class ParamGroups:
+    """Splits parameters by FQN into parameter groups: weight decay 0 for the
+    ``optimizer.weight_decay_exclude`` patterns, the learning rate times the first matching
+    ``optimizer.lr_multipliers`` pattern's factor."""
 
-    def __init__(self, patterns: list[str]) -> None:
-        self.patterns = patterns
+    def __init__(self, exclude: list[str], lr_multipliers: dict[str, float]) -> None:
+        self.exclude = exclude
+        self.lr_multipliers = lr_multipliers
 
-    def excluded(self, fqn: str) -> bool:
-        return any(fnmatch.fnmatchcase(fqn, pattern) for pattern in self.patterns)
+    def key(self, fqn: str) -> tuple[bool, float]:
+        """(trained without weight decay, lr multiplier) of the parameter named ``fqn``."""
+        exempt = any(fnmatch.fnmatchcase(fqn, pattern) for pattern in self.exclude)
+        factors = (f for p, f in self.lr_multipliers.items() if fnmatch.fnmatchcase(fqn, p))
+        return exempt, next(factors, 1.0)
 
-    def split(self, part: nn.Module, params: list[nn.Parameter]) -> list[dict[str, Any]]:
-        """``params`` of ``part`` -> the non-empty groups, decayed first."""
+    def split(self, part: nn.Module, params: list[nn.Parameter], lr: float) -> list[dict]:
+        """``params`` of ``part`` -> one group per (weight decay, lr): the plain group first
+        (the LR schedule reports its lr), the others in order of first appearance; ``lr`` is
+        the optimizer's base learning rate."""
         fqns = {id(p): _clean(name) for name, p in part.named_parameters()}
-        decayed, exempt = [], []
+        grouped: dict[tuple[bool, float], list[nn.Parameter]] = {}
         for param in params:
-            (exempt if self.excluded(fqns[id(param)]) else decayed).append(param)
-        groups = [{"params": decayed}] if decayed else []
-        return groups + ([{"params": exempt, "weight_decay": 0.0}] if exempt else [])
+            grouped.setdefault(self.key(fqns[id(param)]), []).append(param)
+        groups = []
+        plain_first = sorted(grouped, key=lambda key: key != (False, 1.0))  # stable
+        for exempt, factor in plain_first:
+            members = grouped[(exempt, factor)]
+            group: dict[str, Any] = {"params": members}
+            if exempt:
+                group["weight_decay"] = 0.0
+            if factor != 1.0:
+                group["lr"] = lr * factor
+            groups.append(group)
+        return groups
 
-    def of_part(self, part: nn.Module) -> list[dict[str, Any]]:
-        return self.split(part, trainable(part))
-
-    def matches(self, model_parts: list[nn.Module]) -> dict[str, int]:
-        """How many parameters (trainable or frozen) each pattern matched."""
+    def matches(self, model_parts: list[nn.Module]) -> dict[str, dict[str, int]]:
+        """Per field, how many parameters (trainable or frozen) each pattern matched."""
         names = [_clean(name) for part in model_parts for name, _ in part.named_parameters()]
-        return {p: sum(fnmatch.fnmatchcase(n, p) for n in names) for p in self.patterns}
+
+        def count(patterns) -> dict[str, int]:
+            return {p: sum(fnmatch.fnmatchcase(n, p) for n in names) for p in patterns}
+
+        return {
+            "optimizer.weight_decay_exclude": count(self.exclude),
+            "optimizer.lr_multipliers": count(self.lr_multipliers),
+        }
 
 
 def _implementation_kwargs(implementation: str) -> dict[str, bool]:
@@ -183,14 +203,18 @@ def build_optimizers(
         "weight_decay": cfg.weight_decay,
         **_implementation_kwargs(cfg.implementation),
     }
-    decay = WeightDecayGroups(cfg.weight_decay_exclude)
+    groups = ParamGroups(cfg.weight_decay_exclude, cfg.lr_multipliers)
     if cfg.name == "Muon":
-        built = _build_muon(model_parts, cfg, kwargs, parallel_dims, decay)
+        built = _build_muon(model_parts, cfg, kwargs, parallel_dims, groups)
     else:
-        built = OptimizersContainer(model_parts, _OPTIMIZERS[cfg.name], kwargs, decay.of_part)
-    _check_patterns_match(
-        decay.matches(model_parts), parallel_dims, "optimizer.weight_decay_exclude"
-    )
+        built = OptimizersContainer(
+            model_parts,
+            _OPTIMIZERS[cfg.name],
+            kwargs,
+            lambda part: groups.split(part, trainable(part), cfg.lr),
+        )
+    for field, matches in groups.matches(model_parts).items():
+        _check_patterns_match(matches, parallel_dims, field)
     return built
 
 
@@ -221,7 +245,7 @@ def _build_muon(
     cfg: OptimizerConfig,
     adamw_kwargs: dict[str, Any],
     parallel_dims: ParallelDims | None,
-    decay: WeightDecayGroups,
+    groups: ParamGroups,
 ) -> OptimizersContainer:
     m = cfg.muon
     muon, adamw, matches = muon_split(model_parts, m.adamw_params)
@@ -244,7 +268,7 @@ def _build_muon(
                 (
                     part,
                     Muon(
-                        decay.split(part, muon_params),
+                        groups.split(part, muon_params, cfg.lr),
                         lr=cfg.lr,
                         weight_decay=cfg.weight_decay,
                         momentum=m.momentum,
@@ -258,7 +282,14 @@ def _build_muon(
                 )
             )
         if adamw_params:
-            pairs.append((part, torch.optim.AdamW(decay.split(part, adamw_params), **adamw_kwargs)))
+            pairs.append(
+                (
+                    part,
+                    torch.optim.AdamW(
+                        groups.split(part, adamw_params, adamw_kwargs["lr"]), **adamw_kwargs
+                    ),
+                )
+            )
     counts = [sum(p.numel() for p in group) for group in (sum(muon, []), sum(adamw, []))]
     logger.info(
         f"optimizer: Muon on {sum(map(len, muon))} weight matrices ({counts[0]:,} values on "

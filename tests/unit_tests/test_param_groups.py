@@ -1,7 +1,9 @@
-"""``optimizer.weight_decay_exclude``: the matched parameters train without weight decay.
-Our AdamW equals ``torch.optim.AdamW`` built by hand with the same two groups (a reference
-that decays everything differs), Muon's matrices and AdamW part both honour it, the groups
-survive a state-dict round trip by FQN, and bad patterns are one-line errors."""
+"""Optimizer parameter groups: ``optimizer.weight_decay_exclude`` (trained without weight
+decay) and ``optimizer.lr_multipliers`` (a factor on the learning rate). Our AdamW equals
+``torch.optim.AdamW`` built by hand with the same groups (a reference that decays the norms,
+or leaves one multiplier out, differs), Muon's matrices and AdamW part both honour them, the
+LR schedule scales every group alike, the groups survive a state-dict round trip by FQN, and
+bad patterns or factors are one-line errors."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from tests.unit_tests.optimizer_steps import STEPS, ours, tiny_model, train
 from torchtitan.components.optimizers.builder import build_optimizers
+from torchtitan.components.optimizers.lr_schedule import build_lr_schedulers
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.models.llama3.model import Transformer
 
@@ -124,6 +127,72 @@ def test_a_resume_with_other_groups_keeps_the_configured_weight_decay():
 
 def fresh_params(optimizers) -> list[torch.nn.Parameter]:
     return [p for g in optimizers.param_groups for p in g["params"]]
+
+
+MULTIPLIERS = ["--optimizer.lr_multipliers", "output.*", "2", "tok_embeddings.*", "0.5"]
+
+
+def by_hand_with_multipliers(model: Transformer, args, output_factor: float = 2.0):
+    """The four groups of EXCLUDE x MULTIPLIERS, listed by hand."""
+    named = dict(model.named_parameters())
+    norms = [p for n, p in named.items() if "norm" in n]
+    matrices = [p for n, p in named.items() if "norm" not in n and n.startswith("layers.")]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": matrices},
+            {"params": [named["tok_embeddings.weight"]], "weight_decay": 0.0, "lr": args.lr / 2},
+            {"params": norms, "weight_decay": 0.0},
+            {"params": [named["output.weight"]], "lr": args.lr * output_factor},
+        ],
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        eps=args.eps,
+        weight_decay=args.weight_decay,
+        foreach=False,
+    )
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def test_equal_to_torch_adamw_with_the_same_lr_multipliers():
+    args = optimizer_config(*MULTIPLIERS)
+    expected = train(model := tiny_model(), by_hand_with_multipliers(model, args))
+    got = train(model := tiny_model(), ours(model, args)[0])
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+    planted = train(model := tiny_model(), by_hand_with_multipliers(model, args, 1.0))
+    assert largest_difference(planted, got) > 1e-4
+
+
+def test_the_schedule_scales_every_group_alike():
+    config = ConfigManager().parse_args(
+        [*MULTIPLIERS, "--lr_scheduler.warmup_steps", "4", "--training.steps", "8"]
+    )
+    optimizers = build_optimizers([tiny_model()], config.optimizer, None)
+    schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
+    for _ in range(3):
+        optimizers.step()
+        schedulers.step()
+        base = schedulers.get_last_lr()
+        assert optimizers.param_groups[0]["lr"] == base
+        assert sorted(g["lr"] / base for g in optimizers.param_groups) == pytest.approx([0.5, 1, 2])
+
+
+def test_a_multiplier_of_0_is_refused_with_the_config():
+    with pytest.raises(
+        ConfigError, match=r"optimizer.lr_multipliers: 'output.\*' = 0.0 must be > 0"
+    ):
+        ConfigManager().parse_args(["--optimizer.lr_multipliers", "output.*", "0"])
+
+
+def test_a_multiplier_pattern_that_matches_no_parameter_is_one_line():
+    args = optimizer_config("--optimizer.lr_multipliers", "lm_head.*", "2")
+    with pytest.raises(ConfigError, match=r"^optimizer.lr_multipliers: 'lm_head.\*' matches no"):
+        build_optimizers([tiny_model()], args, None)
 
 
 def test_a_pattern_that_matches_no_parameter_is_one_line():
