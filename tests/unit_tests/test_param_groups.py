@@ -34,11 +34,19 @@ def by_hand(model: Transformer, args, exclude: list[str]):
         return any(fnmatch.fnmatchcase(name, p) for p in exclude)
 
     named = list(model.named_parameters())
-    optimizer = torch.optim.AdamW(
+    return adamw_steps(
         [
             {"params": [p for n, p in named if not exempt(n)]},
             {"params": [p for n, p in named if exempt(n)], "weight_decay": 0.0},
         ],
+        args,
+    )
+
+
+def adamw_steps(groups: list[dict], args):
+    """A step function of torch.optim.AdamW over ``groups`` with the config's settings."""
+    optimizer = torch.optim.AdamW(
+        groups,
         lr=args.lr,
         betas=(args.beta1, args.beta2),
         eps=args.eps,
@@ -137,25 +145,15 @@ def by_hand_with_multipliers(model: Transformer, args, output_factor: float = 2.
     named = dict(model.named_parameters())
     norms = [p for n, p in named.items() if "norm" in n]
     matrices = [p for n, p in named.items() if "norm" not in n and n.startswith("layers.")]
-    optimizer = torch.optim.AdamW(
+    return adamw_steps(
         [
             {"params": matrices},
             {"params": [named["tok_embeddings.weight"]], "weight_decay": 0.0, "lr": args.lr / 2},
             {"params": norms, "weight_decay": 0.0},
             {"params": [named["output.weight"]], "lr": args.lr * output_factor},
         ],
-        lr=args.lr,
-        betas=(args.beta1, args.beta2),
-        eps=args.eps,
-        weight_decay=args.weight_decay,
-        foreach=False,
+        args,
     )
-
-    def step():
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step
 
 
 def test_equal_to_torch_adamw_with_the_same_lr_multipliers():
