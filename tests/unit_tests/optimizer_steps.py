@@ -39,3 +39,17 @@ def ours(model: Transformer, args):
         optimizers.zero_grad()
 
     return step, optimizers
+
+
+def stepper(optimizer: torch.optim.Optimizer):
+    """A step function: the optimizer's step, then its zero_grad."""
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))

@@ -12,7 +12,14 @@ import fnmatch
 import pytest
 import torch
 
-from tests.unit_tests.optimizer_steps import STEPS, ours, tiny_model, train
+from tests.unit_tests.optimizer_steps import (
+    STEPS,
+    largest_difference,
+    ours,
+    stepper,
+    tiny_model,
+    train,
+)
 from torchtitan.components.optimizers.builder import build_optimizers
 from torchtitan.components.optimizers.lr_schedule import build_lr_schedulers
 from torchtitan.config import ConfigError, ConfigManager
@@ -53,16 +60,7 @@ def adamw_steps(groups: list[dict], args):
         weight_decay=args.weight_decay,
         foreach=False,
     )
-
-    def step():
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step
-
-
-def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+    return stepper(optimizer)
 
 
 def test_equal_to_torch_adamw_with_the_same_two_groups():

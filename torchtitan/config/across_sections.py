@@ -28,6 +28,7 @@ def check_across_sections(config: Any) -> None:
             "parallelism.enable_async_tensor_parallel: needs compile.enable (inductor fuses "
             "the overlapped collectives)"
         )
+    _check_memory_budget(config.activation_checkpoint, config.compile)
     if config.lora.peft_adapter_path and not config.checkpoint.enable:
         raise ConfigError("lora.peft_adapter_path: needs checkpoint.enable")
     _check_semi_sync_layout(config.fault_tolerance, config.parallelism)
@@ -59,6 +60,19 @@ def _check_liger_loss(training: Any, parallelism: Any) -> None:
         raise ConfigError(
             "training.loss_kernel='liger': the liger-kernel package is not installed "
             "(pip install liger-kernel, CUDA only), or use 'native'"
+        )
+
+
+def _check_memory_budget(ac: Any, compile_config: Any) -> None:
+    """The memory budget is the compiler's: without compiled blocks nothing would be
+    recomputed."""
+    if ac.mode == "memory_budget" and not (
+        compile_config.enable and "model" in compile_config.components
+    ):
+        raise ConfigError(
+            "activation_checkpoint.mode='memory_budget': torch.compile's partitioner chooses "
+            "what to recompute; set compile.enable (with 'model' in compile.components) or "
+            "use mode full or selective"
         )
 
 

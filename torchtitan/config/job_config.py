@@ -287,6 +287,11 @@ class OptimizerConfig:
     checkpoint, e.g. "*norm*", "*.bias", "tok_embeddings.*"); each must match a parameter.
     Under Muon they apply to both its matrices and its AdamW part."""
 
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of Adam's and AdamW's moments (with Muon: of its AdamW part's); bfloat16 halves
+    their memory, the update is computed in fp32 one parameter at a time
+    (optimizer.implementation then does not apply)."""
+
     lr_multipliers: dict[str, float] = field(default_factory=dict)
     """FQN pattern -> multiplier of the learning rate (and of the schedule) for the matched
     parameters, e.g. {"tok_embeddings.*" = 0.5}; the first matching pattern wins."""
@@ -792,8 +797,9 @@ class CheckpointConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, full (every block) or selective."""
+    mode: Literal["none", "full", "selective", "memory_budget"] = "none"
+    """Recompute activations in backward: none, full (every block), selective, or
+    memory_budget (the compiler chooses what to recompute: needs compile.enable)."""
 
     selective_ac_option: str = "2"
     """For selective: N = every N-th block, or "op" = per-op policy."""
@@ -811,7 +817,8 @@ class ActivationCheckpointConfig:
     """Not supported here; only the default is accepted."""
 
     memory_budget: float = 0.5
-    """Upstream's memory_budget mode; not supported here, only the default is accepted."""
+    """For mode memory_budget, in [0, 1]: the share of the activations the compiled blocks
+    keep for backward (torch's min-cut partitioner; 0 recomputes all it can, 1 none)."""
 
     visualize_memory_budget_pareto: bool = False
     """Upstream's memory_budget mode; not supported here, only the default is accepted."""
@@ -833,20 +840,19 @@ class ActivationCheckpointConfig:
     policy always keeps it."""
 
     def check(self, path: str) -> None:
-        budget = "memory-budget activation checkpointing"
         refuse_upstream_only(
             self,
             path,
             per_op_sac_force_recompute_mm_shapes_by_fqns="forced matmul recompute by FQN",
             early_stop="early-stopped recomputation",
-            memory_budget=budget,
-            visualize_memory_budget_pareto=budget,
+            visualize_memory_budget_pareto="the memory budget's Pareto plot",
             determinism_check="recomputation determinism checks",
             debug="activation-checkpoint debug mode",
         )
         error = check_ac_config(self.mode, self.selective_ac_option)
         if error:
             raise ConfigError(error)
+        check_values(self, path, memory_budget=IN_0_1)
 
 
 @dataclass

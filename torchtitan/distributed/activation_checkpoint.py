@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import (
@@ -88,12 +89,21 @@ def keeps_attention_output(ac: ActivationCheckpointConfig, ring_cp: bool) -> boo
     return ac.mode == "selective" and ac.selective_ac_option != "op" and not ring_cp
 
 
+def apply_memory_budget(budget: float) -> None:
+    """Mode memory_budget: no wrappers; torch's min-cut partitioner keeps at most ``budget``
+    of each compiled block's activations for backward and recomputes the rest. Its setting
+    is process-wide and read when a block compiles (at its first call), as upstream sets it."""
+    functorch_config.activation_memory_budget = budget
+    logger.info(f"activation checkpointing memory_budget: the compiled blocks keep {budget:g}")
+
+
 def apply_ac(
     blocks: nn.ModuleDict,
     mode: str,
     selective_option: str,
     preserve_rng_state: bool = False,
     save_attention_output: bool = False,
+    memory_budget: float = 0.5,
 ) -> None:
     """Wrap the blocks of one model part in place (FQNs gain no prefix in state dicts:
     checkpoint_wrapper's prefix is stripped by torch's state-dict hooks).
@@ -101,6 +111,9 @@ def apply_ac(
     ``save_attention_output``: blocks that are recomputed whole (full, or every N-th) keep
     their attention output instead of recomputing it."""
     if mode == "none":
+        return
+    if mode == "memory_budget":
+        apply_memory_budget(memory_budget)
         return
     kwargs = {"context_fn": _save_attention_context} if save_attention_output else {}
     if mode == "full":

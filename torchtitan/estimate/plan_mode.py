@@ -14,7 +14,7 @@ from torchtitan.config import ConfigError, JobConfig, MemoryEstimationConfig, Tr
 from torchtitan.config.checks import check_job_config
 from torchtitan.estimate import layout_search, report
 from torchtitan.estimate.build import TrainingBuild
-from torchtitan.estimate.coverage import coverage_gap, resolve_world_size
+from torchtitan.estimate.coverage import activation_checkpoint_gap, coverage_gap, resolve_world_size
 from torchtitan.estimate.trace import trace_training_memory
 from torchtitan.protocols.geometry import Geometry
 
@@ -249,7 +249,9 @@ def layout_gap(build: TrainingBuild) -> str | None:
         parallel_dims = build.parallel_dims()
     except ConfigError as e:
         return f"not in trainer: {_first_clause(str(e))}"
-    gap = coverage_gap(config.model.converters, config.parallelism, config.training, parallel_dims)
+    gap = activation_checkpoint_gap(config.activation_checkpoint.mode) or coverage_gap(
+        config.model.converters, config.parallelism, config.training, parallel_dims
+    )
     return None if gap is None else f"estimator: {gap.split(':')[1].strip()} not covered yet"
 
 

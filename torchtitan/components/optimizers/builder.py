@@ -18,9 +18,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.components.optimizers.adam_states import AdamWithStateDtype
 from torchtitan.components.optimizers.muon import NS_DTYPES, Muon, resolve_ns_dtype
 from torchtitan.config import ConfigError
 from torchtitan.layers.moe import moe_layers, update_expert_biases
+from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
@@ -209,13 +211,24 @@ def build_optimizers(
     else:
         built = OptimizersContainer(
             model_parts,
-            _OPTIMIZERS[cfg.name],
-            kwargs,
+            *_adam(cfg.name, cfg.state_dtype, kwargs),
             lambda part: groups.split(part, trainable(part), cfg.lr),
         )
     for field, matches in groups.matches(model_parts).items():
         _check_patterns_match(matches, parallel_dims, field)
     return built
+
+
+def _adam(
+    name: str, state_dtype: str, kwargs: dict[str, Any]
+) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
+    """The Adam or AdamW class and its keyword arguments: torch.optim's, or with
+    ``optimizer.state_dtype`` other than fp32 the one keeping its moments in that dtype."""
+    if state_dtype == "float32":
+        return _OPTIMIZERS[name], kwargs
+    low = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
+    low.update(decoupled=name == "AdamW", state_dtype=TORCH_DTYPES[state_dtype])
+    return AdamWithStateDtype, low
 
 
 def muon_split(
@@ -261,6 +274,7 @@ def _build_muon(
             "resolve the config for the run's device first (resolve_optimizer_for_device)"
         )
     ns_dtype = m.ns_dtype
+    adamw_cls, adamw_kwargs = _adam("AdamW", cfg.state_dtype, adamw_kwargs)
     pairs = []
     for part, muon_params, adamw_params in zip(model_parts, muon, adamw):
         if muon_params:
@@ -285,9 +299,7 @@ def _build_muon(
             pairs.append(
                 (
                     part,
-                    torch.optim.AdamW(
-                        groups.split(part, adamw_params, adamw_kwargs["lr"]), **adamw_kwargs
-                    ),
+                    adamw_cls(groups.split(part, adamw_params, adamw_kwargs["lr"]), **adamw_kwargs),
                 )
             )
     counts = [sum(p.numel() for p in group) for group in (sum(muon, []), sum(adamw, []))]

@@ -48,6 +48,7 @@ def closed_form_inputs(
         param_bytes=4 if training.mixed_precision_param == "float32" else 2,
         foreach_optimizer=optimizer.implementation == "foreach",
         muon_ns_bytes=_muon_ns_bytes(optimizer, target),
+        state_bytes=4 if optimizer.state_dtype == "float32" else 2,
         float8=any(name in FLOAT8_LINEAR for name in model.converters),
         loss_parallel=not parallelism.disable_loss_parallel,
         target=target,

@@ -76,6 +76,7 @@ class Run:
     lora: LoRA | None = None  # adapters on a frozen base (converter lora)
     loss_chunk: int = 0  # training.loss_chunk_size as it applies (0: full logits; -1: auto)
     muon_ns_bytes: int = 0  # Muon: bytes per value of its Newton-Schulz iteration (0: AdamW)
+    state_bytes: int = 4  # bytes per value of Adam's moments (optimizer.state_dtype)
     float8: bool = False  # float8 linears (converter float8): not modelled, traced only
 
     @property

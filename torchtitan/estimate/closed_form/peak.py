@@ -31,6 +31,8 @@ def not_covered(g: Geometry, lay: Layout, run: Run) -> str | None:
         return "float8 linears (their casts and scales; the trace covers them)"
     if lay.ac == "selective:op":
         return "op-level selective activation checkpointing"
+    if lay.ac == "memory_budget":
+        return "memory-budget activation checkpointing (the compiler's choice of what to keep)"
     if g.delta_rule is not None and lay.cp > 1:
         # context parallel over the delta rule (distributed/context_parallel/delta_rule.py)
         # keeps only the rule's inputs and received states and recomputes each chunk in
@@ -41,7 +43,8 @@ def not_covered(g: Geometry, lay: Layout, run: Run) -> str | None:
 
 def estimate_peak(g: Geometry, lay: Layout, run: Run) -> AnalyticEstimate | None:
     """The per-rank peak of the most loaded pipeline stage (None where :func:`not_covered`
-    says why: op-level selective AC, context parallel over Gated DeltaNet layers, float8)."""
+    says why: op-level selective or memory-budget AC, context parallel over Gated DeltaNet
+    layers, float8)."""
     if not_covered(g, lay, run) is not None:
         return None
     stages = [

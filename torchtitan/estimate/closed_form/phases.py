@@ -73,8 +73,30 @@ def _optimizer_step(st: Stage, g: Geometry, lay: Layout, run: Run, ddp_buckets: 
         + st.opt
         + ddp_buckets
         + (grads if run.foreach_optimizer else 0)
-        + (_muon_step_bytes(g, lay, run) if run.muon_ns_bytes else 0)
+        + max(
+            _muon_step_bytes(g, lay, run) if run.muon_ns_bytes else 0,
+            _low_precision_adam_step_bytes(g, lay, run) if run.state_bytes < 4 else 0,
+        )
     )
+
+
+def _low_precision_adam_step_bytes(g: Geometry, lay: Layout, run: Run) -> float:
+    """Adam with moments below fp32 (components/optimizers/adam_states.py) steps one
+    parameter at a time through fp32 copies of its two moments and the denominator: three
+    fp32 copies of the largest local parameter (the embedding, or a larger block matrix,
+    experts as one stack, unless Muon trains those). Muon's AdamW part steps after Muon:
+    the larger of the two transients counts."""
+    matrices = (
+        []
+        if run.muon_ns_bytes
+        else [
+            rows * cols
+            for _, delta_rule, moe in g.block_kinds()
+            for rows, cols, _ in block_shapes(g, moe, delta_rule)
+        ]
+    )
+    largest = max([g.vocab_size * g.dim, *matrices])
+    return 3 * 4 * largest / (lay.dp_shard * lay.cp * lay.tp)
 
 
 def _muon_step_bytes(g: Geometry, lay: Layout, run: Run) -> float:

@@ -153,9 +153,10 @@ def stage_sizes(g: Geometry, lay: Layout, run: Run, first: bool, last: bool) -> 
     u_layer, u_root, frozen_copies = _gathered_bytes(g, lay, run, layers, numel, nf4, last)
     a_in, a_layer, kept, recompute, blocks = block_activations(g, lay, run, tokens, frozen_copies)
     weights = 4 * numel.params_sharded - (4 - NF4_BYTES_PER_VALUE) * nf4.stage_sharded
-    optimizer_states = 8 * numel.trained_sharded
-    if run.muon_ns_bytes:  # one fp32 momentum buffer for the blocks' weight matrices
-        optimizer_states -= 4 * layers * muon_block_sharded(g, lay)
+    muon_matrices = layers * muon_block_sharded(g, lay) if run.muon_ns_bytes else 0
+    # Adam's two moments in optimizer.state_dtype; Muon's one fp32 momentum per block matrix
+    optimizer_states = 2 * run.state_bytes * (numel.trained_sharded - muon_matrices)
+    optimizer_states += 4 * muon_matrices
     return Stage(
         weights=weights,
         grads=4 * numel.trained_sharded,

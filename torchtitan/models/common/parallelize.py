@@ -215,6 +215,7 @@ def parallelize_decoder(
         ac.selective_ac_option,
         ac.preserve_rng_state,
         keeps_attention_output(ac, parallel_dims.ring_cp),
+        ac.memory_budget,
     )
     if compile_config.enable and "model" in compile_config.components:
         compile_blocks(model.layers, compile_config.backend)
