@@ -334,13 +334,8 @@ def _check_context_parallel(
     parallel_dims: ParallelDims,
     n_heads: int,
 ) -> None:
-    """Context parallel without pipeline stages, splitting each sequence (``seq_lens``: field
-    name -> length) into whole chunks, and heads for Ulysses."""
-    if parallel_dims.pp_enabled:
-        raise ConfigError(
-            "parallelism.context_parallel_degree > 1 with pipeline_parallel_degree > 1 is not "
-            "supported yet (stages would need the sharded positions); use one of them"
-        )
+    """Context parallel splitting each sequence (``seq_lens``: field name -> length) into
+    whole chunks, and heads for Ulysses."""
     for field, seq_len in seq_lens.items():
         try:
             check_cp_config(

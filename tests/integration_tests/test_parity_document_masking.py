@@ -1,9 +1,9 @@
 """Block-causal FlexAttention and the global-token-mean loss under every layout: the tiny
 Llama 3 fine-tuned on the packed SFT jsonl (several samples per sequence, prompt tokens
 labelled IGNORE_INDEX, so micro-batches hold different numbers of valid tokens) gives the
-1-process losses and grad norms under FSDP, TP, each CP method, PP, FSDP x TP and gradient
-accumulation, with the same validation losses; the MoE model does under EP. A per-micro-batch
-mean must fail the check."""
+1-process losses and grad norms under FSDP, TP, each CP method, PP, FSDP x TP, CP x PP,
+TP x CP x PP and gradient accumulation, with the same validation losses; the MoE model does
+under EP. A per-micro-batch mean must fail the check."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ CASES = {
     "cp2_ulysses": (2, 1, [CP, "2", "--parallelism.context_parallel_rotate_method", "ulysses"]),
     "pp2": (2, 1, PP),
     "fsdp2_tp2": (4, 2, [TP, "2"]),
+    "cp2_pp2": (4, 1, [CP, "2", *PP]),
+    "tp2_cp2_pp2_alltoall": (
+        8,
+        1,
+        [TP, "2", CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall", *PP],
+    ),
     # global 8 = 4 micro-batches x local 2
     "grad_accum4": (1, 1, ["--training.local_batch_size", "2"]),
 }

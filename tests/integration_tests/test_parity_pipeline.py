@@ -1,6 +1,7 @@
 """Pipeline parallel schedules, alone and composed with FSDP and TP, give the 1-process
 losses and grad norms; every offered schedule runs (GPipe, 1F1B, Interleaved1F1B,
-LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, a CSV schedule)."""
+LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, a CSV schedule), also with context parallel
+inside the stages (CP 2 x PP 2 under every schedule and CP method, TP 2 x CP 2 x PP 2)."""
 
 from pathlib import Path
 
@@ -20,6 +21,8 @@ def pp(schedule):
     ]
 
 
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+
 CASES = {
     "pp2_gpipe": (2, 1, pp("GPipe")),
     "pp2_1f1b": (2, 1, pp("1F1B")),
@@ -30,6 +33,25 @@ CASES = {
     "pp2_fsdp2": (4, 2, pp("1F1B")),
     "pp2_tp2": (4, 1, pp("1F1B") + ["--parallelism.tensor_parallel_degree", "2"]),
     "pp2_fsdp2_tp2": (8, 2, pp("Interleaved1F1B") + ["--parallelism.tensor_parallel_degree", "2"]),
+    # context parallel inside the stages: every schedule, each CP method, and TP x CP x PP
+    "pp2_cp2_1f1b": (4, 1, pp("1F1B") + CP2),
+    "pp2_cp2_gpipe_ring": (
+        4,
+        1,
+        pp("GPipe") + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
+    ),
+    "pp2_cp2_looped_bfs_ulysses": (
+        4,
+        1,
+        pp("LoopedBFS") + CP2 + ["--parallelism.context_parallel_rotate_method", "ulysses"],
+    ),
+    "pp2_cp2_interleaved_zero_bubble": (4, 1, pp("InterleavedZeroBubble") + CP2),
+    "pp2_cp2_zbv_zero_bubble": (4, 1, pp("ZBVZeroBubble") + CP2),
+    "pp2_cp2_tp2_interleaved_1f1b": (
+        8,
+        1,
+        pp("Interleaved1F1B") + CP2 + ["--parallelism.tensor_parallel_degree", "2"],
+    ),
 }
 
 

@@ -1,7 +1,7 @@
 """Qwen3 trains like one process (per-step loss and grad norm within 1e-4, fp32): the dense
-debug model under FSDP 2, TP 2 (per-head q/k norms on sharded heads), CP 2, PP 2 and FSDP 2 x
-TP 2, and the MoE debug model under EP 2, FSDP 2 x EP 2 and TP 2 x EP 2 x ETP 2
-(forced-balanced routing, so routing cannot flip on ties)."""
+debug model under FSDP 2, TP 2 (per-head q/k norms on sharded heads), CP 2, PP 2, FSDP 2 x
+TP 2, CP 2 x PP 2 and TP 2 x CP 2 x PP 2, and the MoE debug model under EP 2, FSDP 2 x EP 2
+and TP 2 x EP 2 x ETP 2 (forced-balanced routing, so routing cannot flip on ties)."""
 
 import pytest
 
@@ -11,6 +11,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 DENSE = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+PP2 = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_schedule",
+    "1F1B",
+]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 MOE = [
     "--model.name",
@@ -38,6 +45,8 @@ CASES = {
         ],
     ),
     "fsdp2_tp2": ("dense", 4, 2, DENSE + TP2),
+    "cp2_pp2": ("dense", 4, 1, DENSE + CP2 + PP2),
+    "tp2_cp2_pp2": ("dense", 8, 1, DENSE + TP2 + CP2 + PP2),
     "moe_ep2": ("moe", 2, 2, MOE + EP2),
     "moe_fsdp4_ep2": ("moe", 4, 4, MOE + EP2),  # experts also FSDP-sharded over efsdp 2
     "moe_tp2_ep2_etp2": (

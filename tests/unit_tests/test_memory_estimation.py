@@ -562,3 +562,27 @@ def test_bf16_optimizer_states_in_the_closed_form_match_the_trace(overrides):
         assert abs(step / traced[state_dtype] - 1) < 0.015, (state_dtype, step, traced)
         assert abs(closed_form.peak_bytes / outcome.result.peak_bytes - 1) < 0.015
     assert traced["bfloat16"] < traced["float32"]
+
+
+def test_context_parallel_inside_pipeline_stages_is_traced():
+    """CP x PP: the pipeline replay runs the stages on this rank's CP shard of every
+    sequence, with its positions (on the whole sequences a replayed stage's output is longer
+    than the stage boundary and its backward fails on the shapes); a stage's forward then
+    adds less than without CP (each rank holds half of every sequence)."""
+    added = {}
+    for name, world_size, cp in (
+        ("pp2", 2, []),
+        ("cp2_pp2", 4, ["--parallelism.context_parallel_degree", "2"]),
+    ):
+        config = ConfigManager().parse_args(
+            [
+                "--job.config_file",
+                "train_configs/debug_model.toml",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                *cp,
+            ]
+        )
+        peaks = trace_training_memory(TrainingBuild(config, world_size, "cuda")).result.phase_peaks
+        added[name] = peaks[(2, "forward")] - peaks[(2, "zero_grad")]
+    assert 0 < added["cp2_pp2"] < added["pp2"], added

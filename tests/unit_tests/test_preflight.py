@@ -233,7 +233,19 @@ def test_stage_plans():
                 "--training.seq_len",
                 "64",
             ],
-            "is not supported yet",
+            None,  # context parallel inside pipeline stages
+        ),
+        (
+            4,
+            [
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--training.seq_len",
+                "66",
+            ],
+            "must be divisible by tp * 2 * cp = 4",
         ),
         (
             4,

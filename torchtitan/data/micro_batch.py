@@ -70,8 +70,10 @@ def model_inputs(
     the sequences with their global positions; the document ids of the whole sequences (the
     attention kernels read the sequence length from them and mask documents under
     block_causal), and positions restarting at each document with ``reset_positions``
-    (``training.reset_position_ids_per_document``)."""
+    (``training.reset_position_ids_per_document``). Under pipeline parallel every kwarg has
+    the batch dimension first (the schedule splits them into micro-batches)."""
     inputs, labels, document_ids = batch.inputs, batch.labels, batch.document_ids
+    per_sequence = parallel_dims.pp_enabled
     kwargs: dict[str, torch.Tensor] = {}
     positions = None
     if document_ids is not None and reset_positions:
@@ -80,7 +82,11 @@ def model_inputs(
         cp_mesh = parallel_dims.world_mesh["cp"]
         balancer = parallel_dims.cp_load_balancer
         inputs, labels, cp_positions = shard_batch_for_cp(inputs, labels, cp_mesh, balancer)
-        positions = cp_positions if positions is None else cp_shard(positions, 1, cp_mesh, balancer)
+        if positions is None:  # one row for every sequence; per sequence for pipeline stages,
+            # whose schedule splits every model input into micro-batches along dim 0
+            positions = cp_positions.expand(inputs.shape[0], -1) if per_sequence else cp_positions
+        else:
+            positions = cp_shard(positions, 1, cp_mesh, balancer)
     if positions is not None:
         kwargs["positions"] = positions
     if document_ids is not None:

@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from torchtitan.config import ConfigError
-from torchtitan.data.micro_batch import MicroBatch
+from torchtitan.data.micro_batch import MicroBatch, model_inputs
 from torchtitan.distributed.pipeline import microbatches
 from torchtitan.recipe import ForwardBackward, Recipe, StepObserver
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -166,27 +166,40 @@ class PipelineReplay:
         # 1F1B releases a backward send once the next backward has run; the others keep
         # every send request until the end of the step.
         self.sends_replace = isinstance(setup.pipeline.schedule, Schedule1F1B)
+        self.kwarg_chunks: list[dict[str, torch.Tensor]] = []  # this step's, per micro-batch
 
     def microbatch_runner(self, iteration: int) -> ForwardBackward:
         """The recipe's ``run_microbatch`` for one iteration: the replay instead of the schedule."""
 
         def run(recipe: Recipe, batch: MicroBatch, observer: StepObserver) -> None:
-            self.step(batch.inputs, batch.labels, observer, iteration)
+            inputs, labels, kwargs = model_inputs(batch, recipe.parallel_dims)
+            self.step(inputs, labels, kwargs, observer, iteration)
 
         return run
 
     def step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, observer: StepObserver, iteration: int
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        kwargs: dict[str, torch.Tensor],
+        observer: StepObserver,
+        iteration: int,
     ) -> None:
         """Step 1 only has to create the gradients and optimizer states (its peak stays
         below step 2's, which adds the optimizer states), so it runs one micro-batch per
-        stage: with dozens of micro-batches that halves the trace."""
+        stage: with dozens of micro-batches that halves the trace. ``inputs`` are this
+        rank's (its CP shard of every sequence); ``kwargs`` (positions under context
+        parallel) reach every stage, split into micro-batches as the schedule splits them."""
         self.state.forward_cache.clear()
         self.state.backward_count.clear()
         self.state.input_grads.clear()  # step 1's were never sent
         self.state.sent.clear()
         input_chunks = inputs.tensor_split(self.n_micro)
         label_chunks = labels.tensor_split(self.n_micro)
+        self.kwarg_chunks = [
+            dict(zip(kwargs, chunk))
+            for chunk in zip(*(value.tensor_split(self.n_micro) for value in kwargs.values()))
+        ] or [{}] * self.n_micro
         with self.setup.train_context():  # one context for the step, as the trainer's
             self._run_actions(input_chunks, label_chunks, observer, iteration)
         self.state.sent.clear()
@@ -228,7 +241,7 @@ class PipelineReplay:
         observer.start_microbatch(stage.submod)
         x = input_chunks[mb] if stage.is_first else self.state.input_buffers[stage.stage_index][mb]
         loss = None
-        output = stage.forward_maybe_with_nosync(x)
+        output = stage.forward_maybe_with_nosync(x, **self.kwarg_chunks[mb])
         if stage.is_last:
             observer.set_phase("loss")
             loss = self.setup.loss_fn(output, label_chunks[mb])

@@ -197,7 +197,9 @@ def parallelize_decoder(
     if parallel_dims.cp_enabled:
         cp_mesh = parallel_dims.world_mesh["cp"]
         linear = apply_cp_to_delta_rules(model, cp_mesh, parallel_dims.cp_load_balancer)
-        if not linear or has_local_attention(model):  # a stage may hold linear layers only
+        # a pipeline stage may hold Gated DeltaNet layers only, or no block at all; a stage with
+        # blocks but neither kind is refused by apply_cp
+        if has_local_attention(model) or (not linear and len(model.layers) > 0):
             apply_cp(model, cp_mesh, parallel_dims.cp_rotate_method, parallel_dims.cp_load_balancer)
     moes = [block.moe for block in model.layers.values() if block.moe_enabled]
     for moe in moes:
