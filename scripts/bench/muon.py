@@ -13,9 +13,13 @@ n-th of it per rank; AdamW's step exchanges nothing beyond FSDP's own collective
 both runs share).
 
 Part ``loss``: the debug model on one process, seq 256 x local batch 8, 200 steps, each
-optimizer at the learning rates of a small sweep (Muon's AdamW part at 8e-4); the table
-gives the mean loss of the last 10 steps per run, the plot the best run of each (every
-curve goes to a JSON file beside the plot).
+optimizer at the learning rates of a small sweep (Muon's AdamW part at 8e-4, ``adjust_lr``
+original); the table gives the mean loss of the last 10 steps per run, the plot the best
+run of each (every curve goes to a JSON file beside the plot).
+
+Part ``switch``: the same runs for a user who switches a config tuned for AdamW to Muon:
+AdamW at the config's settings, ``--optimizer.name Muon`` alone (Muon's defaults), and Muon
+tuned (``adjust_lr`` original at the sweep's best lr).
 """
 
 from __future__ import annotations
@@ -50,6 +54,17 @@ SWEEP = {
     "Muon": ["1e-2", "2e-2", "4e-2", "8e-2"],
 }
 LOSS_STEPS = 200
+SWITCH = {
+    "AdamW, the config's settings": [],
+    "Muon, defaults (`--optimizer.name Muon`)": ["--optimizer.name", "Muon"],
+    "Muon tuned (`adjust_lr` original, lr 4e-2, AdamW part 8e-4)": [
+        *MUON,
+        "--optimizer.muon.adjust_lr",
+        "original",
+        "--optimizer.lr",
+        "4e-2",
+    ],
+}
 
 
 def muon_exchange_bytes(flavor: str, ranks: int) -> int:
@@ -100,10 +115,28 @@ def step_part() -> list[str]:
 
 
 def train_losses(optimizer: str, lr: str, folder: Path) -> list[float]:
-    extra = MUON if optimizer == "Muon" else []
-    flags = ["--job.config_file", CONFIG, *COMMON, *extra, "--optimizer.lr", lr]
+    extra = [*MUON, "--optimizer.muon.adjust_lr", "original"] if optimizer == "Muon" else []
+    return losses_with([*extra, "--optimizer.lr", lr], folder)
+
+
+def losses_with(flags: list[str], folder: Path) -> list[float]:
+    """The 200 losses of the debug model on one process with ``flags`` added."""
+    flags = ["--job.config_file", CONFIG, *COMMON, *flags]
     flags += ["--training.local_batch_size", "8", "--lr_scheduler.warmup_steps", "20"]
     return train(flags, LOSS_STEPS, folder)["losses"]
+
+
+def switch_part() -> list[str]:
+    lines = [
+        f"| run | loss at step 1 | mean loss of steps {LOSS_STEPS - 9}-{LOSS_STEPS} |",
+        "| --- | ---: | ---: |",
+    ]
+    for name, flags in SWITCH.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            losses = losses_with(flags, Path(tmp))
+        lines.append(f"| {name} | {losses[0]:.4f} | {statistics.mean(losses[-10:]):.4f} |")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def loss_part(plot: Path | None) -> list[str]:
@@ -151,7 +184,7 @@ def loss_part(plot: Path | None) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("all", "step", "loss"), default="all")
+    parser.add_argument("--part", choices=("all", "step", "loss", "switch"), default="all")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the best loss curves")
     args = parser.parse_args()
@@ -170,6 +203,8 @@ def main() -> None:
         lines += ["## Optimizer step", ""] + step_part() + [""]
     if args.part in ("all", "loss"):
         lines += ["## Loss after the same steps", ""] + loss_part(args.plot) + [""]
+    if args.part in ("all", "switch"):
+        lines += ["## Switching a config tuned for AdamW to Muon", ""] + switch_part() + [""]
     text = "\n".join(lines)
     if args.output is not None:
         args.output.write_text(text)

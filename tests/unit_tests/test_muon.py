@@ -5,6 +5,7 @@ where, the state dict, and the one-line refusals of its settings."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 
 import pytest
@@ -27,7 +28,8 @@ def config(*args: str):
 
 
 def reference_steps(model: Transformer, args, ns_dtype=torch.bfloat16):
-    """torch.optim.Muon on the same matrices, torch.optim.AdamW on the rest."""
+    """torch.optim.Muon on the same matrices, torch.optim.AdamW on the rest (norms and
+    embeddings without weight decay, as ``optimizer.weight_decay_exclude``'s default)."""
     muon, adamw, _ = muon_split([model], args.muon.adamw_params)
     m = args.muon
     reference = torch.optim.Muon(
@@ -41,8 +43,17 @@ def reference_steps(model: Transformer, args, ns_dtype=torch.bfloat16):
         ns_steps=m.ns_steps,
         adjust_lr_fn=m.adjust_lr,
     )
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def exempt(p: torch.nn.Parameter) -> bool:
+        return any(fnmatch.fnmatchcase(names[id(p)], x) for x in args.weight_decay_exclude)
+
+    assert not any(exempt(p) for p in muon[0])  # the default exempts no block matrix
     other = torch.optim.AdamW(
-        adamw[0],
+        [
+            {"params": [p for p in adamw[0] if not exempt(p)]},
+            {"params": [p for p in adamw[0] if exempt(p)], "weight_decay": 0.0},
+        ],
         lr=args.lr,
         betas=(args.beta1, args.beta2),
         eps=args.eps,

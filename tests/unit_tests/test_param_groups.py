@@ -8,6 +8,7 @@ bad patterns or factors are one-line errors."""
 from __future__ import annotations
 
 import fnmatch
+import re
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from torchtitan.components.optimizers.builder import build_optimizers
 from torchtitan.components.optimizers.lr_schedule import build_lr_schedulers
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.models.llama3.model import Transformer
+from torchtitan.protocols import get_train_spec
 
 EXCLUDE = ["*norm*", "tok_embeddings.*"]
 
@@ -69,6 +71,43 @@ def test_equal_to_torch_adamw_with_the_same_two_groups():
     got = train(model := tiny_model(), ours(model, args)[0])
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+
+def test_the_default_equals_torch_adamw_without_decay_on_norms_and_embeddings():
+    args = ConfigManager().parse_args(["--optimizer.implementation", "for-loop"]).optimizer
+    assert args.weight_decay > 0
+    expected = train(model := tiny_model(), by_hand(model, args, EXCLUDE))
+    got = train(model := tiny_model(), ours(model, args)[0])
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+    decay_all = train(model := tiny_model(), by_hand(model, args, []))
+    assert largest_difference(decay_all, got) > 1e-6
+
+
+def test_the_default_exempts_the_norms_biases_and_embeddings_of_every_family():
+    """gpt-oss has linear, expert and router biases; Qwen3.5 its delta rule's ``dt_bias``;
+    Llama 3 no bias, which the default's patterns need not match."""
+    config = ConfigManager().parse_args([]).optimizer
+    for name in ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5"):
+        spec = get_train_spec(name)
+        model = spec.model_cls(spec.model_args["debugmodel"])
+        exempt = {
+            n
+            for g in build_optimizers([model], config, None).param_groups
+            if g.get("weight_decay") == 0.0
+            for n, p in model.named_parameters()
+            if any(p is q for q in g["params"])
+        }
+        expected = {
+            n
+            for n, p in model.named_parameters()
+            if n.endswith("norm.weight")
+            or "bias" in n
+            or n.startswith("tok_embeddings.")
+            or re.fullmatch(r".*\.experts\.b\d", n)
+        }
+        assert exempt == expected, name
+        assert any("bias" in n for n in exempt) == (name in ("gpt_oss", "qwen3_5")), name
 
 
 def test_a_reference_that_decays_the_excluded_parameters_differs():
@@ -175,7 +214,8 @@ def test_the_schedule_scales_every_group_alike():
         schedulers.step()
         base = schedulers.get_last_lr()
         assert optimizers.param_groups[0]["lr"] == base
-        assert sorted(g["lr"] / base for g in optimizers.param_groups) == pytest.approx([0.5, 1, 2])
+        factors = sorted(g["lr"] / base for g in optimizers.param_groups)
+        assert factors == pytest.approx([0.5, 1, 1, 2])  # the norms: the default's second group
 
 
 def test_a_multiplier_of_0_is_refused_with_the_config():

@@ -234,10 +234,11 @@ class MuonConfig:
     eps: float = 1e-7
     """Floor of the Frobenius norm the update is divided by before the iteration."""
 
-    adjust_lr: Literal["original", "match_rms_adamw"] = "original"
-    """Per-matrix lr scale: "original" sqrt(max(1, rows / cols)) (Keller Jordan's Muon);
-    "match_rms_adamw" 0.2 sqrt(max(rows, cols)) (Moonlight: the update's RMS matches
-    AdamW's, so AdamW's lr and weight decay carry over)."""
+    adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """Per-matrix lr scale: "match_rms_adamw" 0.2 sqrt(max(rows, cols)) (Moonlight: the
+    update's RMS matches AdamW's, so a config tuned for AdamW keeps its lr and weight decay
+    when it switches to Muon); "original" sqrt(max(1, rows / cols)) (Keller Jordan's Muon,
+    which wants an lr about 50x AdamW's)."""
 
     adamw_params: list[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*"])
     """fnmatch patterns of parameter names (as in the checkpoint) that train with AdamW
@@ -262,6 +263,10 @@ class MuonConfig:
         )
 
 
+DEFAULT_WEIGHT_DECAY_EXCLUDE = ("*norm.weight", "*bias", "*.experts.b[123]", "tok_embeddings.*")
+"""optimizer.weight_decay_exclude's default: norms, biases and the token embeddings."""
+
+
 @dataclass
 class OptimizerConfig:
     name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
@@ -282,10 +287,14 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
 
-    weight_decay_exclude: list[str] = field(default_factory=list)
+    weight_decay_exclude: list[str] = field(
+        default_factory=lambda: list(DEFAULT_WEIGHT_DECAY_EXCLUDE)
+    )
     """Parameters trained without weight decay: FQN patterns (fnmatch, names as in the
-    checkpoint, e.g. "*norm*", "*.bias", "tok_embeddings.*"); each must match a parameter.
-    Under Muon they apply to both its matrices and its AdamW part."""
+    checkpoint). The default exempts norms, biases (gpt-oss's expert biases, Qwen3.5's
+    dt_bias too) and the token embeddings; [] decays every parameter (upstream's behaviour).
+    A pattern you add must match a parameter; the default's need not. Under Muon they apply
+    to both its matrices and its AdamW part."""
 
     state_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of Adam's and AdamW's moments (with Muon: of its AdamW part's); bfloat16 halves

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.optimizers.adam_states import AdamWithStateDtype
 from torchtitan.components.optimizers.muon import NS_DTYPES, Muon, resolve_ns_dtype
 from torchtitan.config import ConfigError
+from torchtitan.config.job_config import DEFAULT_WEIGHT_DECAY_EXCLUDE
 from torchtitan.layers.moe import moe_layers, update_expert_biases
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
@@ -150,14 +151,17 @@ class ParamGroups:
         return groups
 
     def matches(self, model_parts: list[nn.Module]) -> dict[str, dict[str, int]]:
-        """Per field, how many parameters (trainable or frozen) each pattern matched."""
+        """Per field, how many parameters (trainable or frozen) each pattern matched; the
+        default exclusion's patterns are left out (they cover every model family, so a model
+        without biases, say, matches fewer of them)."""
         names = [_clean(name) for part in model_parts for name, _ in part.named_parameters()]
 
         def count(patterns) -> dict[str, int]:
             return {p: sum(fnmatch.fnmatchcase(n, p) for n in names) for p in patterns}
 
+        added = [p for p in self.exclude if p not in DEFAULT_WEIGHT_DECAY_EXCLUDE]
         return {
-            "optimizer.weight_decay_exclude": count(self.exclude),
+            "optimizer.weight_decay_exclude": count(added),
             "optimizer.lr_multipliers": count(self.lr_multipliers),
         }
 
