@@ -4,7 +4,21 @@ import torch
 pytest_plugins = ["tests.hermetic"]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--matrix",
+        action="store_true",
+        help="also run the tests marked matrix (a feature's whole layout matrix; CI runs a "
+        "subset of it, each matrix file says which)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--matrix"):
+        skip_matrix = pytest.mark.skip(reason="the layout matrix: run with --matrix")
+        for item in items:
+            if "matrix" in item.keywords:
+                item.add_marker(skip_matrix)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

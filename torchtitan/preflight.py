@@ -164,8 +164,7 @@ def _check_model_support(
     parallel_dims: ParallelDims,
 ) -> None:
     """What this model cannot do yet: pipeline stages without a pipelining function, and
-    compile (or async TP, which needs it) with MoE layers, whose routing and expert parallel
-    sync with the host."""
+    async TP with MoE layers."""
     if parallel_dims.pp_enabled and spec.pipelining_fn is None:
         raise ConfigError(
             f"parallelism.pipeline_parallel_degree: model {spec.name!r} has no pipelining support"
@@ -173,14 +172,11 @@ def _check_model_support(
     if getattr(model_args, "moe", None) is None:
         return
     what = f"{spec.name} {model.flavor}"
-    if compile.enable:
-        raise ConfigError(
-            f"compile.enable: not supported for {what} yet (MoE routing and expert "
-            "parallel sync with the host); run without --compile.enable"
-        )
     if parallelism.enable_async_tensor_parallel:
         raise ConfigError(
-            f"parallelism.enable_async_tensor_parallel: not supported for {what} (MoE layers)"
+            f"parallelism.enable_async_tensor_parallel: not supported for {what} yet: "
+            "inductor's micro-pipeline pass over blocks compiled around the experts' "
+            "all-to-alls has not been run on 2+ CUDA GPUs here; use plain TP"
         )
 
 

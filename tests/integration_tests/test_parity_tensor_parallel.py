@@ -66,7 +66,17 @@ def inductor_cache(tmp_path_factory):
     return {"TORCHINDUCTOR_CACHE_DIR": cache}
 
 
-def test_compile_matches(reference_run, tmp_path, inductor_cache):
-    """Per-block compile (and compiled loss) under FSDP 2 matches the eager 1-process run."""
-    records = train(2, tmp_path, ["--compile.enable"], env=inductor_cache, timeout=380)
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_compile_matches(layout, reference_run, tmp_path, inductor_cache):
+    """Per-block compile (and compiled loss) under FSDP 2 and under TP 2 (whose first block
+    gets the embedding's all-gather still in flight) matches the eager 1-process run."""
+    overrides = TP2 if layout == "tp2" else []
+    records = train(
+        2,
+        tmp_path,
+        ["--compile.enable", *overrides],
+        dp=2 if layout == "fsdp2" else 1,
+        env=inductor_cache,
+        timeout=380,
+    )
     assert_parity(reference_run, records)

@@ -277,11 +277,12 @@ def test_context_parallel_layouts(world, args, message):
 @pytest.mark.parametrize(
     "model, flavor", [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe")]
 )
-def test_moe_models_refuse_compile_before_launch(model, flavor):
+def test_moe_models_compile_but_refuse_async_tp_before_launch(model, flavor):
+    moe = ("--model.name", model, "--model.flavor", flavor)
+    check(1, *moe, "--compile.enable")
+    async_tp = ("--parallelism.tensor_parallel_degree", "2", "--compile.enable")
     with pytest.raises(
-        ConfigError, match=rf"^compile.enable: not supported for {model} {flavor} yet"
+        ConfigError,
+        match=rf"^parallelism.enable_async_tensor_parallel: not supported for {model} {flavor}",
     ):
-        check(1, "--model.name", model, "--model.flavor", flavor, "--compile.enable")
-    check(
-        1, "--model.name", "qwen3", "--model.flavor", "debugmodel", "--compile.enable"
-    )  # dense: fine
+        check(2, *moe, *async_tp, "--parallelism.enable_async_tensor_parallel", device="cuda")

@@ -95,12 +95,14 @@ def combine(tokens: torch.Tensor, route: Route, group: dist.ProcessGroup) -> tor
 
 class _SumGradOver(torch.autograd.Function):
     """Identity forward; all-reduce (sum) of the gradient over ``group`` in backward.
-    Marks the input of tp-sharded weights, whose input gradient is partial per rank."""
+    Marks the input of tp-sharded weights, whose input gradient is partial per rank. The
+    forward copies: a view made in a Function may not feed a compiled graph that also takes
+    its base (DeepSeek-V3's shared experts beside the routed ones)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -215,8 +215,10 @@ def _row_spans(
     for a, b, mask in plan.pairs(q_chunks, k_chunks):
         by_row.setdefault(a, {})[b] = mask
     spans = []
-    for a, row in sorted(by_row.items()):
-        first, end = min(row), max(row) + 1
+    for a in sorted(by_row):
+        row = by_row[a]
+        columns = sorted(row)
+        first, end = columns[0], columns[-1] + 1
         spans.append((a, first, end, [row.get(b, False) for b in range(first, end)]))
     return spans
 
@@ -228,7 +230,7 @@ def _span_mask(
     when every key is visible."""
     if all(m is None for m in masks):
         return None
-    batch = max((m.shape[0] for m in masks if isinstance(m, torch.Tensor)), default=1)
+    batch = max([1, *(m.shape[0] for m in masks if isinstance(m, torch.Tensor))])
     parts = []
     for m in masks:
         if m is None:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.layers.grouped_mm import grouped_mm
 from torchtitan.layers.init import clean_fqn
 from torchtitan.tools.logging import logger
 
@@ -84,8 +85,12 @@ def host_counts(counts: torch.Tensor, rows: int) -> list:
 
 
 def _recomputing() -> bool:
-    """True inside autograd's backward pass, which is where activation checkpointing
-    re-runs forward (reentrant or not): such a forward must not count tokens again."""
+    """True inside autograd's backward pass, which is where eager activation checkpointing
+    re-runs forward (reentrant or not): such a forward must not count tokens again. A
+    compiled block never re-runs the count: its buffer update belongs to the forward graph,
+    and the backward graph recomputes only what gradients need."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -188,9 +193,11 @@ def _experts_loop(x, counts, w1, w2, w3, biases=None, act=_silu_glu) -> torch.Te
 
 def _experts_grouped(x, counts, w1, w2, w3, biases=None, act=_silu_glu) -> torch.Tensor:
     offsets = counts.cumsum(0).to(torch.int32)
+    traceable = x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+    matmul = torch._grouped_mm if traceable else grouped_mm
 
     def project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        out = torch._grouped_mm(h, w.transpose(-2, -1), offs=offsets)
+        out = matmul(h, w.transpose(-2, -1), offs=offsets)
         if b is None:
             return out
         # each row's expert bias, without a host sync (the row count is known)
@@ -200,12 +207,24 @@ def _experts_grouped(x, counts, w1, w2, w3, biases=None, act=_silu_glu) -> torch
     return project(act(project(x, w1, b1), project(x, w3, b3)), w2, b2)
 
 
-@functools.cache
+_PROBED: dict[tuple, bool] = {}
+
+
+@torch._dynamo.assume_constant_result
 def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
-    """Capability probe: run ``torch._grouped_mm`` on this device and dtype with these
-    expert shapes and uneven groups (one empty) and compare with plain matmuls. Decides the
-    expert kernel; no GPU model is hard-coded. Forward only, without autograd or autocast,
-    so that it is safe inside any forward (activation checkpointing included)."""
+    """Capability probe, once per device, dtype and shape: decides the expert kernel. A
+    compiled block runs it while tracing and keeps the answer as a constant."""
+    key = (device, dtype, dim, hidden)
+    if key not in _PROBED:
+        _PROBED[key] = _probe_grouped_mm(*key)
+    return _PROBED[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    """Run ``torch._grouped_mm`` on this device and dtype with these expert shapes and
+    uneven groups (one empty) and compare with plain matmuls; no GPU model is hard-coded.
+    Forward only, without autograd or autocast, so that it is safe inside any forward
+    (activation checkpointing included)."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(7, dim, device=device, dtype=dtype, generator=gen)
     ws = [
@@ -255,7 +274,7 @@ def _partial_ways(w2: torch.Tensor) -> int:
         return 1
     mesh = w2.device_mesh
     return math.prod(
-        mesh.size(i) for i, p in enumerate(w2.placements) if p.is_shard() and p.dim == 2
+        [mesh.size(i) for i, p in enumerate(w2.placements) if p.is_shard() and p.dim == 2]
     )
 
 

@@ -33,6 +33,7 @@ from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_
 from torchtitan.distributed.expert_parallel import apply_expert_fsdp, parallelize_moe
 from torchtitan.layers.decoder import Decoder, TransformerBlock
 from torchtitan.layers.gqa import GQAttention
+from torchtitan.layers.moe import GroupedExperts
 from torchtitan.tools.compile import compile_blocks
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
@@ -220,7 +221,11 @@ def parallelize_decoder(
         ac.memory_budget,
     )
     if compile_config.enable and "model" in compile_config.components:
-        compile_blocks(model.layers, compile_config.backend)
+        compile_blocks(
+            model.layers,
+            compile_config.backend,
+            outside=lambda m: parallel_dims.ep_enabled and isinstance(m, GroupedExperts),
+        )
 
     if parallel_dims.fsdp_enabled:
         settings = fsdp_settings(training, parallelism, parallel_dims)
