@@ -1,5 +1,5 @@
 """Parameter groups (weight decay exclusions, lr multipliers) train like one process on every
-layout: per-step loss and grad norm (1e-4) under FSDP 2 and PP 2; FSDP 2's step-5 checkpoint
+layout: per-step loss and grad norm (1e-4) under FSDP 2, TP 2 and PP 2; FSDP 2's step-5 checkpoint
 (the groups saved by FQN) resumes under FSDP 2 x TP 2 and continues the one-process losses.
 Adam's moments in bf16 (``optimizer.state_dtype``) train like one process under FSDP 2 x TP 2."""
 
@@ -34,6 +34,11 @@ def groups_reference(tmp_path_factory):
 def test_groups_under_pipeline_parallel(groups_reference, tmp_path):
     pp = ["--parallelism.pipeline_parallel_degree", "2"]
     assert_parity(groups_reference, train(2, tmp_path, GROUPS + pp, dp=1))
+
+
+def test_groups_under_tensor_parallel(groups_reference, tmp_path):
+    tp = ["--parallelism.tensor_parallel_degree", "2"]
+    assert_parity(groups_reference, train(2, tmp_path, GROUPS + tp, dp=1))
 
 
 def test_fsdp2_checkpoint_resumes_under_fsdp2_tp2(groups_reference, tmp_path):
