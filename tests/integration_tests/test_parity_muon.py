@@ -24,6 +24,8 @@ MUON = [
     "Muon",
     "--optimizer.muon.ns_dtype",
     "float32",
+    "--optimizer.muon.adjust_lr",
+    "original",  # the scaling these lrs are for (float8's tolerance holds at them)
     "--optimizer.lr",
     "2e-2",
     "--optimizer.muon.adamw_lr",
