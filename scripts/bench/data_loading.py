@@ -43,7 +43,7 @@ H100_8B_TOKENS_PER_SECOND = 0.4 * 989e12 / (6 * 8.0e9)
 SEQ_LEN, BATCH = 2048, 8
 
 
-def _tokenizer():
+def tokenizer():
     return build_tokenizer(ModelConfig(tokenizer_path=str(TOKENIZER)))
 
 
@@ -60,7 +60,7 @@ def prepare_throughput(root: Path, workers: int) -> tuple[float, int, str]:
         shard_tokens=1 << 24,
     )
     start = time.perf_counter()
-    manifest = prepare(args, _tokenizer)
+    manifest = prepare(args, tokenizer)
     seconds = time.perf_counter() - start
     digest = hashlib.sha256(b"".join((out / s["file"]).read_bytes() for s in manifest.shards))
     return manifest.tokens / seconds, manifest.tokens, digest.hexdigest()[:16]
@@ -86,7 +86,7 @@ def loader_config(dataset_args: list[str]):
 
 def loader_throughput(dataset_args: list[str], batches: int) -> float:
     config = loader_config(dataset_args)
-    loader = iter(build_dataloader(config.training, None, _tokenizer()))
+    loader = iter(build_dataloader(config.training, None, tokenizer()))
     next(loader)  # first batch: opening files, first documents
     start = time.perf_counter()
     for _ in range(batches):
@@ -134,7 +134,7 @@ def read_large_store(folder: Path, batches: int) -> tuple[list[tuple[int, dict[s
         ["--training.dataset", "tokens", "--training.dataset_path", str(folder)]
         + ["--training.shuffle_seed", "1"]
     )
-    loader = iter(build_dataloader(config.training, None, _tokenizer()))
+    loader = iter(build_dataloader(config.training, None, tokenizer()))
     samples, start = [], time.perf_counter()
     for index in range(1, batches + 1):
         next(loader)
@@ -143,12 +143,12 @@ def read_large_store(folder: Path, batches: int) -> tuple[list[tuple[int, dict[s
     return samples, batches * BATCH * SEQ_LEN / (time.perf_counter() - start)
 
 
-def _commit() -> str:
+def git_commit() -> str:
     result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO)
     return result.stdout.strip()
 
 
-def _mib(kib: int) -> str:
+def mib(kib: int) -> str:
     return f"{kib / 1024:,.0f}"
 
 
@@ -165,7 +165,7 @@ def main() -> None:
         "# Token stores and the text path on this CPU",
         "",
         f"- command: `python scripts/bench/data_loading.py {' '.join(sys.argv[1:])}`",
-        f"- commit: `{_commit()}`",
+        f"- commit: `{git_commit()}`",
         f"- Python {platform.python_version()}, {os.cpu_count()} CPU cores, date "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; tokenizer: upstream's 2,000-token test BPE",
         "",
@@ -200,10 +200,10 @@ def main() -> None:
         ):
             lines.append(f"| {name} | {rate:,.0f} | {rate / H100_8B_TOKENS_PER_SECOND:,.1f} |")
             print(lines[-1], flush=True)
-        tokenizer = _tokenizer()
+        bpe = tokenizer()
         large = root / "large"
         tokens = int(args.large_store_gib * 2**30 / 2)
-        write_random_store(large, tokens, tokenizer.fingerprint(), tokenizer.vocab_size)
+        write_random_store(large, tokens, bpe.fingerprint(), bpe.vocab_size)
         before = memory_kib()
         read_batches = int(args.read_gib * 2**30 / (BATCH * SEQ_LEN * 2))
         samples, cold_rate = read_large_store(large, read_batches)
@@ -211,19 +211,19 @@ def main() -> None:
             "",
             f"## reading {args.read_gib:g} GiB of a {args.large_store_gib:g} GiB store, shuffled",
             "",
-            f"before reading: RssAnon {_mib(before['RssAnon'])} MiB, "
-            f"RssFile {_mib(before['RssFile'])} MiB; read at {cold_rate:,.0f} tokens/s "
+            f"before reading: RssAnon {mib(before['RssAnon'])} MiB, "
+            f"RssFile {mib(before['RssFile'])} MiB; read at {cold_rate:,.0f} tokens/s "
             "(from disk, in shuffled order)",
             "",
             "| bytes of tokens read | RssAnon (MiB) | RssFile (MiB) |",
             "| ---: | ---: | ---: |",
         ]
         for read, memory in samples:
-            anon, mapped = _mib(memory["RssAnon"]), _mib(memory["RssFile"])
+            anon, mapped = mib(memory["RssAnon"]), mib(memory["RssFile"])
             lines.append(f"| {read / 2**20:,.0f} MiB | {anon} | {mapped} |")
             print(lines[-1], flush=True)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        lines.append(f"\npeak RSS of the whole benchmark process: {_mib(peak)} MiB")
+        lines.append(f"\npeak RSS of the whole benchmark process: {mib(peak)} MiB")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:

@@ -68,11 +68,11 @@ class Layout:
         return self.rank, self.degree
 
 
-def loaders(config_file: str, dp: int):
+def loaders(config_file: str | None, dp: int, *flags: str):
     config = ConfigManager().parse_args(
         [
-            "--job.config_file",
-            config_file,
+            *(["--job.config_file", config_file] if config_file else []),
+            *flags,
             "--training.seq_len",
             str(SEQ_LEN),
             "--training.local_batch_size",
@@ -152,6 +152,71 @@ def test_a_shuffled_store_is_a_permutation_the_same_on_every_layout(stores, tmp_
     for loader in resumed:
         loader.load_state_dict(state)
     assert global_batches(resumed, 60) == shuffled[20:]
+
+
+def test_two_workers_give_the_same_batches_and_resume_exactly(stores, tmp_path):
+    """Stores, a mixture of them, and a mixture with a text source: 2 loader workers per rank
+    give the batches of 0 workers, and their state (what was taken, not what the workers
+    prefetched) resumes exactly under another dp degree and worker count."""
+    text_source = (
+        "dataset=tokens,dataset_path={web},weight=0.5;dataset=python_stdlib,weight=0.5"
+    ).format(**stores)
+    configs = {
+        "store": [
+            *("--training.dataset", "tokens", "--training.dataset_path", str(stores["web"])),
+            *("--training.data_shards", "2"),
+        ],
+        "mixture": ["--job.config_file", write_config(tmp_path, stores)],
+        "text source": ["--training.mixture", text_source, "--training.data_shards", "2"],
+    }
+    workers = ["--training.dataloader.num_workers", "2"]
+    for name, flags in configs.items():
+        reference = global_batches(loaders(None, 1, *flags), 12)
+        first = loaders(None, 2, *flags, *workers)
+        assert global_batches(first, 7) == reference[:7], name
+        state = merge_data_states([loader.state_dict() for loader in first])
+        assert state["next_position"] == 7 * GLOBAL_BATCH, name
+        for dp, more in ((4, workers), (1, [])):
+            resumed = loaders(None, dp, *flags, *more)
+            for loader in resumed:
+                loader.load_state_dict(state)
+            assert global_batches(resumed, 5) == reference[7:], (name, dp)
+            for loader in resumed:
+                loader.close()
+        for loader in first:
+            loader.close()
+
+
+def test_a_mixture_on_the_command_line_equals_the_same_mixture_in_toml(stores, tmp_path):
+    flag = ";".join(
+        f"dataset=tokens,dataset_path={stores[name]},weight={weight}"
+        for name, weight in WEIGHTS.items()
+    )
+    from_toml = loaders(write_config(tmp_path, stores), 2)
+    from_flag = loaders(None, 2, "--training.mixture", flag, "--training.data_shards", "2")
+    toml_iterators = [iter(loader) for loader in from_toml]
+    flag_iterators = [iter(loader) for loader in from_flag]
+    for _ in range(25):
+        for toml_it, flag_it in zip(toml_iterators, flag_iterators, strict=True):
+            assert (next(toml_it)[0]["input"] == next(flag_it)[0]["input"]).all()
+        assert from_toml[0].metrics() == from_flag[0].metrics()  # per-source counts, every step
+    assert sum(from_flag[0].metrics().values()) == 25 * GLOBAL_BATCH * SEQ_LEN
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("dataset=tokens,weigth=1", r"^training.mixture: source 0 .*: unknown key 'weigth'"),
+        ("dataset tokens", r"^training.mixture: source 0 .*: 'dataset tokens' is not key=value"),
+        ("dataset=tokens,weight=heavy", r"^training.mixture: source 0 .*: weight must be a number"),
+        (" ; ", r"^training.mixture: no sources"),
+        ("dataset=tokens,weight=0", r"^training.dataset_mixture\[0\]\.weight: must be > 0"),
+    ],
+)
+def test_a_malformed_mixture_flag_is_one_line(flag, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        ConfigManager().parse_args(["--training.mixture", flag])
+    assert "\n" not in str(error.value)
 
 
 def test_block_shuffle_is_a_bijection_per_block():

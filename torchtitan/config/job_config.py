@@ -7,8 +7,10 @@ overrides their values. A check that reads other sections lives in across_sectio
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import signal
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -406,12 +408,43 @@ class DataLoaderConfig:
 
 
 @dataclass
+class HFDatasetConfig:
+    """How to read a Hugging Face dataset (``dataset = "hf"``; ``dataset_path`` is a hub id, a
+    local folder or file of parquet/arrow/jsonl/json/csv/txt files, or a ``save_to_disk``
+    folder)."""
+
+    name: str | None = None
+    """The dataset's configuration name (e.g. sample-10BT of FineWeb-Edu); unset = its default."""
+
+    split: str = "train"
+    """The split to read."""
+
+    text_column: str = "text"
+    """The column holding each document's text."""
+
+    messages_column: str | None = None
+    """Chat data instead of text: the column holding each sample's messages (a list of
+    {"role", "content"}), trained on the assistant turns as the sft dataset is."""
+
+    streaming: bool = False
+    """Stream the rows instead of loading the split into Hugging Face's Arrow cache: data shard
+    s reads the s-th contiguous group of the dataset's files (so training.data_shards may not
+    exceed the file count) and resumes at its row."""
+
+    def check(self, path: str) -> None:
+        for name in ("split", "text_column"):
+            if not getattr(self, name):
+                raise ConfigError(f"{path}.{name}: must not be empty")
+
+
+@dataclass
 class DataSourceConfig:
     """One source of a data mixture (a ``[[training.dataset_mixture]]`` table)."""
 
     dataset: str = "tokens"
-    """A registered dataset: tokens (a token store, by random access) or a text dataset (read
-    in full by every rank: fine for small sources)."""
+    """A registered dataset: tokens (a token store, by random access), hf (a Hugging Face
+    dataset) or a text dataset (text sources are read in full by every rank: fine for small
+    sources)."""
 
     dataset_path: str | None = None
     """The store folder (tokens) or the text dataset's files."""
@@ -426,7 +459,11 @@ class DataSourceConfig:
     """Name in metrics and validation results; unset = the folder name of dataset_path, else
     the dataset name."""
 
+    hf: HFDatasetConfig = field(default_factory=HFDatasetConfig)
+    """With dataset = "hf": how to read it."""
+
     def check(self, path: str) -> None:
+        self.hf.check(f"{path}.hf")
         check_values(
             self,
             path,
@@ -435,6 +472,12 @@ class DataSourceConfig:
         )
         if self.dataset == "mixture":
             raise ConfigError(f"{path}.dataset: a source cannot be a mixture itself")
+
+
+def _apply_mixture_flag(data: TrainingConfig | ValidationConfig, path: str) -> None:
+    if data.mixture is not None:
+        data.dataset_mixture = parse_mixture_flag(data.mixture, f"{path}.mixture")
+        data.dataset = "mixture"
 
 
 def _check_mixture(dataset: str, mixture: list[DataSourceConfig], path: str) -> None:
@@ -459,6 +502,64 @@ def _check_mixture(dataset: str, mixture: list[DataSourceConfig], path: str) -> 
         )
 
 
+MIXTURE_FLAG_SYNTAX = (
+    "sources separated by ';', each comma-separated key=value pairs with the keys of a "
+    "[[dataset_mixture]] table (dataset, dataset_path, weight, max_epochs, name, hf.name, "
+    "hf.split, hf.text_column, hf.messages_column, hf.streaming), e.g. "
+    "'dataset=tokens,dataset_path=stores/web,weight=0.7;dataset=tokens,"
+    "dataset_path=stores/code,weight=0.3'"
+)
+
+
+def _flag_value(text: str) -> str | int | float | bool:
+    """A value as TOML reads it (0.7, true, 3), else the text itself (a path, a name)."""
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _typed(section: object, key: str, value: object, where: str) -> object:
+    """``value`` for field ``key`` of ``section``: a number where the field is one."""
+    default = getattr(section, key)
+    if (
+        key in ("weight", "max_epochs")
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+    ):
+        return float(value)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if key in ("weight", "max_epochs"):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    return str(value)
+
+
+def parse_mixture_flag(text: str, path: str) -> list[DataSourceConfig]:
+    """The sources of a mixture given on the command line (see ``MIXTURE_FLAG_SYNTAX``)."""
+    sources = []
+    parts = [part.strip() for part in text.split(";") if part.strip()]
+    if not parts:
+        raise ConfigError(f"{path}: no sources; write {MIXTURE_FLAG_SYNTAX}")
+    for index, part in enumerate(parts):
+        where = f"{path}: source {index} ({part!r})"
+        source = DataSourceConfig()
+        for pair in part.split(","):
+            key, equals, value = (item.strip() for item in pair.partition("="))
+            if not equals or not key or not value:
+                raise ConfigError(
+                    f"{where}: {pair.strip()!r} is not key=value; write {MIXTURE_FLAG_SYNTAX}"
+                )
+            target, name = (source.hf, key[3:]) if key.startswith("hf.") else (source, key)
+            if name == "hf" or not any(f.name == name for f in dataclasses.fields(target)):
+                raise ConfigError(f"{where}: unknown key {key!r}; write {MIXTURE_FLAG_SYNTAX}")
+            setattr(target, name, _typed(target, name, _flag_value(value), f"{where}: {key}"))
+        sources.append(source)
+    return sources
+
+
 # Datasets read by random access, which a shuffle needs.
 _RANDOM_ACCESS = ("tokens", "mixture")
 
@@ -471,7 +572,11 @@ class TrainingConfig:
     dataset_mixture."""
 
     dataset_path: str | None = None
-    """Local path for file datasets (json, jsonl, parquet, txt) or an override."""
+    """Local path for file datasets (json, jsonl, parquet, txt), the token store (tokens), or
+    the Hugging Face dataset (hf: a hub id or a local folder)."""
+
+    hf: HFDatasetConfig = field(default_factory=HFDatasetConfig)
+    """With dataset = "hf": configuration name, split, column, streaming."""
 
     local_batch_size: int = 8
     """Sequences per rank per micro-batch."""
@@ -526,9 +631,14 @@ class TrainingConfig:
     is higher (+15% there). No effect on CUDA."""
 
     dataset_mixture: list[DataSourceConfig] = field(default_factory=list)
-    """With dataset = "mixture": the sources (TOML only: [[training.dataset_mixture]] tables)
-    and their weights; every global batch takes from each source as close to its weight as
-    whole samples allow, the same under every data-parallel layout."""
+    """With dataset = "mixture": the sources ([[training.dataset_mixture]] tables, or the
+    mixture flag) and their weights; every global batch takes from each source as close to its
+    weight as whole samples allow, the same under every data-parallel layout."""
+
+    mixture: str | None = None
+    """A mixture on the command line: replaces dataset_mixture and sets dataset = "mixture".
+    Sources separated by ';', each key=value pairs with the table's keys:
+    "dataset=tokens,dataset_path=stores/web,weight=0.7;dataset=hf,dataset_path=data/code,weight=0.3"."""
 
     shuffle_seed: int | None = None
     """Shuffle the order of the packed sequences with this seed (token stores only: the
@@ -575,6 +685,7 @@ class TrainingConfig:
             ),
         )
         self.dataloader.check(f"{path}.dataloader")
+        self.hf.check(f"{path}.hf")
         if self.dtype == "bfloat16" and self.mixed_precision_param != "bfloat16":
             # full bf16 training keeps bf16 parameters: computing in another dtype makes no sense
             raise ConfigError(
@@ -587,6 +698,7 @@ class TrainingConfig:
                 "training.loss_kernel='liger': is a chunked loss; training.loss_chunk_size=0 asks "
                 "for the full logits (set it to -1 or leave loss_kernel at 'native')"
             )
+        _apply_mixture_flag(self, path)
         _check_mixture(self.dataset, self.dataset_mixture, path)
         check_values(
             self, path, shuffle_window=Rule(lambda v: v >= 0, "must be >= 0 (0 = a whole pass)")
@@ -1270,7 +1382,10 @@ class ValidationConfig:
     """Validation dataset."""
 
     dataset_path: str | None = None
-    """Local path for file datasets."""
+    """Local path for file datasets (or the hub id of an hf dataset)."""
+
+    hf: HFDatasetConfig = field(default_factory=lambda: HFDatasetConfig(split="validation"))
+    """With dataset = "hf": configuration name, split, column, streaming."""
 
     local_batch_size: int = 8
     """Sequences per rank per validation batch (under pipeline parallel: equal to
@@ -1293,6 +1408,10 @@ class ValidationConfig:
     """With dataset = "mixture": sources validated one by one (a loss per source, and their
     token-weighted mean); weights and max_epochs are not used here."""
 
+    mixture: str | None = None
+    """A mixture on the command line (the syntax of training.mixture): replaces
+    dataset_mixture and sets dataset = "mixture"."""
+
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """Data loader keyword arguments of the validation loader."""
 
@@ -1307,11 +1426,13 @@ class ValidationConfig:
             steps=Rule(lambda v: v == -1 or v >= 1, "must be -1 (whole split) or >= 1"),
         )
         self.dataloader.check(f"{path}.dataloader")
+        self.hf.check(f"{path}.hf")
         if self.dataloader.num_workers:
             raise ConfigError(
                 "validation.dataloader.num_workers: the finite validation loader reads in the "
                 "training process; leave it at 0"
             )
+        _apply_mixture_flag(self, path)
         _check_mixture(self.dataset, self.dataset_mixture, path)
 
 

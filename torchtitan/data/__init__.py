@@ -4,13 +4,16 @@ HuggingFace-backed datasets, and dp-layout-independent packing/sharding.
 Built-in datasets: ``python_stdlib`` / ``python_stdlib_validation`` (embedded, no download),
 ``c4`` / ``c4_validation`` (needs internet), ``json``, ``jsonl``, ``parquet``, ``txt`` (local
 files at ``dataset_path``), ``sft`` / ``chat`` (chat fine-tuning samples in local jsonl),
-``tokens`` (a token store at ``dataset_path``, made by ``scripts/data/prepare.py``).
+``tokens`` (a token store at ``dataset_path``, made by ``scripts/data/prepare.py``),
+``hf`` (any Hugging Face dataset: a hub id or local folder at ``dataset_path``, see
+``hf_source.py``).
 """
 
 from functools import partial
 
 from torchtitan.data import hf_datasets as hf
 from torchtitan.data import sft, stdlib
+from torchtitan.data.hf_source import load_hf_documents
 from torchtitan.data.packing import ShardCursor, ShardedTextDataset
 from torchtitan.data.registry import (
     DatasetConfig,
@@ -57,6 +60,7 @@ def _register_builtins() -> None:
     parquet = partial(hf.load_table_files, kind="parquet")
     register_dataset("parquet", DatasetConfig("parquet", parquet, hf.row_text, True))
     register_dataset("txt", DatasetConfig("txt", hf.load_text_files, hf.row_text, True))
+    register_dataset("hf", DatasetConfig("hf", load_hf_documents, uses_path=True, hf_options=True))
     register_dataset("tokens", DatasetConfig("tokens", _read_as_a_store, uses_path=True))
     for name in ("sft", "chat"):
         register_dataset(name, DatasetConfig(name, sft.load_sft_files, uses_path=True, chat=True))

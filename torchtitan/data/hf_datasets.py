@@ -60,10 +60,10 @@ def _load_local(builder: str, files: list[str], **kwargs: Any) -> Any:
         return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
     except Exception as e:  # malformed or empty files surface as assorted library errors
         where = f"{files[0]}{', ...' if len(files) > 1 else ''}"
-        raise ValueError(f"cannot read {builder} files ({where}): {_explain(e)}") from None
+        raise ValueError(f"cannot read {builder} files ({where}): {explain_error(e)}") from None
 
 
-def _explain(error: BaseException) -> str:
+def explain_error(error: BaseException) -> str:
     """The error and its root cause in one line (the library wraps parse errors)."""
     parts = []
     while error is not None:

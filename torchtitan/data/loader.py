@@ -14,11 +14,12 @@ Errors in the data or its config fields reach ``build_dataloader``'s caller as `
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.data import ShardedTextDataset, load_documents
@@ -36,7 +37,7 @@ from torchtitan.protocols.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
-    from torchtitan.config import TrainingConfig, ValidationConfig
+    from torchtitan.config import HFDatasetConfig, TrainingConfig, ValidationConfig
     from torchtitan.distributed import ParallelDims
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -53,18 +54,25 @@ def _collate(samples: list[Sample]) -> Batch:
 
 class SequenceDataLoader:
     """Batches of a dataset of packed sequences (a ``ShardedTextDataset``, a token store's or a
-    mixture's ``MixedDataset``), read in this process or, for text datasets, in
-    ``num_workers`` worker processes; the same batches in the same order either way.
+    mixture's ``MixedDataset``), read in this process or in ``num_workers`` worker processes;
+    the same batches in the same order either way.
 
-    Workers each produce one part of the rank's stream (``ShardedTextDataset.iter_partition``)
-    and samples are taken from them in turn; the state is that of the samples taken, so it is
-    exact whatever the workers prefetched. At most ``num_workers * prefetch_factor`` batches
-    are in flight (default ``prefetch_factor`` 2), which bounds the host memory they hold.
-    ``persistent_workers`` keeps the workers (and their prefetched samples) from one ``iter()``
-    to the next; loading a state stops them. Pinning (``pin_memory``) happens after collation,
-    where an accelerator is present.
+    Worker processes are torchdata's ``StatefulDataLoader``'s (fork, per-worker prefetch,
+    shutdown); what they read is ours: worker ``w`` of ``W`` produces every ``W``-th sample of
+    the rank's stream from the current state (``iter_partition``), in chunks of a batch's
+    size, and the loader takes one chunk from each worker in turn and interleaves them, which
+    restores the rank's order exactly. Each sample
+    carries the record that moves the state past it (``consume``), so the state is that of the
+    samples taken, whatever the workers prefetched. ``StatefulDataLoader``'s own state is not
+    used: it restores one state per worker into the same worker count, where ours is one
+    position that any dp degree and worker count load; a loaded state starts new workers
+    from it. At most ``num_workers * prefetch_factor`` batches are in flight (default
+    ``prefetch_factor`` 2), which bounds the host memory they hold. ``persistent_workers``
+    keeps the workers (and their prefetched samples) from one ``iter()`` to the next; loading
+    a state stops them. Pinning (``pin_memory``) happens after collation, where an
+    accelerator is present (a pin thread would pin each sample, and stacking them unpins).
 
-    ``state_dict()`` returns ``ShardedTextDataset.state_dict()`` (see ``merge_data_states``);
+    ``state_dict()`` returns the dataset's state (see ``merge_data_states``);
     ``load_state_dict`` accepts the rank's own state or one merged over all ranks; an empty
     state is a no-op.
     """
@@ -109,18 +117,27 @@ class SequenceDataLoader:
             self._worker_samples = None
 
     def _start_workers(self) -> Iterator[Sample]:
-        loader = DataLoader(
-            _WorkerPartitions(self.dataset),
-            batch_size=None,
-            num_workers=self._num_workers,
-            prefetch_factor=self._prefetch_factor * self.batch_size,  # samples per worker
-        )
-        for item in loader:
-            if isinstance(item, ConfigError):
-                raise item
-            position, shard, cursor, sample = item
-            self.dataset.consume(position, shard, cursor)
-            yield sample
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            loader = StatefulDataLoader(
+                _WorkerPartitions(self.dataset, self.batch_size),
+                batch_size=None,
+                num_workers=self._num_workers,
+                prefetch_factor=self._prefetch_factor,  # chunks of a batch's size per worker
+            )
+        chunks = iter(loader)
+        while True:
+            round_ = list(itertools.islice(chunks, self._num_workers))
+            failed = next((item for item in round_ if isinstance(item, ConfigError)), None)
+            if failed is not None:
+                raise failed
+            if not round_:
+                return
+            for record, sample in _interleaved(round_):
+                self.dataset.consume(record)
+                yield sample
 
     def metrics(self) -> dict[str, float]:
         """Per source of a mixture, the tokens the global batches so far took from it
@@ -140,21 +157,40 @@ class SequenceDataLoader:
         self.close()  # the next iter() starts workers from the state
 
 
-class _WorkerPartitions(IterableDataset):
-    """In worker ``w`` of ``W``: part ``w`` of ``W`` of the dataset's stream. Bad data ends it
-    with the ``ConfigError`` as its last item, which the loader raises as it is (torch would wrap
-    it in a multi-line report)."""
+Chunk = tuple[list[Any], tuple[torch.Tensor, ...]]
+"""A worker's next samples: their records and their tensors stacked (one transfer per field
+instead of one per sample: per-sample transfers cost more than a store read)."""
 
-    def __init__(self, dataset: ShardedTextDataset) -> None:
+
+class _WorkerPartitions(IterableDataset):
+    """In worker ``w`` of ``W``: part ``w`` of ``W`` of the dataset's stream, in chunks of
+    ``chunk`` samples. Bad data ends it with the ``ConfigError`` as its last item, which the
+    loader raises as it is (torch would wrap it in a multi-line report)."""
+
+    def __init__(self, dataset: ShardedTextDataset | MixedDataset, chunk: int) -> None:
         super().__init__()
         self._dataset = dataset
+        self._chunk = chunk
 
-    def __iter__(self) -> Iterator[PartitionItem | ConfigError]:
+    def __iter__(self) -> Iterator[Chunk | ConfigError]:
         worker = get_worker_info()
+        items = self._dataset.iter_partition(worker.id, worker.num_workers)
         try:
-            yield from self._dataset.iter_partition(worker.id, worker.num_workers)
+            while chunk := list(itertools.islice(items, self._chunk)):
+                records, samples = zip(*chunk, strict=True)
+                yield list(records), tuple(torch.stack(field) for field in zip(*samples))
         except ConfigError as e:
             yield e
+
+
+def _interleaved(round_: list[Chunk]) -> Iterator[PartitionItem]:
+    """The samples of one chunk from each worker in the rank's order: worker ``w``'s ``j``-th
+    sample is the round's sample ``j * W + w`` (the last round's chunks may be shorter)."""
+    longest = max(len(records) for records, _ in round_)
+    for j in range(longest):
+        for records, tensors in round_:
+            if j < len(records):
+                yield records[j], tuple(tensor[j] for tensor in tensors)
 
 
 def _pinned(batch: Batch) -> Batch:
@@ -182,10 +218,12 @@ def build_text_dataloader(
     global_min: Callable[[int], int] | None = None,
     num_workers: int = 0,
     section: str = "training",
+    hf: HFDatasetConfig | None = None,
     **loader_options: Any,
 ) -> SequenceDataLoader:
     """A loader over dp rank ``dp_rank``'s share of the global sequence stream.
 
+    ``hf``: how to read an ``hf`` dataset (defaults when None).
     ``global_min`` (finite loaders) reduces an int with MIN over the dp group; the default is
     the identity, right for one process. ``section`` names the config section in errors.
     ``num_workers`` > 0 (infinite loaders only) must divide the data shards of a dp rank.
@@ -208,7 +246,7 @@ def build_text_dataloader(
             f"{section}.dataloader.pin_memory: no accelerator on this machine; "
             "batches are not pinned"
         )
-    config, documents = load_documents(dataset, dataset_path, section)
+    config, documents = load_documents(dataset, dataset_path, section, hf)
     encode, pad_id = encoding(config, tokenizer, section)
     text_dataset = ShardedTextDataset(
         name=dataset,
@@ -335,6 +373,7 @@ def build_validation_dataloaders(
                     dp_degree,
                     global_min,
                     training=False,
+                    hf=config.hf,
                 )
         return loaders
     except (ValueError, FileNotFoundError, ConnectionError) as e:
@@ -350,8 +389,10 @@ def _text_dataloader(
     dp_degree: int,
     global_min: Callable[[int], int] | None = None,
     training: bool = True,
+    hf: HFDatasetConfig | None = None,
 ) -> SequenceDataLoader:
-    """The text path: the train loader (infinite) or a validation loader (finite)."""
+    """The text path: the train loader (infinite) or a validation loader (finite); ``hf``
+    replaces the section's own (a mixture source's)."""
     return build_text_dataloader(
         dataset=dataset,
         dataset_path=dataset_path,
@@ -364,6 +405,7 @@ def _text_dataloader(
         infinite=training,
         global_min=global_min,
         section="training" if training else "validation",
+        hf=hf if hf is not None else data.hf,
         num_workers=data.dataloader.num_workers,
         persistent_workers=data.dataloader.persistent_workers,
         prefetch_factor=data.dataloader.prefetch_factor,
@@ -374,15 +416,18 @@ def _text_dataloader(
 def _sources_dataloader(
     data: TrainingConfig, tokenizer: BaseTokenizer, dp_rank: int, dp_degree: int
 ) -> SequenceDataLoader:
-    if data.dataloader.num_workers:
-        raise ConfigError(
-            "training.dataloader.num_workers: token stores and mixtures are read in the training "
-            "process (a store is a memory map; a text source is one stream); leave it at 0"
-        )
+    """The train loader of a token store or a mixture; its workers (any number) each read
+    every ``num_workers``-th of the rank's samples."""
     global_batch = (
         data.global_batch_size if data.global_batch_size > 0 else data.local_batch_size * dp_degree
     )
     dataset = training_dataset(data, tokenizer, dp_rank, dp_degree, global_batch)
     return SequenceDataLoader(
-        dataset, data.local_batch_size, data.seq_len, pin_memory=data.dataloader.pin_memory
+        dataset,
+        data.local_batch_size,
+        data.seq_len,
+        num_workers=data.dataloader.num_workers,
+        persistent_workers=data.dataloader.persistent_workers,
+        prefetch_factor=data.dataloader.prefetch_factor,
+        pin_memory=data.dataloader.pin_memory,
     )

@@ -96,8 +96,10 @@ class TextSource:
         self._stream = stream
         self._iterator: Iterator[Sample] | None = None
         self._next = 0
+        self._noted: dict[str, Any] | None = None  # the state a loader worker's copy reached
 
     def sample(self, index: int) -> Sample:
+        self._noted = None
         if index < self._next:
             raise RuntimeError(f"text source {self.name!r}: sample {index} was already read")
         if self._iterator is None:
@@ -113,10 +115,16 @@ class TextSource:
         """Whole windows of one pass (tokenizes the source once: only asked with max_epochs)."""
         return self._stream.windows_per_epoch()
 
+    def note_state(self, state: dict[str, Any]) -> None:
+        """The state a loader worker's copy of this source reached when it read the sample the
+        training loop took last (the one this process returns in ``state_dict``)."""
+        self._noted = state
+
     def state_dict(self) -> dict[str, Any]:
-        return self._stream.state_dict()
+        return self._noted if self._noted is not None else self._stream.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._noted = None
         self._stream.load_state_dict(state)
         self._next = state["next_position"]
         self._iterator = None
@@ -161,11 +169,44 @@ class MixedDataset(IterableDataset):
                 return
 
     def _take(self) -> Sample:
-        batch, offset = divmod(self._position, self._global_batch)
-        source, index = self._blend.plan(batch).locate(offset)
-        sample = self.sources[source].sample(index)
+        sample = self._sample_at(self._position)
         self._position += self._dp_degree
         return sample
+
+    def _sample_at(self, position: int) -> Sample:
+        batch, offset = divmod(position, self._global_batch)
+        source, index = self._blend.plan(batch).locate(offset)
+        return self.sources[source].sample(index)
+
+    def iter_partition(self, part: int, parts: int) -> Iterator[tuple[Any, Sample]]:
+        """Part ``part`` of ``parts`` of this rank's stream from its current state, as a loader
+        worker produces it: every ``parts``-th of the rank's positions, each with its record
+        (the position, and the states of the text sources after it). Stores are read at random,
+        so any number of parts works; each part reads the text sources forward on its own (it
+        runs in its own process, with its own copy of them)."""
+        texts = [source for source in self.sources if isinstance(source, TextSource)]
+        first, stride = self._position + part * self._dp_degree, parts * self._dp_degree
+        position = first
+        while True:
+            try:
+                sample = self._sample_at(position)
+            except StopIteration:  # every source reached its epoch cap
+                return
+            states = {source.name: source.state_dict() for source in texts}
+            yield (position, states), sample
+            position += stride
+
+    def consume(self, record: tuple[int, dict[str, Any]]) -> None:
+        """Move the state past the sample a partition produced (see ``iter_partition``)."""
+        position, text_states = record
+        if position != self._position:
+            raise RuntimeError(
+                f"data loader workers delivered position {position} where {self._position} was due"
+            )
+        self._position = position + self._dp_degree
+        for source in self.sources:
+            if source.name in text_states:
+                source.note_state(text_states[source.name])
 
     def source_samples(self) -> dict[str, int]:
         """Samples each source gave to the global batches before this rank's next position."""

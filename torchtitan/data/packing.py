@@ -61,8 +61,9 @@ logger = logging.getLogger("torchtitan")
 Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(input_ids, labels, document_ids), each of ``seq_len`` tokens."""
 
-PartitionItem = tuple[int, int, tuple[int, ...], Sample]
-"""(position, shard, the shard's cursor after the sample, sample): what a worker delivers."""
+PartitionItem = tuple[Any, Sample]
+"""(record, sample): what a loader worker delivers; the dataset's ``consume(record)`` moves its
+state past the sample (a text dataset's record: position, shard, the shard's cursor after it)."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,8 @@ class ShardedTextDataset(IterableDataset):
         self._restart()
 
     def _shard_documents(self, documents: Documents, shards: list[int]) -> ShardedDocuments:
+        if hasattr(documents, "shard_documents"):  # a source with its own sharding (hf_source.py)
+            return documents.shard_documents(self._num_shards, shards, self._section)
         if not is_indexable(documents):
             return StreamedDocuments(documents, self._num_shards, shards)
         if len(documents) < self._num_shards:
@@ -340,8 +343,8 @@ class ShardedTextDataset(IterableDataset):
 
     def iter_partition(self, part: int, parts: int) -> Iterator[PartitionItem]:
         """Part ``part`` of ``parts`` of this (infinite) rank's stream from its current state, as
-        a worker process produces it (see the module docstring): ``(position, shard, the shard's
-        cursor after the sample, sample)``. Leaves this dataset's state untouched."""
+        a worker process produces it (see the module docstring): ``PartitionItem``s. Leaves this
+        dataset's state untouched."""
         if not self._infinite or len(self._shards) % parts != 0:
             raise ValueError(
                 "iter_partition: needs an infinite dataset and a divisor of "
@@ -361,10 +364,12 @@ class ShardedTextDataset(IterableDataset):
             window = reader.next_window()
             if window.truncated and not self._truncation_logged:
                 self._log_truncation()
-            yield position, reader.shard, astuple(reader.cursor), window.sample()
+            yield (position, reader.shard, astuple(reader.cursor)), window.sample()
 
-    def consume(self, position: int, shard: int, cursor: tuple[int, ...]) -> None:
-        """Move the state past the sample at ``position`` that a partition produced."""
+    def consume(self, record: tuple[int, int, tuple[int, ...]]) -> None:
+        """Move the state past the sample a partition produced: ``record`` is its position, its
+        shard and the shard's cursor after it."""
+        position, shard, cursor = record
         if position != self._position:
             raise RuntimeError(
                 f"data loader workers delivered position {position} where {self._position} was due"

@@ -21,6 +21,7 @@ Bad input is one ``error:`` line and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import gzip
 import hashlib
@@ -131,12 +132,13 @@ def _json_text(line: str, path: Path, number: int, text_field: str) -> str:
     return row[text_field] or ""
 
 
-def dataset_texts(name: str, path: str | None) -> Iterator[str]:
-    """The documents of a registered text dataset, in its order."""
+def dataset_texts(name: str, path: str | None, hf: Any = None) -> Iterator[str]:
+    """The documents of a registered text dataset, in its order (``hf``: how to read an
+    ``hf`` dataset)."""
     from torchtitan.data.registry import load_documents
 
     try:
-        config, documents = load_documents(name, path, section="prepare")
+        config, documents = load_documents(name, path, section="prepare", hf=hf)
     except (ValueError, FileNotFoundError, ConnectionError) as e:
         raise ConfigError(str(e)) from None
     if config.chat:
@@ -279,11 +281,27 @@ def _inputs(args: argparse.Namespace) -> tuple[dict[str, Any], Iterable[str]]:
     """(what the manifest records about the inputs, the documents' texts)."""
     if args.dataset:
         record = {"dataset": args.dataset, "dataset_path": args.dataset_path}
-        return record, dataset_texts(args.dataset, args.dataset_path)
+        hf = _hf_options(args) if args.dataset == "hf" else None
+        if hf is not None:
+            record["hf"] = dataclasses.asdict(hf)
+        return record, dataset_texts(args.dataset, args.dataset_path, hf)
     files = input_files(args.input)
     record = {"files": [file_record(f) for f in files], "text_field": args.text_field}
     texts = (text for f in files for text in file_texts(f, args.text_field))
     return record, texts
+
+
+def _hf_options(args: argparse.Namespace) -> Any:
+    """``--dataset hf``'s options: the configuration name, the split, the text column
+    (``--text-field``) and streaming."""
+    from torchtitan.config import HFDatasetConfig
+
+    return HFDatasetConfig(
+        name=getattr(args, "hf_name", None),
+        split=getattr(args, "hf_split", "train"),
+        text_column=args.text_field,
+        streaming=getattr(args, "streaming", False),
+    )
 
 
 def _resume(out: Path, inputs: dict[str, Any], tokenizer: dict[str, Any]) -> Progress:
@@ -408,10 +426,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", action="append", help="a glob of input files (repeatable)")
-    source.add_argument("--dataset", help="a registered text dataset (e.g. python_stdlib)")
-    parser.add_argument("--dataset-path", help="the dataset's files, for file datasets")
+    source.add_argument(
+        "--dataset",
+        help="a registered text dataset (e.g. python_stdlib), or hf (any Hugging Face "
+        "dataset: --dataset-path is its hub id or local folder)",
+    )
+    parser.add_argument("--dataset-path", help="the dataset's files, for file datasets and hf")
+    parser.add_argument("--hf-name", help="hf: the dataset's configuration name")
+    parser.add_argument("--hf-split", default="train", help="hf: the split (default: train)")
     parser.add_argument(
-        "--text-field", default="text", help="JSON field / parquet column (default: text)"
+        "--streaming", action="store_true", help="hf: stream the rows instead of loading the split"
+    )
+    parser.add_argument(
+        "--text-field", default="text", help="JSON field / parquet / hf column (default: text)"
     )
     parser.add_argument("--tokenizer", default="byte", help="a tokenizer folder, or byte (default)")
     parser.add_argument(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeAlias
 
 Documents: TypeAlias = Sequence[Any] | Iterable[Any]
@@ -33,6 +33,8 @@ class DatasetConfig:
     do not use it reject a set path rather than silently ignore it.
     ``chat``: the documents are chat samples (``torchtitan.data.sft.ChatSample``): only
     their assistant turns are trained, and each is packed whole into a sequence.
+    ``hf_options``: the loader also takes the section's ``HFDatasetConfig`` and section name
+    (``loader(path, options, section)``), and the documents say whether they are chat.
     """
 
     name: str
@@ -40,6 +42,7 @@ class DatasetConfig:
     text_processor: Callable[[Any], str] = _identity
     uses_path: bool = False
     chat: bool = False
+    hf_options: bool = False
 
 
 _DATASETS: dict[str, DatasetConfig] = {}
@@ -82,21 +85,24 @@ def check_dataset_fields(name: str, path: str | None, section: str = "training")
             f"{section}.dataset_path: dataset {name!r} does not read a path (got {path!r}); "
             f"unset it, or use one of the file datasets json, jsonl, parquet, txt, sft"
         )
-    if path and not os.path.exists(path):
+    if path and not os.path.exists(path) and not config.hf_options:
         raise FileNotFoundError(f"{section}.dataset_path: {path!r} does not exist")
     return config
 
 
 def load_documents(
-    name: str, path: str | None, section: str = "training"
+    name: str, path: str | None, section: str = "training", hf: Any = None
 ) -> tuple[DatasetConfig, Documents]:
     """Look up ``name`` and run its loader, turning loader failures into one error naming the field.
 
+    ``hf`` (an ``HFDatasetConfig``; defaults when None) goes to loaders that take it.
     Loaders raise FileNotFoundError / ValueError / ConnectionError with plain messages; this
     prefixes the config field (``<section>.dataset_path`` for path-based datasets, else
     ``<section>.dataset``) and drops the library traceback.
     """
     config = check_dataset_fields(name, path, section)
+    if config.hf_options:
+        return _load_with_options(config, path, section, hf)
     field = f"{section}.dataset_path" if config.uses_path else f"{section}.dataset"
     try:
         documents = config.loader(path)
@@ -112,3 +118,15 @@ def load_documents(
     if is_indexable(documents) and len(documents) == 0:
         raise ValueError(f"{field}: dataset {name!r} has no documents")
     return config, documents
+
+
+def _load_with_options(
+    config: DatasetConfig, path: str | None, section: str, hf: Any
+) -> tuple[DatasetConfig, Documents]:
+    """A loader whose errors already name their field (``section.hf.*``, ``dataset_path``)."""
+    if hf is None:
+        from torchtitan.config import HFDatasetConfig
+
+        hf = HFDatasetConfig()
+    documents = config.loader(path, hf, section)
+    return replace(config, chat=documents.chat), documents

@@ -66,7 +66,7 @@ def _messages(row: Any, source: str) -> tuple[dict[str, str], ...]:
             f"{source}: expected a JSON object, got {type(row).__name__}; write {_FORMATS}"
         )
     if "messages" in row:
-        return _checked_messages(row["messages"], source)
+        return checked_messages(row["messages"], source)
     if "prompt" in row or "completion" in row:
         return _prompt_completion(row, source)
     keys = ", ".join(map(repr, row)) or "none"
@@ -75,7 +75,7 @@ def _messages(row: Any, source: str) -> tuple[dict[str, str], ...]:
     )
 
 
-def _checked_messages(messages: Any, source: str) -> tuple[dict[str, str], ...]:
+def checked_messages(messages: Any, source: str) -> tuple[dict[str, str], ...]:
     if not isinstance(messages, list) or not messages:
         raise ValueError(
             f'{source}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}}'

@@ -88,7 +88,9 @@ def _source(
             f"{section}.shuffle_seed: source {name!r} is a text dataset, which cannot be read "
             "out of order; prepare it into a token store (python scripts/data/prepare.py)"
         )
-    dataset_config, documents = load_documents(config.dataset, config.dataset_path, section)
+    dataset_config, documents = load_documents(
+        config.dataset, config.dataset_path, section, config.hf
+    )
     encode, pad_id = encoding(dataset_config, tokenizer, section)
     stream = ShardedTextDataset(
         name=config.dataset,
