@@ -9,11 +9,10 @@ memory of reading a local parquet set larger than 2 GiB through the Hugging Face
    store (0.7) and the streamed parquet files (0.3). Worker start-up is not counted (the clock
    starts after the first batch).
 2. a parquet set of random words larger than 2 GiB (16 files, written uncompressed so the
-   files hold that many bytes, in row groups of 1,000 documents, ~10 MB: a streamed shard
-   holds one row group in memory; dropped from the page cache after writing), read whole by one
-   rank (the training process, 16 data shards, the byte tokenizer so that the read finishes in
-   minutes), streaming and map-style: anonymous RSS (what the process allocates) and
-   file-backed RSS (file pages mapped into it) as the read goes.
+   files hold that many bytes, in row groups of 1,000 documents, ~10 MB; dropped from the page
+   cache after writing), of which one rank (a fresh process, 8 data shards: 2 files each, the
+   byte tokenizer) reads ``--read-gib`` GiB, streaming and map-style: anonymous RSS (what the
+   process allocates) and file-backed RSS (file pages mapped into it) as the read goes.
 """
 
 from __future__ import annotations
@@ -122,7 +121,7 @@ def write_large_parquet(folder: Path, gib: float, files: int) -> int:
 
 
 def read_large_parquet(folder: Path, streaming: bool, total_bytes: int) -> dict[str, Any]:
-    """Read the whole set (one epoch of its bytes) as one rank, in a fresh process (what a rank
+    """Read ``total_bytes`` of the set as one rank, in a fresh process (what a rank
     is: the writing and the throughput runs leave this process's allocator large); RSS before
     and at 8 points, and the tokens/s."""
     command = [sys.executable, __file__, "--read", str(folder), "--bytes", str(total_bytes)]
@@ -143,7 +142,7 @@ def read_as_a_rank(folder: Path, streaming: bool, total_bytes: int) -> dict[str,
         [
             *flags,
             *("--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(BATCH)),
-            *("--training.data_shards", "16"),
+            *("--training.data_shards", "8"),
         ]
     )
     before = memory_kib()
@@ -165,6 +164,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--large-gib", type=float, default=2.2)
+    parser.add_argument("--read-gib", type=float, default=0.5, help="how much of it is read")
     parser.add_argument("--read", type=Path, help=argparse.SUPPRESS)  # one rank's read
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--streaming", action="store_true", help=argparse.SUPPRESS)
@@ -223,11 +223,11 @@ def main() -> None:
         on_disk = write_large_parquet(large, args.large_gib, 16)
         lines += [
             "",
-            f"## reading a {on_disk / 2**30:.2f} GiB parquet set whole (16 uncompressed files, "
-            "cold page cache, one rank, byte tokenizer)",
+            f"## reading {args.read_gib:g} GiB of a {on_disk / 2**30:.2f} GiB parquet set (16 "
+            "uncompressed files, cold page cache, one rank with 8 data shards, byte tokenizer)",
         ]
         for streaming in (True, False):
-            read = read_large_parquet(large, streaming, on_disk)
+            read = read_large_parquet(large, streaming, int(args.read_gib * 2**30))
             before, samples, rate = read["before"], read["samples"], read["rate"]
             kind = "streaming" if streaming else "map-style (after datasets' Arrow conversion)"
             lines += [
