@@ -226,6 +226,7 @@ def test_bad_input_is_one_line(folders, tmp_path, monkeypatch):
         r"training.hf.messages_column: '.*parquet' row 0: 'messages' must be a non-empty list",
         _error(folders["parquet"], messages_column="text"),
     )
+    assert re.match(r"training.dataset_path: '.*/gone' does not exist$", _error(tmp_path / "gone"))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "part-0.parquet").write_text("this is not parquet")
@@ -234,7 +235,9 @@ def test_bad_input_is_one_line(folders, tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     message = _error("nobody/not-a-cached-dataset")
-    assert message.startswith("training.dataset_path: 'nobody/not-a-cached-dataset' is not in")
+    assert message.startswith(
+        "training.dataset_path: 'nobody/not-a-cached-dataset' is neither a local folder nor in"
+    )
     assert "offline" in message
 
 

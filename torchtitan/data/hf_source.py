@@ -308,9 +308,10 @@ def _explained_load_error(error: Exception, path: str, section: str) -> Exceptio
         return ValueError(f"{section}.hf.name: {message} (dataset {path!r})")
     if isinstance(error, ConnectionError) or "OfflineModeIsEnabled" in message:
         return ValueError(
-            f"{section}.dataset_path: {path!r} is not in the local Hugging Face cache "
-            f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}) and the Hub cannot "
-            "be reached (offline); download it where there is internet, or give a local folder"
+            f"{section}.dataset_path: {path!r} is neither a local folder nor in the local "
+            f"Hugging Face cache (HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}), "
+            "and the Hub cannot be reached (offline); download it where there is internet, or "
+            "give a local folder"
         )
     if isinstance(error, FileNotFoundError):
         return ValueError(f"{section}.dataset_path: {message}")

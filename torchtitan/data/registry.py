@@ -85,9 +85,14 @@ def check_dataset_fields(name: str, path: str | None, section: str = "training")
             f"{section}.dataset_path: dataset {name!r} does not read a path (got {path!r}); "
             f"unset it, or use one of the file datasets json, jsonl, parquet, txt, sft"
         )
-    if path and not os.path.exists(path) and not config.hf_options:
+    if path and not os.path.exists(path) and (not config.hf_options or _names_a_file(path)):
         raise FileNotFoundError(f"{section}.dataset_path: {path!r} does not exist")
     return config
+
+
+def _names_a_file(path: str) -> bool:
+    """Whether a path cannot be a hub id (``org/name``): absolute, home- or dot-relative."""
+    return path.startswith(("/", "~", "."))
 
 
 def load_documents(
