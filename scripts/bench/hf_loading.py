@@ -34,13 +34,22 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from data_loading import REPO, TOKENIZER, git_commit, memory_kib, mib, tokenizer
 
 from torchtitan.config import ConfigManager
 from torchtitan.data import load_documents
 from torchtitan.data.loader import build_dataloader
 from torchtitan.data.prepare import prepare
 from torchtitan.data.tokenizers import ByteTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.data_loading import (  # noqa: E402
+    REPO,
+    TOKENIZER,
+    git_commit,
+    memory_kib,
+    mib,
+    tokenizer,
+)
 
 SEQ_LEN, BATCH = 2048, 8
 ROW_GROUP_ROWS = 1000  # ~10 MB of these documents: datasets' streaming reads a row group whole

@@ -71,6 +71,7 @@ SCRIPT_KINDS = {
 }
 USER_PACKAGES = ("my_models", "scripts")  # what the commands' custom imports load
 ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+STORE_PATH = re.compile(r"(?<![\w/.])stores/")  # a README store, also inside a --training.mixture
 INLINE_SCRIPT = re.compile(r"([A-Z_]+=\S+ )*(python|torchrun) .*scripts/", re.DOTALL)
 
 
@@ -265,10 +266,7 @@ def check_trainer(check: Check, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     torchtitan.preflight --world-size N``), for a new user's empty dump folder; a token store
     the README prepares (``stores/...``) is the one the ``readme_stores`` fixture made."""
     stores = STORES[0]
-    args = [
-        str(stores / a.removeprefix("stores/")) if a.startswith("stores/") else a
-        for a in check.args
-    ]
+    args = [STORE_PATH.sub(f"{stores}/", a) for a in check.args]
     args = [*args, "--job.dump_folder", str(tmp_path / "outputs")]
     if needs_gpu(ConfigManager().parse_args(args)):
         monkeypatch.setattr(preflight, "default_device_type", lambda: "cuda")
@@ -344,9 +342,9 @@ def _run_main(path: str) -> None:
 
 def check_prepare(check: Check, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store of a registered dataset is made for real (seconds), into an empty folder; one of
-    the user's own files is ``--help``."""
+    the user's own files or Hugging Face datasets (``--dataset hf``) is ``--help``."""
     args = list(check.args[1:])
-    if "--dataset" not in args:
+    if "--dataset" not in args or args[args.index("--dataset") + 1] == "hf":
         return check_script(Check("script", check.args), tmp_path, monkeypatch)
     args[args.index("--out") + 1] = str(tmp_path / "store")
     monkeypatch.setattr(sys, "argv", [PREPARE, *args])
