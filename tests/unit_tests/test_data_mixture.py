@@ -167,7 +167,7 @@ def test_two_workers_give_the_same_batches_and_resume_exactly(stores, tmp_path):
             *("--training.data_shards", "2"),
         ],
         "mixture": ["--job.config_file", write_config(tmp_path, stores)],
-        "text source": ["--training.mixture", text_source, "--training.data_shards", "2"],
+        "text source": ["--training.mixture", text_source, "--training.data_shards", "8"],
     }
     workers = ["--training.dataloader.num_workers", "2"]
     for name, flags in configs.items():
@@ -251,6 +251,41 @@ def test_a_text_dataset_can_be_a_source(stores, tmp_path):
     assert global_batches(loaders(str(path), 2), 6) == reference
     only_w = {ord("w"), 256, 257}  # the web store's letter, BOS, EOS
     assert [sum(set(sample) <= only_w for sample in batch) for batch in reference] == [4] * 6
+
+
+def test_a_text_source_is_read_in_each_rank_s_own_data_shards_alone(stores, tmp_path):
+    """An hf source of 4 data shards (contiguous rows: shard s is written in the letter
+    'abcd'[s]) beside a store: under dp 2, rank r's text samples come from its shards r and
+    r + 2 alone, its state holds their cursors alone, and the global batches are one
+    process's."""
+    folder = tmp_path / "letters"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(
+        "".join(json.dumps({"text": "abcd"[i // 10] * (12 + i % 7)}) + "\n" for i in range(40))
+    )
+    mixture = (
+        f"dataset=tokens,dataset_path={stores['web']},weight=0.5;"
+        f"dataset=hf,dataset_path={folder},weight=0.5"
+    )
+    flags = ["--training.mixture", mixture, "--training.data_shards", "4"]
+    reference = global_batches(loaders(None, 1, *flags), 6)
+    ranks = loaders(None, 2, *flags)
+    letters_read = []
+    for loader in ranks:
+        rows = [row for _, batch in zip(range(6), loader) for row in batch[0]["input"].tolist()]
+        letters_read.append({chr(t) for row in rows for t in row if chr(t) in "abcd"})
+    assert letters_read == [{"a", "c"}, {"b", "d"}]
+    assert [sorted(loader.state_dict()["sources"]["letters"]["shards"]) for loader in ranks] == [
+        ["0", "2"],
+        ["1", "3"],
+    ]
+    assert global_batches(loaders(None, 2, *flags), 6) == reference
+    with pytest.raises(
+        ConfigError,
+        match=r"^training.data_shards \(4\) must be divisible by the data-parallel degree \(8\) "
+        "for the text source 'letters'",
+    ):
+        loaders(None, 8, *flags)
 
 
 @pytest.mark.parametrize(

@@ -443,8 +443,8 @@ class DataSourceConfig:
 
     dataset: str = "tokens"
     """A registered dataset: tokens (a token store, by random access), hf (a Hugging Face
-    dataset) or a text dataset (text sources are read in full by every rank: fine for small
-    sources)."""
+    dataset) or a text dataset (packed per data shard; each rank reads its own shards of it,
+    with training.data_shards divisible by the dp degree)."""
 
     dataset_path: str | None = None
     """The store folder (tokens) or the text dataset's files."""

@@ -416,12 +416,15 @@ def _text_dataloader(
 def _sources_dataloader(
     data: TrainingConfig, tokenizer: BaseTokenizer, dp_rank: int, dp_degree: int
 ) -> SequenceDataLoader:
-    """The train loader of a token store or a mixture; its workers (any number) each read
-    every ``num_workers``-th of the rank's samples."""
+    """The train loader of a token store or a mixture; its workers each read every
+    ``num_workers``-th of the rank's samples (any number of them for stores; with a text
+    source, a divisor of the rank's data shards, so that each reads whole shards)."""
     global_batch = (
         data.global_batch_size if data.global_batch_size > 0 else data.local_batch_size * dp_degree
     )
     dataset = training_dataset(data, tokenizer, dp_rank, dp_degree, global_batch)
+    if dataset.text_shards_per_rank is not None:
+        _check_workers(data.dataloader.num_workers, dataset.text_shards_per_rank, True, "training")
     return SequenceDataLoader(
         dataset,
         data.local_batch_size,

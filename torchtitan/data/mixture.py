@@ -2,32 +2,43 @@
 mixture of sources (``blend.py``), each optionally shuffled (``shuffle.py``), or one token store.
 
 Global position ``p`` belongs to global batch ``p // G`` (``G`` = the global batch size, the
-same under every layout); the batch's plan says which source and which source sample sits at
-``p``, the source's shuffle moves that sample index, and the source returns the sample. Rank
-``r`` of ``dp`` takes the positions ``p % dp == r``, so a global batch is the same set of
-samples under every dp degree, and the state is the next position alone (text sources add the
-state of their own stream), loadable under any dp degree.
+same under every layout); the batch's plan says which source sits at ``p`` and which of its
+samples, and the source returns the sample. Rank ``r`` of ``dp`` takes the positions
+``p % dp == r``, so a global batch is the same set of samples under every dp degree, and the
+state is the next position (plus the shard cursors of text sources), loadable under any dp
+degree.
 
 Sources:
 
-- ``StoreSource``: a token store, by random access (``store_packing.py``);
-- ``TextSource``: a text dataset read as one stream (dp degree 1: its data shards in their
-  order); a rank reads the samples the plan gives it in increasing order and skips the others,
-  so every rank tokenizes the whole source: fine for small sources, a token store is the
-  way for large ones. It cannot be shuffled (that needs random access).
+- ``StoreSource``: a token store, by random access (``store_packing.py``); a rank reads the
+  sequences at its positions alone. It can be shuffled.
+- ``TextSource``: a text or ``hf`` dataset packed per data shard as ``packing.py`` does
+  (``S`` = ``data_shards``), placed by position: the source's sample at position ``p`` is the
+  next window of shard ``p % S``. With ``dp | S`` every position of shard ``s`` falls on rank
+  ``s % dp``, so a rank reads and tokenizes its own shards alone, each in order, and a
+  shard's cursor (kept by the rank that reads it) says where it resumes under any dp degree.
+  It cannot be shuffled (packing is sequential), and a ``max_epochs`` cap counts the windows
+  of all its shards once (every rank tokenizes the whole source for that count).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Any, Protocol
 
 from torch.utils.data import IterableDataset
 
 from torchtitan.data.blend import Blend
-from torchtitan.data.packing import Sample, ShardedTextDataset
+from torchtitan.data.packing import (
+    Sample,
+    ShardCursor,
+    ShardedTextDataset,
+    ShardReader,
+    saved_cursors,
+    unite_shard_cursors,
+)
 from torchtitan.data.shuffle import BlockShuffle
 from torchtitan.data.store_packing import StoreSequences
 
@@ -37,8 +48,8 @@ logger = logging.getLogger("torchtitan")
 class Source(Protocol):
     name: str
 
-    def sample(self, index: int) -> Sample:
-        """The source's ``index``-th sample."""
+    def sample(self, index: int, position: int) -> Sample:
+        """The source's ``index``-th sample, which the global ``position`` takes."""
 
     @property
     def samples_per_epoch(self) -> int:
@@ -57,7 +68,7 @@ class StoreSource:
         self.sequences = sequences
         self.shuffle = shuffle
 
-    def sample(self, index: int) -> Sample:
+    def sample(self, index: int, position: int) -> Sample:
         return self.sequences.sequence(self.shuffle(index) if self.shuffle else index)
 
     @property
@@ -87,47 +98,79 @@ class StoreSource:
             )
 
 
-class TextSource:
-    """A text dataset's stream (dp degree 1), read forward: ``sample(i)`` needs ``i`` at or
-    after the last sample read; the samples in between are skipped (still tokenized)."""
+TextRecord = tuple[str, int, tuple[int, ...]] | None
+"""What a text source's sample moves: (source name, data shard, the shard's cursor after it)."""
 
-    def __init__(self, name: str, stream: ShardedTextDataset) -> None:
+
+class TextSource:
+    """A text dataset's windows placed by position (see the module docstring); ``stream``
+    holds all its data shards (dp degree 1), of which this rank opens its own."""
+
+    def __init__(self, name: str, stream: ShardedTextDataset, dp_rank: int, dp_degree: int) -> None:
+        if stream.num_shards % dp_degree != 0:
+            raise ValueError(
+                f"training.data_shards ({stream.num_shards}) must be divisible by the "
+                f"data-parallel degree ({dp_degree}) for the text source {name!r}: each rank "
+                "reads whole data shards of it"
+            )
         self.name = name
         self._stream = stream
-        self._iterator: Iterator[Sample] | None = None
-        self._next = 0
-        self._noted: dict[str, Any] | None = None  # the state a loader worker's copy reached
+        self._cursors = {s: ShardCursor() for s in range(dp_rank, stream.num_shards, dp_degree)}
+        self._readers: dict[int, ShardReader] | None = None  # opened on the first read here
 
-    def sample(self, index: int) -> Sample:
-        self._noted = None
-        if index < self._next:
-            raise RuntimeError(f"text source {self.name!r}: sample {index} was already read")
-        if self._iterator is None:
-            self._iterator = iter(self._stream)
-        while self._next < index:
-            next(self._iterator)
-            self._next += 1
-        self._next += 1
-        return next(self._iterator)
+    @property
+    def num_shards(self) -> int:
+        return self._stream.num_shards
+
+    @property
+    def shards_per_rank(self) -> int:
+        return len(self._cursors)
+
+    def sample(self, index: int, position: int) -> Sample:
+        if self._readers is None:
+            self._readers = self._stream.shard_readers(self._cursors)
+        return self.read(position, self._readers)[0]
+
+    def part_readers(self, shards: list[int]) -> dict[int, ShardReader]:
+        """Readers of some of this rank's shards from copies of their cursors (a loader
+        worker's part), leaving this source's state as it is."""
+        return self._stream.shard_readers({s: replace(self._cursors[s]) for s in shards})
+
+    def read(self, position: int, readers: dict[int, ShardReader]) -> tuple[Sample, TextRecord]:
+        """The sample at ``position`` from ``readers``, with the record that moves a state past
+        it (``advance``)."""
+        reader = readers[position % self._stream.num_shards]
+        sample = self._stream.sample_of(reader.next_window(), list(self._cursors))
+        return sample, (self.name, reader.shard, astuple(reader.cursor))
 
     @property
     def samples_per_epoch(self) -> int:
-        """Whole windows of one pass (tokenizes the source once: only asked with max_epochs)."""
+        """Whole windows of one pass over all shards (tokenizes them once: only asked with
+        max_epochs)."""
         return self._stream.windows_per_epoch()
 
-    def note_state(self, state: dict[str, Any]) -> None:
-        """The state a loader worker's copy of this source reached when it read the sample the
-        training loop took last (the one this process returns in ``state_dict``)."""
-        self._noted = state
+    def advance(self, shard: int, cursor: tuple[int, ...]) -> None:
+        """Take the cursor a loader worker's copy of this source reached in ``shard``."""
+        self._cursors[shard] = ShardCursor(*cursor)
+        self._readers = None
 
     def state_dict(self) -> dict[str, Any]:
-        return self._noted if self._noted is not None else self._stream.state_dict()
+        """This rank's shard cursors (``merge_mixture_states`` unites the ranks')."""
+        return {
+            "data_shards": self._stream.num_shards,
+            "shards": {str(s): list(astuple(c)) for s, c in self._cursors.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._noted = None
-        self._stream.load_state_dict(state)
-        self._next = state["next_position"]
-        self._iterator = None
+        num_shards = self._stream.num_shards
+        if state.get("data_shards") != num_shards:
+            raise ValueError(
+                f"data state: source {self.name!r} was saved with data_shards "
+                f"{state.get('data_shards')}; this run has data_shards {num_shards}, which "
+                "would train on other sequences (training.data_shards)"
+            )
+        self._cursors = saved_cursors(state, list(self._cursors), f"source {self.name!r}")
+        self._readers = None
 
 
 @dataclass(frozen=True)
@@ -173,40 +216,62 @@ class MixedDataset(IterableDataset):
         self._position += self._dp_degree
         return sample
 
-    def _sample_at(self, position: int) -> Sample:
+    def _locate(self, position: int) -> tuple[Source, int]:
+        """The source at ``position`` and the index of its sample there."""
         batch, offset = divmod(position, self._global_batch)
         source, index = self._blend.plan(batch).locate(offset)
-        return self.sources[source].sample(index)
+        return self.sources[source], index
+
+    def _sample_at(self, position: int) -> Sample:
+        source, index = self._locate(position)
+        return source.sample(index, position)
+
+    @property
+    def text_shards_per_rank(self) -> int | None:
+        """The data shards each rank reads of every text source (None: no text source)."""
+        texts = self._text_sources()
+        return texts[0].shards_per_rank if texts else None
+
+    def _text_sources(self) -> list[TextSource]:
+        return [source for source in self.sources if isinstance(source, TextSource)]
 
     def iter_partition(self, part: int, parts: int) -> Iterator[tuple[Any, Sample]]:
         """Part ``part`` of ``parts`` of this rank's stream from its current state, as a loader
         worker produces it: every ``parts``-th of the rank's positions, each with its record
-        (the position, and the states of the text sources after it). Stores are read at random,
-        so any number of parts works; each part reads the text sources forward on its own (it
-        runs in its own process, with its own copy of them)."""
-        texts = [source for source in self.sources if isinstance(source, TextSource)]
+        (the position, and a text source's ``TextRecord``). Stores are read at random, so any
+        number of parts works; with text sources ``parts`` divides the rank's data shards,
+        so that a shard's positions all fall in one part, which reads its shards alone."""
         first, stride = self._position + part * self._dp_degree, parts * self._dp_degree
+        texts = self._text_sources()
+        readers = {}
+        if texts:
+            count, num_shards = texts[0].shards_per_rank // parts, texts[0].num_shards
+            shards = sorted({(first + k * stride) % num_shards for k in range(count)})
+            readers = {text.name: text.part_readers(shards) for text in texts}
         position = first
         while True:
             try:
-                sample = self._sample_at(position)
+                source, index = self._locate(position)
             except StopIteration:  # every source reached its epoch cap
                 return
-            states = {source.name: source.state_dict() for source in texts}
-            yield (position, states), sample
+            if isinstance(source, TextSource):
+                sample, record = source.read(position, readers[source.name])
+            else:
+                sample, record = source.sample(index, position), None
+            yield (position, record), sample
             position += stride
 
-    def consume(self, record: tuple[int, dict[str, Any]]) -> None:
+    def consume(self, record: tuple[int, TextRecord]) -> None:
         """Move the state past the sample a partition produced (see ``iter_partition``)."""
-        position, text_states = record
+        position, text = record
         if position != self._position:
             raise RuntimeError(
                 f"data loader workers delivered position {position} where {self._position} was due"
             )
         self._position = position + self._dp_degree
-        for source in self.sources:
-            if source.name in text_states:
-                source.note_state(text_states[source.name])
+        if text is not None:
+            name, shard, cursor = text
+            next(s for s in self._text_sources() if s.name == name).advance(shard, cursor)
 
     def source_samples(self) -> dict[str, int]:
         """Samples each source gave to the global batches before this rank's next position."""
@@ -242,14 +307,14 @@ class MixedDataset(IterableDataset):
 
 def merge_mixture_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """The state every rank resumes from: the smallest next position (the first global batch
-    not fully consumed); a text source resumes from the rank that read furthest in it (every
-    rank reads it as one stream, so any rank's state is a valid one to fast-forward from)."""
+    not fully consumed); a text source's shard cursors united over the ranks (each shard is
+    read by one rank)."""
     first = min(states, key=lambda s: s["next_position"])
     sources = {}
     for name, state in first["sources"].items():
-        if "next_position" in state:  # a text source's stream
-            candidates = [s["sources"][name] for s in states]
-            state = max(candidates, key=lambda s: s["next_position"])
+        if "shards" in state:  # a text source
+            num_shards, cursors = unite_shard_cursors([s["sources"][name] for s in states])
+            state = {"data_shards": num_shards, "shards": cursors}
         sources[name] = state
     return {**first, "sources": sources}
 

@@ -195,14 +195,9 @@ class ShardReader:
         self._documents.seek(self.shard, self.cursor.epoch, 0)
 
 
-def merge_shard_states(states: list[dict[str, Any]], partial: bool = False) -> dict[str, Any]:
-    """``merge_data_states`` of a text dataset: the data states of all dp ranks combined into
-    one state that loads under any dp degree (``partial``: the states of some ranks, whose
-    shards alone the state then holds).
-
-    Shard cursors are united (each shard belongs to one rank); the next position is the
-    smallest over the ranks, i.e. the start of the first global batch not fully consumed.
-    """
+def unite_shard_cursors(states: list[dict[str, Any]]) -> tuple[int, dict[str, list[int]]]:
+    """The data shard count and the shard cursors of states that each hold some shards (each
+    shard is read by one rank), refused when they disagree."""
     if not states:
         raise ValueError("merge_data_states: no states given")
     shard_counts = {state["data_shards"] for state in states}
@@ -210,7 +205,6 @@ def merge_shard_states(states: list[dict[str, Any]], partial: bool = False) -> d
         raise ValueError(
             f"merge_data_states: the states disagree on data_shards: {sorted(shard_counts)}"
         )
-    num_shards = shard_counts.pop()
     shards: dict[str, list[int]] = {}
     for state in states:
         for shard, cursor in state["shards"].items():
@@ -219,6 +213,18 @@ def merge_shard_states(states: list[dict[str, Any]], partial: bool = False) -> d
                     f"merge_data_states: two states hold different cursors for data shard {shard}"
                 )
             shards[shard] = list(cursor)
+    return shard_counts.pop(), dict(sorted(shards.items(), key=lambda item: int(item[0])))
+
+
+def merge_shard_states(states: list[dict[str, Any]], partial: bool = False) -> dict[str, Any]:
+    """``merge_data_states`` of a text dataset: the data states of all dp ranks combined into
+    one state that loads under any dp degree (``partial``: the states of some ranks, whose
+    shards alone the state then holds).
+
+    Shard cursors are united (each shard belongs to one rank); the next position is the
+    smallest over the ranks, i.e. the start of the first global batch not fully consumed.
+    """
+    num_shards, shards = unite_shard_cursors(states)
     missing = [s for s in range(num_shards) if str(s) not in shards]
     if missing and not partial:
         raise ValueError(
@@ -228,8 +234,20 @@ def merge_shard_states(states: list[dict[str, Any]], partial: bool = False) -> d
     return {
         "data_shards": num_shards,
         "next_position": min(state["next_position"] for state in states),
-        "shards": dict(sorted(shards.items(), key=lambda item: int(item[0]))),
+        "shards": shards,
     }
+
+
+def saved_cursors(state: dict[str, Any], shards: list[int], reader: str) -> dict[int, ShardCursor]:
+    """The cursors of ``shards`` in a saved state, refused when it lacks some (``reader`` names
+    who reads them in the error)."""
+    missing = [s for s in shards if str(s) not in state["shards"]]
+    if missing:
+        raise ValueError(
+            f"data state: no cursors for data shards {missing} of {reader}; a state saved "
+            "under another dp degree must be merged over all ranks with merge_data_states"
+        )
+    return {shard: ShardCursor(*state["shards"][str(shard)]) for shard in shards}
 
 
 def _sequences_before(position: int, shard: int, num_shards: int) -> int:
@@ -323,6 +341,23 @@ class ShardedTextDataset(IterableDataset):
             shard, documents, self._encode, self._window, describe, cursor, self._pad_id
         )
 
+    @property
+    def num_shards(self) -> int:
+        return self._num_shards
+
+    def shard_readers(self, cursors: dict[int, ShardCursor]) -> dict[int, ShardReader]:
+        """Readers of these shards from their cursors (which they move), with the documents
+        of these shards alone opened: a worker or a mixture's rank reads no other shard."""
+        documents = self._shard_documents(self._source, sorted(cursors))
+        return {shard: self._reader(shard, cursor, documents) for shard, cursor in cursors.items()}
+
+    def sample_of(self, window: Window, shards: list[int] | None = None) -> Sample:
+        """The window's sample; the first window that truncated a document logs how many of
+        the documents of ``shards`` (default: this rank's) are too long."""
+        if window.truncated and not self._truncation_logged:
+            self._log_truncation(self._shards if shards is None else shards)
+        return window.sample()
+
     def _restart(self) -> None:
         self._position = self._dp_rank
         self._readers = {shard: self._reader(shard) for shard in self._shards}
@@ -336,9 +371,7 @@ class ShardedTextDataset(IterableDataset):
             position = self._position
             window = self._readers[position % self._num_shards].next_window()
             self._position = position + self._dp_degree
-            if window.truncated and not self._truncation_logged:
-                self._log_truncation()
-            yield window.sample()
+            yield self.sample_of(window)
         self._restart()
 
     def iter_partition(self, part: int, parts: int) -> Iterator[PartitionItem]:
@@ -354,17 +387,11 @@ class ShardedTextDataset(IterableDataset):
         shards = sorted(
             {(first + k * stride) % self._num_shards for k in range(len(self._shards) // parts)}
         )
-        documents = self._shard_documents(self._source, shards)
-        readers = {
-            shard: self._reader(shard, replace(self._readers[shard].cursor), documents)
-            for shard in shards
-        }
+        readers = self.shard_readers({s: replace(self._readers[s].cursor) for s in shards})
         for position in itertools.count(first, stride):
             reader = readers[position % self._num_shards]
-            window = reader.next_window()
-            if window.truncated and not self._truncation_logged:
-                self._log_truncation()
-            yield (position, reader.shard, astuple(reader.cursor)), window.sample()
+            sample = self.sample_of(reader.next_window())
+            yield (position, reader.shard, astuple(reader.cursor)), sample
 
     def consume(self, record: tuple[int, int, tuple[int, ...]]) -> None:
         """Move the state past the sample a partition produced: ``record`` is its position, its
@@ -397,10 +424,11 @@ class ShardedTextDataset(IterableDataset):
             self._shard_windows = self._count_windows()
         return sum(self._shard_windows.values())
 
-    def _epoch_lengths(self) -> dict[int, list[int]]:
-        """Per shard of this rank: the token counts of one epoch's documents."""
-        lengths: dict[int, list[int]] = {shard: [] for shard in self._shards}
-        for shard, document in self._documents.iter_epoch(self._shards):
+    def _epoch_lengths(self, shards: list[int] | None = None) -> dict[int, list[int]]:
+        """Per shard (default: this rank's): the token counts of one epoch's documents."""
+        shards = self._shards if shards is None else shards
+        lengths: dict[int, list[int]] = {shard: [] for shard in shards}
+        for shard, document in self._documents.iter_epoch(shards):
             lengths[shard].append(len(self._encode(document).tokens))
         return lengths
 
@@ -412,10 +440,10 @@ class ShardedTextDataset(IterableDataset):
             }
         return {shard: sum(counts) // self._window for shard, counts in lengths.items()}
 
-    def _log_truncation(self) -> None:
-        """Warn once, with the count over one epoch of this rank's shards."""
+    def _log_truncation(self, shards: list[int]) -> None:
+        """Warn once, with the count over one epoch of ``shards`` (this rank's)."""
         self._truncation_logged = True
-        lengths = [length for counts in self._epoch_lengths().values() for length in counts]
+        lengths = [length for counts in self._epoch_lengths(shards).values() for length in counts]
         too_long = sum(length > self._window for length in lengths)
         logger.warning(
             "%s.seq_len: %d of the %d samples of dataset %r on this rank are longer than "
@@ -449,14 +477,7 @@ class ShardedTextDataset(IterableDataset):
             )
         next_position = state["next_position"]
         position = next_position + (self._dp_rank - next_position) % self._dp_degree
-        missing = [s for s in self._shards if str(s) not in state["shards"]]
-        if missing:
-            raise ValueError(
-                f"data state: no cursors for data shards {missing} of dp rank {self._dp_rank}; "
-                "a state saved under another dp degree must be merged over all ranks with "
-                "merge_data_states"
-            )
-        cursors = {shard: ShardCursor(*state["shards"][str(shard)]) for shard in self._shards}
+        cursors = saved_cursors(state, self._shards, f"dp rank {self._dp_rank}")
         for shard, cursor in cursors.items():
             expected = _sequences_before(position, shard, self._num_shards)
             if cursor.sequences != expected:

@@ -72,9 +72,16 @@ def _field(section: str, index: int | None) -> str:
 
 
 def _source(
-    config: DataSourceConfig, index: int | None, data: Any, section: str, tokenizer: BaseTokenizer
+    config: DataSourceConfig,
+    index: int | None,
+    data: Any,
+    tokenizer: BaseTokenizer,
+    dp_rank: int,
+    dp_degree: int,
 ) -> Source:
-    """One training source: a store (shuffled when ``shuffle_seed`` is set) or a text stream."""
+    """One training source: a store (shuffled when ``shuffle_seed`` is set) or a text stream
+    (this rank's data shards of it)."""
+    section = "training"
     name, field = source_name(config), _field(section, index)
     if config.dataset == TOKENS:
         store = open_store(config.dataset_path, tokenizer, field)
@@ -104,7 +111,7 @@ def _source(
         pad_id=pad_id,
         section=section,
     )
-    return TextSource(name, stream)
+    return TextSource(name, stream, dp_rank, dp_degree)
 
 
 def training_dataset(
@@ -114,7 +121,7 @@ def training_dataset(
     configs = source_configs(data)
     indexed = [(c, i if data.dataset == MIXTURE else None) for i, c in enumerate(configs)]
     sources = [
-        Weighted(_source(c, i, data, "training", tokenizer), c.weight, c.max_epochs)
+        Weighted(_source(c, i, data, tokenizer, dp_rank, dp_degree), c.weight, c.max_epochs)
         for c, i in indexed
     ]
     return MixedDataset(sources, global_batch, dp_rank, dp_degree)
