@@ -82,6 +82,12 @@ def init_param_(param: torch.Tensor, fqn: str, seed: int, init_fn: InitFn) -> No
     generator.manual_seed(param_seed(seed, fqn))
     full = torch.empty(param.shape, dtype=torch.float32, device=param.device)
     init_fn(full, generator)
+    assign_full_(param, full)
+
+
+@torch.no_grad()
+def assign_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``param``'s piece of the full-size ``full`` into it (with a cast)."""
     if isinstance(param, DTensor):
         piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(piece.to_local())

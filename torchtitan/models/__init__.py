@@ -4,7 +4,7 @@ that low-level modules (attention, init) import without pulling in every model."
 
 import importlib
 
-BUILTIN_MODELS = ("llama3", "deepseek_v3", "qwen3", "gpt_oss", "qwen3_5")
+BUILTIN_MODELS = ("llama3", "deepseek_v3", "qwen3", "gpt_oss", "qwen3_5", "hf")
 
 
 def register_builtin_models() -> None:

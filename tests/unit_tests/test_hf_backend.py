@@ -1,0 +1,124 @@
+"""The hf model backend (``model.name = "hf"``) against transformers: logits of tiny random
+configs of many architectures (transformers' own model, eager attention, loaded with our
+weights), sliding windows and packed documents through our attention seam, initialisation by
+FQN, and one clear line for folders it cannot build."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scripts.hf_compat import build_model as build
+from scripts.hf_compat import transformers_model as reference
+from scripts.hf_compat import write_folder
+from torchtitan.config import ConfigError
+
+DENSE = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "olmo3",
+    "smollm3",
+    "glm4",
+    "starcoder2",
+    "stablelm",
+    "granite",
+    "helium",
+    "exaone4",
+]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "phimoe", "gpt_oss"]
+
+
+@pytest.mark.parametrize("model_type", DENSE + MOE)
+def test_logits_equal_transformers(model_type, tmp_path):
+    folder = write_folder(tmp_path, model_type)
+    model = build(folder)
+    tokens = torch.randint(3, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), reference(folder, model)(tokens).logits
+    assert ours.std() > 0.05  # initialised, not zeros
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_a_sliding_window_layer_masks_as_transformers_does(tmp_path):
+    """Gemma 3 alternates sliding-window (8 tokens here) and full attention; 40 tokens."""
+    folder = write_folder(
+        tmp_path,
+        "gemma3_text",
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = build(folder)
+    tokens = torch.randint(3, 320, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(tokens), reference(folder, model)(tokens).logits, rtol=0, atol=1e-5
+        )
+
+
+def test_packed_documents_see_only_themselves(tmp_path):
+    """block_causal: each of two packed documents (positions restarting) gives the logits of
+    that document run alone through transformers; plain causal attention (a planted error)
+    does not."""
+    folder = write_folder(tmp_path, "qwen3")
+    packed = build(folder, "--model.attn_type", "flex", "--model.attn_mask_type", "block_causal")
+    ref = reference(folder, packed)
+    first, second = torch.randint(3, 320, (1, 24)), torch.randint(3, 320, (1, 16))
+    tokens = torch.cat([first, second], dim=1)
+    document_ids = torch.tensor([[0] * 24 + [1] * 16])
+    positions = torch.cat([torch.arange(24), torch.arange(16)]).unsqueeze(0)
+    with torch.no_grad():
+        ours = packed(tokens, positions, document_ids)
+        alone = torch.cat([ref(first).logits, ref(second).logits], dim=1)
+        torch.testing.assert_close(ours, alone, rtol=0, atol=1e-5)
+        causal = build(folder)
+        assert not torch.allclose(causal(tokens, positions), alone, atol=1e-3)
+
+
+def test_initialisation_follows_the_seed_and_fqn_not_the_build(tmp_path):
+    folder = write_folder(tmp_path, "llama")
+    first, again, other = build(folder), build(folder), build(folder, seed=1)
+    for (name, a), b, c in zip(
+        first.state_dict().items(), again.state_dict().values(), other.state_dict().values()
+    ):
+        assert torch.equal(a, b), name
+        if "norm" not in name:
+            assert not torch.equal(a, c), name
+    q = first.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert abs(q.std().item() - 0.02) < 0.002  # transformers' initializer_range
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda c: c.update(model_type="no_such_model"),
+            "model_type 'no_such_model' is not a model of",
+        ),
+        (
+            lambda c: c.update(model_type="nope", auto_map={"AutoModelForCausalLM": "x.Y"}),
+            "needs trust_remote_code, which is never used",
+        ),
+        (lambda c: c.update(final_logit_softcapping=30.0), "sets final_logit_softcapping"),
+    ],
+)
+def test_a_folder_the_backend_cannot_build_is_one_line(edit, message, tmp_path):
+    folder = write_folder(tmp_path, "gemma" if "softcapping" in message else "llama")
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message) as error:
+        build(folder)
+    assert "\n" not in str(error.value)
+
+
+def test_a_missing_folder_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model.hf_assets_path: .*config.json does not exist"):
+        build(tmp_path / "absent")

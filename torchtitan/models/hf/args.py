@@ -1,0 +1,140 @@
+"""The arguments of a model built by transformers from a Hugging Face ``config.json``
+(``model.name = "hf"``, ``model.hf_assets_path`` = the folder that holds it)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.args import check_no_experts, nparams_and_flops, require
+from torchtitan.protocols.model import BaseModelArgs
+
+if TYPE_CHECKING:
+    from torchtitan.config import ModelConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.tokenizer import BaseTokenizer
+
+ATTENTION = "torchtitan"
+"""The name our attention function is registered under in transformers' attention and
+mask registries (``model.py``)."""
+
+UNSUPPORTED_FIELDS = {
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "logit_scale": "scaled logits",
+    "logits_scaling": "scaled logits",
+}
+"""config.json fields (set, not None) that change the logits outside the decoder layers or
+inside the attention kernel, which the backend does not apply yet."""
+
+
+def read_config_json(folder: str | None) -> dict[str, Any]:
+    """``config.json`` of ``model.hf_assets_path`` as a dict (one line naming the field when
+    it is missing or unreadable)."""
+    if not folder:
+        raise ConfigError(
+            'model.hf_assets_path: model.name = "hf" builds the model from a Hugging Face '
+            "folder's config.json; set model.hf_assets_path to that folder"
+        )
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"model.hf_assets_path: {path} does not exist; point at a folder with config.json"
+        )
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf_assets_path: cannot read {path}: {e}") from None
+
+
+def load_hf_config(folder: str | None) -> Any:
+    """The transformers config of ``folder``, never with remote code: an ``auto_map`` that
+    names a class transformers lacks is refused; one whose ``model_type`` transformers knows
+    is ignored (its own classes are used)."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    raw = read_config_json(folder)
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        needs = (
+            " (its auto_map needs trust_remote_code, which is never used)"
+            if raw.get("auto_map")
+            else ""
+        )
+        raise ConfigError(
+            f"model.hf_assets_path: config.json's model_type {model_type!r} is not a model of the "
+            f"installed transformers{needs}; upgrade transformers or train a supported model"
+        )
+    if raw.get("auto_map"):
+        from torchtitan.tools.logging import logger
+
+        logger.warning(
+            f"model.hf_assets_path: config.json's auto_map is ignored; the installed "
+            f"transformers' {model_type!r} classes are used (no remote code)"
+        )
+    config: PretrainedConfig = AutoConfig.for_model(**raw)
+    for field, what in UNSUPPORTED_FIELDS.items():
+        require(
+            getattr(config, field, None) in (None, 1.0),
+            f"model.hf_assets_path: config.json sets {field} ({what}), which the hf backend "
+            "does not apply yet; train this model with transformers' own loop",
+        )
+    return config
+
+
+@dataclass
+class HFModelArgs(BaseModelArgs):
+    """The config of the folder (``hf_config``, a transformers ``PretrainedConfig``), read
+    by ``update_from_config``; the flavor ``full`` builds it as it is."""
+
+    hf_config: Any = None
+    max_seq_len: int = 2048
+
+    def update_from_config(
+        self,
+        model: ModelConfig,
+        *,
+        max_seq_len: int,
+        tokenizer: BaseTokenizer | None = None,
+        moe_force_load_balance: bool = False,
+    ) -> None:
+        self.attn_type = model.attn_type
+        self.attn_mask_type = model.attn_mask_type
+        self.sliding_window = model.sliding_window
+        self.max_seq_len = max_seq_len
+        self.hf_config = load_hf_config(model.hf_assets_path)
+        self.hf_config._attn_implementation = ATTENTION
+        self.hf_config.use_cache = False
+        vocab = self.hf_config.get_text_config().vocab_size
+        if tokenizer is not None:
+            require(
+                tokenizer.vocab_size <= vocab,
+                f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens, more than "
+                f"the model's vocab_size ({vocab}) in {model.hf_assets_path}/config.json; use the "
+                "model's own tokenizer (leave model.tokenizer_path unset)",
+            )
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        text = self.hf_config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        attention = 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * seq_len
+        tied = bool(getattr(text, "tie_word_embeddings", False))
+        return nparams_and_flops(model, attention, tied_embeddings=tied)
+
+    def check_parallelism(self, parallel_dims: ParallelDims) -> None:
+        check_no_experts(parallel_dims, "the hf backend (its expert parallel is not built yet)")
+        for degree, name in (
+            (parallel_dims.cp, "context_parallel_degree"),
+            (parallel_dims.pp, "pipeline_parallel_degree"),
+        ):
+            require(
+                degree == 1,
+                f"parallelism.{name} ({degree}): the hf backend does not support it yet; "
+                "leave it at 1",
+            )

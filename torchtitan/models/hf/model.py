@@ -1,0 +1,211 @@
+"""Any causal LM of the installed transformers, built from its ``config.json`` and trained
+like the native models.
+
+``HFCausalLM`` holds transformers' own modules under their own names (``model.layers.0.
+self_attn.q_proj.weight``, ``lm_head.weight``), so its state dict is the published
+checkpoint's and transformers' code runs every block as it does in transformers. What we
+change:
+
+- attention: the model's attention implementation is ``"torchtitan"``, a function registered
+  in transformers' attention registry that calls our attention seam (``layers/attention.py``):
+  every attention module gets an ``AttentionKernel`` (``titan_kernel``) for its mask (causal,
+  ``block_causal`` from the batch's document ids, the layer's sliding window), and the mask
+  is prepared once per forward. transformers' own mask building is registered away (it would
+  build an ``[seq, seq]`` mask per forward that our kernels do not read).
+- initialisation per FQN: each module's parameters are drawn by transformers'
+  ``_init_weights`` on a full-size CPU copy of the module, from the global RNG seeded by
+  ``(seed, module FQN)``, and each rank keeps its piece: every layout starts from the same
+  weights. Buffers (RoPE inverse frequencies) are recomputed by ``_init_weights`` in place.
+- the output: the forward returns the logits of ``lm_head``, or the final hidden states
+  when ``hidden_output`` is set (the chunked loss projects them itself).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.layers.attention import AttentionKernel, MaskSpec, build_attention, prepare_mask
+from torchtitan.layers.init import assign_full_, clean_fqn, init_param_, param_seed
+from torchtitan.models.hf.args import ATTENTION, HFModelArgs
+
+
+def titan_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    titan_mask: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (``[batch, heads, seq, head_dim]`` in,
+    ``[batch, seq, heads, head_dim]`` out) over the module's ``titan_kernel``. transformers'
+    ``attention_mask`` is not used: the kernel masks from ``titan_mask`` (the forward's
+    prepared mask) and its own spec. Attention dropout is not applied."""
+    del attention_mask, dropout, kwargs
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    out = module.titan_kernel(
+        query, key, value, mask=titan_mask, scale=scaling, sinks=getattr(module, "sinks", None)
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """transformers' mask builder for our attention: nothing (the kernels mask themselves)."""
+    return None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, titan_attention)
+    AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """transformers' attention modules: an ``...Attention`` class that knows its layer."""
+    return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
+
+
+def decoder_layers(base: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers base model (``layers``)."""
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(
+            f"model.hf_assets_path: {type(base).__name__} keeps no decoder layers in `layers`; "
+            "the hf backend builds decoders laid out as transformers' Llama-like models"
+        )
+    return layers
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM under its own FQNs (see the module docstring)."""
+
+    def __init__(self, model_args: HFModelArgs) -> None:
+        from transformers import AutoModelForCausalLM
+
+        super().__init__()
+        register_attention()
+        self.model_args = model_args
+        hf = AutoModelForCausalLM.from_config(model_args.hf_config)
+        self._hf_init = hf._init_weights
+        self._tie = bool(model_args.hf_config.get_text_config().tie_word_embeddings)
+        self.base_prefix = hf.base_model_prefix
+        self.add_module(self.base_prefix, hf.base_model)
+        self.lm_head: nn.Linear = hf.get_output_embeddings()
+        self.hidden_output = False
+        self._add_kernels(model_args)
+        self.tie_embeddings()
+
+    def _add_kernels(self, args: HFModelArgs) -> None:
+        for module in self.base.modules():
+            if _is_attention(module):
+                window = getattr(module, "sliding_window", None) or args.sliding_window
+                spec = MaskSpec(
+                    block_causal=args.attn_mask_type == "block_causal", sliding_window=window
+                )
+                attn_type = args.attn_type if spec.causal_only else "flex"
+                module.titan_kernel = build_attention(attn_type, spec)
+
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self, self.base_prefix)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return decoder_layers(self.base)
+
+    @property
+    def output(self) -> nn.Linear:
+        """The output projection (the chunked loss binds it)."""
+        return self.lm_head
+
+    def tie_embeddings(self) -> None:
+        """Point ``lm_head`` at the input embedding again when the config ties them (moving
+        the model gives each module its own copy)."""
+        if self._tie:
+            self.lm_head.weight = self.base.get_input_embeddings().weight
+
+    def _apply(self, fn: Any, recurse: bool = True) -> HFCausalLM:
+        super()._apply(fn, recurse)
+        self.tie_embeddings()
+        return self
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``tokens`` ``[batch, seq]`` -> logits ``[batch, seq, vocab]`` (hidden states with
+        ``hidden_output``); ``positions``: RoPE positions (restarting per document), else
+        0..seq-1; ``document_ids``: the packed documents, for ``block_causal``."""
+        mask = prepare_mask(self.base, document_ids, tokens.device)
+        out = self.base(input_ids=tokens, position_ids=positions, titan_mask=mask, use_cache=False)
+        hidden = out.last_hidden_state
+        return hidden if self.hidden_output else self.lm_head(hidden)
+
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Recompute the buffers (RoPE frequencies) where they live, then every parameter
+        from ``(seed, FQN)``."""
+        del buffer_device  # buffers are recomputed on the device they were allocated on
+        for module in self.modules():
+            if any(b is not None for b in module._buffers.values()) and not isinstance(
+                module, AttentionKernel
+            ):
+                self._hf_init(module)
+        self.init_parameters(seed)
+
+    @torch.no_grad()
+    def init_parameters(self, seed: int, fqns: Collection[str] | None = None) -> None:
+        """Initialise the parameters named by ``fqns`` (all: None); parameters still on
+        meta are skipped. Parameters whose module carries its own rule (``param_init_fns``:
+        LoRA adapters) use it; the others transformers' ``_init_weights``."""
+        for prefix, module in self.named_modules():
+            own = {
+                name: param
+                for name, param in module.named_parameters(recurse=False)
+                if not param.is_meta
+                and (fqns is None or clean_fqn(f"{prefix}.{name}".lstrip(".")) in fqns)
+            }
+            if not own:
+                continue
+            rules = getattr(module, "param_init_fns", {})
+            for name in [n for n in own if n in rules]:
+                fqn = clean_fqn(f"{prefix}.{name}".lstrip("."))
+                init_param_(own.pop(name), fqn, seed, rules[name])
+            if own:
+                self._init_like_transformers(module, clean_fqn(prefix), own, seed)
+
+    def _init_like_transformers(
+        self, module: nn.Module, fqn: str, params: dict[str, torch.Tensor], seed: int
+    ) -> None:
+        """``params`` of ``module`` as transformers' ``_init_weights`` draws them on a
+        full-size fp32 CPU copy of the module, seeded by the module's FQN."""
+        twin = copy.copy(module)
+        twin._modules = {}
+        twin._parameters = {
+            name: None if param is None else nn.Parameter(torch.empty(param.shape))
+            for name, param in module._parameters.items()
+        }
+        twin._buffers = {
+            name: None if buffer is None else torch.empty(buffer.shape, dtype=buffer.dtype)
+            for name, buffer in module._buffers.items()
+        }
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(param_seed(seed, fqn))
+            self._hf_init(twin)
+        for name, param in params.items():
+            assign_full_(param, twin._parameters[name].data.to(param.device))

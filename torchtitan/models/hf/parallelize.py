@@ -1,0 +1,167 @@
+"""Parallelisms of ``HFCausalLM``: tensor parallel from transformers' own
+``base_model_tp_plan`` (its styles as DTensor styles; the activations between blocks
+replicated, no sequence parallel), activation checkpointing and per-block compile of the decoder
+layers, then FSDP/HSDP per decoder layer, or DDP."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
+from torchtitan.models.common.args import check_tp_divides_heads
+from torchtitan.models.common.parallelize import fsdp_settings
+from torchtitan.models.hf.model import HFCausalLM
+from torchtitan.tools.compile import compile_blocks
+from torchtitan.tools.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan.config import (
+        ActivationCheckpointConfig,
+        CompileConfig,
+        ParallelismConfig,
+        TrainingConfig,
+    )
+
+STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Replicate()
+    ),
+    # a norm over the last dim of local heads: its input is declared sharded on a non-normalised
+    # dim, so the replicated weight's gradient is summed over the tp ranks
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(
+        sequence_dim=1, use_local_output=True
+    ),
+}
+"""transformers' plan styles as DTensor styles; a plan naming another style on a module the
+model has refuses tensor parallel for the model."""
+
+
+def tp_plan(model: HFCausalLM) -> dict[str, ParallelStyle]:
+    """The model's ``base_model_tp_plan`` resolved to its modules' FQNs (under the base
+    model), refused in one line when the config has none or names a style we do not apply."""
+    plan = model.model_args.hf_config.get_text_config().base_model_tp_plan or {}
+    if not plan:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree: {type(model.base).__name__} ships no tensor "
+            "parallel plan (base_model_tp_plan) in transformers; leave the degree at 1"
+        )
+    experts = next((name for name, p in model.base.named_parameters() if p.ndim == 3), None)
+    if experts is not None:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree: {type(model.base).__name__} stacks its routed "
+            f"experts ({experts}), which the hf backend cannot shard or replicate under tensor "
+            "parallel yet; leave the degree at 1 (FSDP shards them)"
+        )
+    names = [name for name, _ in model.base.named_modules()]
+    styles: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        matched = fnmatch.filter(names, pattern.replace(".*.", ".*[0-9].")) or []
+        if not matched:
+            continue
+        if style not in STYLES:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree: transformers' plan for {pattern} is "
+                f"{style!r}, which the hf backend does not apply (it applies "
+                f"{', '.join(STYLES)}); leave the degree at 1"
+            )
+        styles.update({name: STYLES[style]() for name in matched})
+    return styles
+
+
+def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Make the module's own plain parameters replicated DTensors (the optimizer's fused and
+    foreach steps need one tensor type); its inputs enter as replicated DTensors and its
+    outputs leave as local tensors, so the code around it sees plain tensors."""
+
+    def replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                replicated = distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)
+                module.register_parameter(param_name, nn.Parameter(replicated, param.requires_grad))
+
+    def inputs(module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(
+            DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            else a
+            for a in args
+        )
+
+    def outputs(module: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    distribute_module(module, mesh, replicate_parameters, inputs, outputs)
+
+
+def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
+    """transformers' plan, then every module whose own parameters the plan left plain
+    (embedding, norms, output) replicated over the tp ranks."""
+    text = model.model_args.hf_config.get_text_config()
+    check_tp_divides_heads(
+        tp_mesh.size(),
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+    )
+    parallelize_module(model.base, tp_mesh, tp_plan(model))
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own and not any(isinstance(p, DTensor) for p in own):
+            _replicated(module, tp_mesh)
+    model.tie_embeddings()
+    logger.info(f"applied transformers' tensor parallel plan over {tp_mesh.size()} ranks")
+
+
+def _layers_view(model: HFCausalLM) -> nn.ModuleDict:
+    return nn.ModuleDict(dict(model.layers.named_children()))
+
+
+def _write_back(model: HFCausalLM, view: nn.ModuleDict) -> None:
+    """Put the view's (wrapped or compiled) layers back into the model's list."""
+    for name, layer in view.items():
+        model.layers[int(name)] = layer
+
+
+def parallelize_hf(
+    model: HFCausalLM,
+    parallel_dims: ParallelDims,
+    *,
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    activation_checkpoint: ActivationCheckpointConfig,
+    compile_config: CompileConfig,
+) -> HFCausalLM:
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.world_mesh["tp"])
+    ac = activation_checkpoint
+    view = _layers_view(model)
+    apply_ac(view, ac.mode, ac.selective_ac_option, ac.preserve_rng_state, False, ac.memory_budget)
+    if compile_config.enable and "model" in compile_config.components:
+        compile_blocks(view, compile_config.backend, prefix=f"{model.base_prefix}.layers")
+    _write_back(model, view)
+    if parallel_dims.fsdp_enabled:
+        settings = fsdp_settings(training, parallelism, parallel_dims)
+        apply_fsdp(model, parallel_dims.fsdp_mesh, list(model.layers), **settings)
+    elif parallel_dims.dp_replicate_enabled:
+        apply_ddp(model, parallel_dims.world_mesh["dp_replicate"])
+    return model
