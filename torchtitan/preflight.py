@@ -51,7 +51,7 @@ from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_
 from torchtitan.protocols import BaseModelArgs, TrainSpec, get_train_spec
 from torchtitan.protocols.model_converter import check_converter_names
 from torchtitan.protocols.tokenizer import BaseTokenizer
-from torchtitan.recipe import grad_accumulation_steps
+from torchtitan.recipe import grad_accumulation_steps, max_seq_len
 from torchtitan.tools.logging import logger
 
 
@@ -77,6 +77,11 @@ def preflight(
         model_args = spec.flavor_args(job_config.model.flavor)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    model_args.update_from_config(  # the tokenizer's vocabulary does not matter here
+        job_config.model,
+        max_seq_len=max_seq_len(job_config.training, job_config.validation),
+        moe_force_load_balance=job_config.debug.moe_force_load_balance,
+    )
     model_args.check_parallelism(parallel_dims)
     model, training, parallelism = job_config.model, job_config.training, job_config.parallelism
     _check_layout(training, job_config.validation, parallelism, parallel_dims, model_args)

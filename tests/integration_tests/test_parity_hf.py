@@ -1,6 +1,8 @@
 """The hf backend trains like one process (per-step loss and grad norm within 1e-4, fp32): a
 tiny Qwen3 built by transformers from its config.json under FSDP 2, TP 2 (transformers' own
-plan, per-head q/k norms included) and FSDP 2 x TP 2, and a tiny Qwen3-MoE under FSDP 2; and
+plan, per-head q/k norms included), FSDP 2 x TP 2, FSDP 2 with full activation
+checkpointing, CP 2, and CP 2 (alltoall, the ring) on packed documents
+(block_causal), and a tiny Qwen3-MoE under FSDP 2; and
 Hugging Face weights load through the hardened loader and export back bit for bit, in a
 folder transformers loads."""
 
@@ -18,13 +20,25 @@ from tests.parity import assert_loss_falls, assert_parity, train
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+PACKED = ["--model.attn_type", "flex", "--model.attn_mask_type", "block_causal"]
 
-# name: (model type, processes, data-parallel degree, overrides)
+# reference: (model type, its 1-process overrides)
+REFERENCES = {"dense": ("qwen3", []), "packed": ("qwen3", PACKED), "moe": ("qwen3_moe", [])}
+# name: (reference, processes, data-parallel degree, overrides beside the reference's)
 CASES = {
-    "fsdp2": ("qwen3", 2, 2, []),
-    "tp2": ("qwen3", 2, 1, TP2),
-    "fsdp2_tp2": ("qwen3", 4, 2, TP2),
-    "moe_fsdp2": ("qwen3_moe", 2, 2, []),
+    "fsdp2": ("dense", 2, 2, []),
+    "tp2": ("dense", 2, 1, TP2),
+    "fsdp2_tp2": ("dense", 4, 2, TP2),
+    "fsdp2_full_ac": ("dense", 2, 2, ["--activation_checkpoint.mode", "full"]),
+    "cp2": ("dense", 2, 1, CP2),
+    "cp2_alltoall_block_causal": (
+        "packed",
+        2,
+        1,
+        CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
+    ),
+    "moe_fsdp2": ("moe", 2, 2, []),
 }
 
 
@@ -44,21 +58,25 @@ def hf_model(folder: Path) -> list[str]:
 def references(folders, tmp_path_factory):
     runs = {}
 
-    def get(model_type: str) -> list[dict]:
-        if model_type not in runs:
-            folder = tmp_path_factory.mktemp(f"hf_{model_type}")
-            runs[model_type] = train(1, folder, hf_model(folders[model_type]))
-            assert_loss_falls(runs[model_type])
-        return runs[model_type]
+    def get(name: str) -> list[dict]:
+        if name not in runs:
+            model_type, overrides = REFERENCES[name]
+            folder = tmp_path_factory.mktemp(f"hf_{name}")
+            runs[name] = train(1, folder, hf_model(folders[model_type]) + overrides)
+            assert_loss_falls(runs[name])
+        return runs[name]
 
     return get
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_with_one_process(case, folders, references, tmp_path):
-    model_type, nproc, dp, overrides = CASES[case]
-    run = train(nproc, tmp_path, hf_model(folders[model_type]) + overrides, dp=dp)
-    assert_parity(references(model_type), run)
+    reference, nproc, dp, overrides = CASES[case]
+    model_type, reference_overrides = REFERENCES[reference]
+    run = train(
+        nproc, tmp_path, hf_model(folders[model_type]) + reference_overrides + overrides, dp=dp
+    )
+    assert_parity(references(reference), run)
 
 
 def test_hf_weights_load_and_export_bit_for_bit(folders, tmp_path):

@@ -10,8 +10,9 @@ from torchtitan.protocols import get_train_spec
 from torchtitan.protocols.geometry import Geometry
 
 
-@pytest.mark.parametrize("spec", BUILTIN_MODELS)
+@pytest.mark.parametrize("spec", [name for name in BUILTIN_MODELS if name != "hf"])
 def test_every_flavor_describes_its_geometry(spec: str):
+    """Native models (the hf backend's blocks are transformers': the estimator traces them)."""
     for flavor, args in get_train_spec(spec).model_args.items():
         geometry = args.geometry()
         assert isinstance(geometry, Geometry), (spec, flavor)

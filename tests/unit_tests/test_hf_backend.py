@@ -104,7 +104,7 @@ def test_initialisation_follows_the_seed_and_fqn_not_the_build(tmp_path):
         ),
         (
             lambda c: c.update(model_type="nope", auto_map={"AutoModelForCausalLM": "x.Y"}),
-            "needs trust_remote_code, which is never used",
+            "names remote code, which is never run",
         ),
         (lambda c: c.update(final_logit_softcapping=30.0), "sets final_logit_softcapping"),
     ],

@@ -63,9 +63,7 @@ def load_hf_config(folder: str | None) -> Any:
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:
         needs = (
-            " (its auto_map needs trust_remote_code, which is never used)"
-            if raw.get("auto_map")
-            else ""
+            " (its auto_map names remote code, which is never run)" if raw.get("auto_map") else ""
         )
         raise ConfigError(
             f"model.hf_assets_path: config.json's model_type {model_type!r} is not a model of the "
@@ -120,6 +118,14 @@ class HFModelArgs(BaseModelArgs):
                 "model's own tokenizer (leave model.tokenizer_path unset)",
             )
 
+    @property
+    def n_heads(self) -> int:
+        return self.hf_config.get_text_config().num_attention_heads
+
+    @property
+    def n_layers(self) -> int:
+        return self.hf_config.get_text_config().num_hidden_layers
+
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         text = self.hf_config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -129,12 +135,8 @@ class HFModelArgs(BaseModelArgs):
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_no_experts(parallel_dims, "the hf backend (its expert parallel is not built yet)")
-        for degree, name in (
-            (parallel_dims.cp, "context_parallel_degree"),
-            (parallel_dims.pp, "pipeline_parallel_degree"),
-        ):
-            require(
-                degree == 1,
-                f"parallelism.{name} ({degree}): the hf backend does not support it yet; "
-                "leave it at 1",
-            )
+        require(
+            parallel_dims.pp == 1,
+            f"parallelism.pipeline_parallel_degree ({parallel_dims.pp}): the hf backend does not "
+            "support pipeline parallel yet; leave it at 1",
+        )

@@ -8,7 +8,7 @@ change:
 
 - attention: the model's attention implementation is ``"torchtitan"``, a function registered
   in transformers' attention registry that calls our attention seam (``layers/attention.py``):
-  every attention module gets an ``AttentionKernel`` (``titan_kernel``) for its mask (causal,
+  every attention module gets an ``AttentionKernel`` (``inner_attention``) for its mask (causal,
   ``block_causal`` from the batch's document ids, the layer's sliding window), and the mask
   is prepared once per forward. transformers' own mask building is registered away (it would
   build an ``[seq, seq]`` mask per forward that our kernels do not read).
@@ -47,7 +47,7 @@ def titan_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature (``[batch, heads, seq, head_dim]`` in,
-    ``[batch, seq, heads, head_dim]`` out) over the module's ``titan_kernel``. transformers'
+    ``[batch, seq, heads, head_dim]`` out) over the module's ``inner_attention``. transformers'
     ``attention_mask`` is not used: the kernel masks from ``titan_mask`` (the forward's
     prepared mask) and its own spec. Attention dropout is not applied."""
     del attention_mask, dropout, kwargs
@@ -55,7 +55,7 @@ def titan_attention(
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    out = module.titan_kernel(
+    out = module.inner_attention(
         query, key, value, mask=titan_mask, scale=scaling, sinks=getattr(module, "sinks", None)
     )
     return out.transpose(1, 2).contiguous(), None
@@ -117,7 +117,7 @@ class HFCausalLM(nn.Module):
                     block_causal=args.attn_mask_type == "block_causal", sliding_window=window
                 )
                 attn_type = args.attn_type if spec.causal_only else "flex"
-                module.titan_kernel = build_attention(attn_type, spec)
+                module.inner_attention = build_attention(attn_type, spec)
 
     @property
     def base(self) -> nn.Module:
@@ -150,9 +150,12 @@ class HFCausalLM(nn.Module):
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``tokens`` ``[batch, seq]`` -> logits ``[batch, seq, vocab]`` (hidden states with
-        ``hidden_output``); ``positions``: RoPE positions (restarting per document), else
-        0..seq-1; ``document_ids``: the packed documents, for ``block_causal``."""
+        ``hidden_output``); ``positions``: RoPE positions ``[batch, seq]`` or ``[seq]``
+        (restarting per document; this rank's under context parallel), else 0..seq-1;
+        ``document_ids``: the packed documents (of the whole sequences), for ``block_causal``."""
         mask = prepare_mask(self.base, document_ids, tokens.device)
+        if positions is not None and positions.ndim == 1:  # one row for every sequence (CP)
+            positions = positions.unsqueeze(0)
         out = self.base(input_ids=tokens, position_ids=positions, titan_mask=mask, use_cache=False)
         hidden = out.last_hidden_state
         return hidden if self.hidden_output else self.lm_head(hidden)

@@ -1,7 +1,8 @@
 """Parallelisms of ``HFCausalLM``: tensor parallel from transformers' own
 ``base_model_tp_plan`` (its styles as DTensor styles; the activations between blocks
-replicated, no sequence parallel), activation checkpointing and per-block compile of the decoder
-layers, then FSDP/HSDP per decoder layer, or DDP."""
+replicated, no sequence parallel), context parallel by replacing each attention module's
+kernel (``inner_attention``) with the context-parallel one, activation checkpointing and
+per-block compile of the decoder layers, then FSDP/HSDP per decoder layer, or DDP."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.context_parallel.attention import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
 from torchtitan.models.common.args import check_tp_divides_heads
 from torchtitan.models.common.parallelize import fsdp_settings
@@ -153,10 +155,24 @@ def parallelize_hf(
 ) -> HFCausalLM:
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.world_mesh["tp"])
+    if parallel_dims.cp_enabled:
+        apply_cp(
+            model,
+            parallel_dims.world_mesh["cp"],
+            parallel_dims.cp_rotate_method,
+            parallel_dims.cp_load_balancer,
+        )
     ac = activation_checkpoint
+    compiled = compile_config.enable and "model" in compile_config.components
+    if compiled and ac.mode != "none":
+        raise ConfigError(
+            f"compile.enable with activation_checkpoint.mode {ac.mode!r}: torch.compile refuses "
+            "transformers' decoder layers inside a checkpoint (a side effect on state outside "
+            "it); for the hf backend use one of the two"
+        )
     view = _layers_view(model)
     apply_ac(view, ac.mode, ac.selective_ac_option, ac.preserve_rng_state, False, ac.memory_budget)
-    if compile_config.enable and "model" in compile_config.components:
+    if compiled:
         compile_blocks(view, compile_config.backend, prefix=f"{model.base_prefix}.layers")
     _write_back(model, view)
     if parallel_dims.fsdp_enabled:

@@ -36,10 +36,7 @@ class HFStateDictAdapter(StateDictAdapter):
         return state
 
     def hf_config(self) -> dict[str, Any]:
-        """The folder's config as transformers writes it (empty before the args read the
-        folder: the launch check only asks whether an export is possible, and it always is)."""
-        if self.model_args.hf_config is None:
-            return {}
+        """The folder's config as transformers writes it."""
         config = self.model_args.hf_config.to_dict()
         config.pop("_attn_implementation_autoset", None)
         config.pop("attn_implementation", None)
