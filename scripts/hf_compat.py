@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,15 @@ def is_moe(model_type: str) -> bool:
     )
 
 
-def build_model(folder: Path, *flags: str, seed: int = 0) -> torch.nn.Module:
+def build_model(
+    folder: Path,
+    *flags: str,
+    seed: int = 0,
+    convert: Callable[[torch.nn.Module], None] | None = None,
+) -> torch.nn.Module:
     """The hf backend's model of ``folder`` on the CPU, initialised from ``seed``, in eval
-    mode; ``flags``: more trainer flags (the attention kernel and mask)."""
+    mode; ``flags``: more trainer flags (the attention kernel and mask); ``convert``: applied
+    to the model on meta before it is initialised (a converter, e.g. LoRA)."""
     from torchtitan.config import ConfigManager
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -94,6 +101,8 @@ def build_model(folder: Path, *flags: str, seed: int = 0) -> torch.nn.Module:
     args.update_from_config(config.model, max_seq_len=64)
     with torch.device("meta"):
         model = spec.model_cls(args)
+    if convert is not None:
+        convert(model)
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
     return model.eval()

@@ -2,7 +2,7 @@
 tiny Qwen3 built by transformers from its config.json under FSDP 2, TP 2 (transformers' own
 plan, per-head q/k norms included), FSDP 2 x TP 2, FSDP 2 with full activation
 checkpointing, CP 2, and CP 2 (alltoall, the ring) on packed documents
-(block_causal), and a tiny Qwen3-MoE under FSDP 2; and
+(block_causal), LoRA under FSDP 2, and a tiny Qwen3-MoE under FSDP 2; and
 Hugging Face weights load through the hardened loader and export back bit for bit, in a
 folder transformers loads."""
 
@@ -23,8 +23,18 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 PACKED = ["--model.attn_type", "flex", "--model.attn_mask_type", "block_causal"]
 
+LORA = [
+    *("--model.converters", "lora", "--lora.target_modules", "q_proj,v_proj,down_proj,lm_head"),
+    *("--optimizer.lr", "3e-2"),  # only the adapters train: a higher rate for a clear fall
+]
+
 # reference: (model type, its 1-process overrides)
-REFERENCES = {"dense": ("qwen3", []), "packed": ("qwen3", PACKED), "moe": ("qwen3_moe", [])}
+REFERENCES = {
+    "dense": ("qwen3", []),
+    "packed": ("qwen3", PACKED),
+    "lora": ("qwen3", LORA),
+    "moe": ("qwen3_moe", []),
+}
 # name: (reference, processes, data-parallel degree, overrides beside the reference's)
 CASES = {
     "fsdp2": ("dense", 2, 2, []),
@@ -38,6 +48,7 @@ CASES = {
         1,
         CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
     ),
+    "lora_fsdp2": ("lora", 2, 2, []),
     "moe_fsdp2": ("moe", 2, 2, []),
 }
 

@@ -122,3 +122,33 @@ def test_a_folder_the_backend_cannot_build_is_one_line(edit, message, tmp_path):
 def test_a_missing_folder_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.hf_assets_path: .*config.json does not exist"):
         build(tmp_path / "absent")
+
+
+def test_lora_adapters_export_as_a_peft_adapter_that_computes_alike(tmp_path):
+    """LoRA on the hf backend (transformers' module names as targets): the adapters, made
+    non-zero, export as a PEFT folder that PEFT loads onto transformers' model of the same
+    base, with our logits; the base alone (the adapters dropped) differs."""
+    from peft import PeftModel
+
+    from torchtitan.components.adapters.lora import LoRAConverter
+    from torchtitan.components.checkpointing.peft import save_peft_adapter
+    from torchtitan.config import LoRAConfig
+    from torchtitan.models.hf.state_dict_adapter import HFStateDictAdapter
+
+    folder = write_folder(tmp_path, "qwen3")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=[*targets, "lm_head"])
+    ours = build(folder, convert=LoRAConverter(lora, None).convert)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            if name.endswith("lora_b"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    save_peft_adapter([ours], tmp_path / "adapter", HFStateDictAdapter(ours.model_args), lora)
+    base = build(folder)
+    with_adapter = PeftModel.from_pretrained(reference(folder, base), tmp_path / "adapter")
+    tokens = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = with_adapter.eval()(tokens).logits
+        torch.testing.assert_close(ours(tokens), theirs, rtol=0, atol=1e-5)
+        assert (base(tokens) - theirs).abs().max() > 1e-2

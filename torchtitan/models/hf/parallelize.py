@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.components.adapters.lora_linear import has_lora
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -125,6 +126,12 @@ def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
         num_attention_heads=text.num_attention_heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
     )
+    if any(has_lora(module) for module in model.modules()):
+        raise ConfigError(
+            "parallelism.tensor_parallel_degree: LoRA adapters under transformers' tensor "
+            "parallel plan are not built for the hf backend yet; train LoRA with FSDP (or "
+            "leave the degree at 1)"
+        )
     parallelize_module(model.base, tp_mesh, tp_plan(model))
     for module in model.modules():
         own = list(module.parameters(recurse=False))
