@@ -13,8 +13,8 @@ check::
 A cell says ``pass``, ``FAIL`` (with the first line of the error below the table) or ``-``
 (not run: the logits failed). Architectures whose config does not shrink to under 20M
 parameters with these fields (other field names) or does not build at all are left out.
-Context parallel is checked on Qwen3 by the tests only; pipeline and expert parallel are not
-built for this backend yet.
+Context and pipeline parallel are checked on Qwen3 (and Qwen3-MoE) by the tests only; expert
+parallel is not built for this backend yet.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The hf backend trains like one process (per-step loss and grad norm within 1e-4, fp32): a
 tiny Qwen3 built by transformers from its config.json under FSDP 2, TP 2 (transformers' own
 plan, per-head q/k norms included), FSDP 2 x TP 2, FSDP 2 with full activation
-checkpointing, CP 2, and CP 2 (alltoall, the ring) on packed documents
-(block_causal), LoRA under FSDP 2, and a tiny Qwen3-MoE under FSDP 2; and
-Hugging Face weights load through the hardened loader and export back bit for bit, in a
-folder transformers loads."""
+checkpointing, CP 2 (alltoall, the ring) on packed documents (block_causal), PP 2 (1F1B) and
+LoRA under FSDP 2, and a tiny Qwen3-MoE under FSDP 2 and PP 2; and Hugging Face weights load
+through the hardened loader and export back bit for bit, in a folder transformers loads."""
 
 from __future__ import annotations
 
@@ -21,6 +20,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
+PP2 = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_schedule",
+    "1F1B",
+]
 PACKED = ["--model.attn_type", "flex", "--model.attn_mask_type", "block_causal"]
 
 LORA = [
@@ -41,7 +46,7 @@ CASES = {
     "tp2": ("dense", 2, 1, TP2),
     "fsdp2_tp2": ("dense", 4, 2, TP2),
     "fsdp2_full_ac": ("dense", 2, 2, ["--activation_checkpoint.mode", "full"]),
-    "cp2": ("dense", 2, 1, CP2),
+    "pp2": ("dense", 2, 1, PP2),
     "cp2_alltoall_block_causal": (
         "packed",
         2,
@@ -50,6 +55,7 @@ CASES = {
     ),
     "lora_fsdp2": ("lora", 2, 2, []),
     "moe_fsdp2": ("moe", 2, 2, []),
+    "moe_pp2": ("moe", 2, 1, PP2),
 }
 
 

@@ -135,8 +135,10 @@ class HFModelArgs(BaseModelArgs):
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
         check_no_experts(parallel_dims, "the hf backend (its expert parallel is not built yet)")
+        multiplier = getattr(self.hf_config.get_text_config(), "embedding_multiplier", 1.0)
         require(
-            parallel_dims.pp == 1,
-            f"parallelism.pipeline_parallel_degree ({parallel_dims.pp}): the hf backend does not "
-            "support pipeline parallel yet; leave it at 1",
+            parallel_dims.pp == 1 or multiplier in (None, 1.0),
+            f"parallelism.pipeline_parallel_degree ({parallel_dims.pp}): this model's base "
+            f"scales its input embeddings in its forward (embedding_multiplier {multiplier}), "
+            "which every pipeline stage would repeat; leave the degree at 1",
         )

@@ -79,10 +79,26 @@ def _is_attention(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
 
 
-def decoder_layers(base: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a transformers base model (``layers``)."""
+class LayerDict(nn.ModuleDict):
+    """Decoder layers keyed ``"0" .. "n-1"`` (the FQNs of transformers' ``ModuleList``) that
+    transformers' code slices, indexes and iterates as it does its list, and from which a
+    pipeline stage deletes the layers it does not hold (the others keep their FQNs)."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return list(self.values())[key]
+        return super().__getitem__(str(key))
+
+    def __iter__(self) -> Any:
+        return iter(self.values())
+
+
+def decoder_layers(base: nn.Module) -> LayerDict:
+    """The decoder layers of a transformers base model (``layers``), as a ``LayerDict``."""
     layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if isinstance(layers, nn.ModuleList):
+        base.layers = layers = LayerDict({str(i): layer for i, layer in enumerate(layers)})
+    if not isinstance(layers, LayerDict):
         raise ConfigError(
             f"model.hf_assets_path: {type(base).__name__} keeps no decoder layers in `layers`; "
             "the hf backend builds decoders laid out as transformers' Llama-like models"
@@ -104,8 +120,9 @@ class HFCausalLM(nn.Module):
         self._tie = bool(model_args.hf_config.get_text_config().tie_word_embeddings)
         self.base_prefix = hf.base_model_prefix
         self.add_module(self.base_prefix, hf.base_model)
-        self.lm_head: nn.Linear = hf.get_output_embeddings()
+        self.lm_head: nn.Linear | None = hf.get_output_embeddings()
         self.hidden_output = False
+        decoder_layers(self.base)
         self._add_kernels(model_args)
         self.tie_embeddings()
 
@@ -124,19 +141,42 @@ class HFCausalLM(nn.Module):
         return getattr(self, self.base_prefix)
 
     @property
-    def layers(self) -> nn.ModuleList:
+    def layers(self) -> LayerDict:
         return decoder_layers(self.base)
 
+    # A pipeline stage sets these three to None (``distributed/pipeline.build_stage_module``):
+    # without the embedding the stage takes hidden states, without the final norm it returns
+    # them unnormalised, without the output it returns hidden states.
     @property
-    def output(self) -> nn.Linear:
+    def tok_embeddings(self) -> nn.Module | None:
+        return self.base.embed_tokens
+
+    @tok_embeddings.setter
+    def tok_embeddings(self, value: None) -> None:
+        self.base.embed_tokens = value
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.base.norm
+
+    @norm.setter
+    def norm(self, value: None) -> None:
+        self.base.norm = nn.Identity() if value is None else value
+
+    @property
+    def output(self) -> nn.Linear | None:
         """The output projection (the chunked loss binds it)."""
         return self.lm_head
+
+    @output.setter
+    def output(self, value: None) -> None:
+        self.lm_head = value
 
     def tie_embeddings(self) -> None:
         """Point ``lm_head`` at the input embedding again when the config ties them (moving
         the model gives each module its own copy)."""
-        if self._tie:
-            self.lm_head.weight = self.base.get_input_embeddings().weight
+        if self._tie and self.lm_head is not None and self.base.embed_tokens is not None:
+            self.lm_head.weight = self.base.embed_tokens.weight
 
     def _apply(self, fn: Any, recurse: bool = True) -> HFCausalLM:
         super()._apply(fn, recurse)
@@ -149,16 +189,19 @@ class HFCausalLM(nn.Module):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``tokens`` ``[batch, seq]`` -> logits ``[batch, seq, vocab]`` (hidden states with
-        ``hidden_output``); ``positions``: RoPE positions ``[batch, seq]`` or ``[seq]``
-        (restarting per document; this rank's under context parallel), else 0..seq-1;
-        ``document_ids``: the packed documents (of the whole sequences), for ``block_causal``."""
+        """``tokens`` ``[batch, seq]`` (hidden states ``[batch, seq, dim]`` in a pipeline
+        stage without the embedding) -> logits ``[batch, seq, vocab]`` (hidden states with
+        ``hidden_output`` or without the output); ``positions``: RoPE positions
+        ``[batch, seq]`` or ``[seq]`` (restarting per document; this rank's under context
+        parallel), else 0..seq-1; ``document_ids``: the packed documents (of the whole
+        sequences), for ``block_causal``."""
         mask = prepare_mask(self.base, document_ids, tokens.device)
         if positions is not None and positions.ndim == 1:  # one row for every sequence (CP)
             positions = positions.unsqueeze(0)
-        out = self.base(input_ids=tokens, position_ids=positions, titan_mask=mask, use_cache=False)
+        given = {"inputs_embeds" if tokens.is_floating_point() else "input_ids": tokens}
+        out = self.base(**given, position_ids=positions, titan_mask=mask, use_cache=False)
         hidden = out.last_hidden_state
-        return hidden if self.hidden_output else self.lm_head(hidden)
+        return hidden if self.hidden_output or self.lm_head is None else self.lm_head(hidden)
 
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Recompute the buffers (RoPE frequencies) where they live, then every parameter

@@ -141,16 +141,6 @@ def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
     logger.info(f"applied transformers' tensor parallel plan over {tp_mesh.size()} ranks")
 
 
-def _layers_view(model: HFCausalLM) -> nn.ModuleDict:
-    return nn.ModuleDict(dict(model.layers.named_children()))
-
-
-def _write_back(model: HFCausalLM, view: nn.ModuleDict) -> None:
-    """Put the view's (wrapped or compiled) layers back into the model's list."""
-    for name, layer in view.items():
-        model.layers[int(name)] = layer
-
-
 def parallelize_hf(
     model: HFCausalLM,
     parallel_dims: ParallelDims,
@@ -177,14 +167,19 @@ def parallelize_hf(
             "transformers' decoder layers inside a checkpoint (a side effect on state outside "
             "it); for the hf backend use one of the two"
         )
-    view = _layers_view(model)
-    apply_ac(view, ac.mode, ac.selective_ac_option, ac.preserve_rng_state, False, ac.memory_budget)
+    apply_ac(
+        model.layers,
+        ac.mode,
+        ac.selective_ac_option,
+        ac.preserve_rng_state,
+        False,
+        ac.memory_budget,
+    )
     if compiled:
-        compile_blocks(view, compile_config.backend, prefix=f"{model.base_prefix}.layers")
-    _write_back(model, view)
+        compile_blocks(model.layers, compile_config.backend, prefix=f"{model.base_prefix}.layers")
     if parallel_dims.fsdp_enabled:
         settings = fsdp_settings(training, parallelism, parallel_dims)
-        apply_fsdp(model, parallel_dims.fsdp_mesh, list(model.layers), **settings)
+        apply_fsdp(model, parallel_dims.fsdp_mesh, list(model.layers.values()), **settings)
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.world_mesh["dp_replicate"])
     return model
