@@ -16,8 +16,8 @@ from torchtitan.protocols.train_spec import get_train_spec
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 NATIVE_MODELS = [name for name in BUILTIN_MODELS if name != "hf"]
-"""The hf backend has no flavor of its own (it builds a folder's config.json) and does not
-generate through the KV cache yet."""
+"""The hf backend has no flavor of its own (it builds a folder's config.json): its generation
+is checked against transformers' in tests/unit_tests/test_hf_backend.py."""
 DEBUG_FLAVORS = [
     (name, flavor)
     for name in NATIVE_MODELS

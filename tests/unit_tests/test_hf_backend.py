@@ -152,3 +152,18 @@ def test_lora_adapters_export_as_a_peft_adapter_that_computes_alike(tmp_path):
         theirs = with_adapter.eval()(tokens).logits
         torch.testing.assert_close(ours(tokens), theirs, rtol=0, atol=1e-5)
         assert (base(tokens) - theirs).abs().max() > 1e-2
+
+
+def test_greedy_generation_equals_transformers_with_and_without_the_kv_cache(tmp_path):
+    """Our generation (the KV cache plugs into the attention seam) gives transformers' own
+    greedy tokens."""
+    from torchtitan.generation import generate
+
+    folder = write_folder(tmp_path, "qwen3")
+    model = build(folder)
+    prompt = torch.randint(3, 300, (2, 7), generator=torch.Generator().manual_seed(0))
+    kwargs = {"max_new_tokens": 8, "temperature": 0.0, "seed": 3}
+    cached = generate(model, prompt, use_kv_cache=True, **kwargs)
+    assert torch.equal(cached, generate(model, prompt, use_kv_cache=False, **kwargs))
+    theirs = reference(folder, model).generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(cached, theirs)
