@@ -2,7 +2,7 @@
 tiny Qwen3 built by transformers from its config.json under FSDP 2, TP 2 (transformers' own
 plan, per-head q/k norms included), FSDP 2 x TP 2, FSDP 2 with full activation
 checkpointing, CP 2 (alltoall, the ring) on packed documents (block_causal), PP 2 (1F1B) and
-LoRA under FSDP 2, and a tiny Qwen3-MoE under FSDP 2 and PP 2; and Hugging Face weights load
+LoRA under FSDP 2, and a tiny Qwen3-MoE under FSDP 2, PP 2 and TP 2 (experts replicated); and Hugging Face weights load
 through the hardened loader and export back bit for bit, in a folder transformers loads."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ CASES = {
     "lora_fsdp2": ("lora", 2, 2, []),
     "moe_fsdp2": ("moe", 2, 2, []),
     "moe_pp2": ("moe", 2, 1, PP2),
+    "moe_tp2": ("moe", 2, 1, TP2),
 }
 
 

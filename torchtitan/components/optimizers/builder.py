@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizers.adam_states import AdamWithStateDtype
 from torchtitan.components.optimizers.muon import NS_DTYPES, Muon, resolve_ns_dtype
@@ -135,13 +136,17 @@ class ParamGroups:
         (the LR schedule reports its lr), the others in order of first appearance; ``lr`` is
         the optimizer's base learning rate."""
         fqns = {id(p): _clean(name) for name, p in part.named_parameters()}
-        grouped: dict[tuple[bool, float], list[nn.Parameter]] = {}
+        # DTensors and plain tensors in separate groups: foreach and fused steps take one kind
+        # (a model may keep some parameters plain under tensor parallel, the hf backend's
+        # replicated MoE experts)
+        grouped: dict[tuple[bool, float, bool], list[nn.Parameter]] = {}
         for param in params:
-            grouped.setdefault(self.key(fqns[id(param)]), []).append(param)
+            key = (*self.key(fqns[id(param)]), isinstance(param, DTensor))
+            grouped.setdefault(key, []).append(param)
         groups = []
-        plain_first = sorted(grouped, key=lambda key: key != (False, 1.0))  # stable
-        for exempt, factor in plain_first:
-            members = grouped[(exempt, factor)]
+        plain_first = sorted(grouped, key=lambda key: key[:2] != (False, 1.0))  # stable
+        for exempt, factor, is_dtensor in plain_first:
+            members = grouped[(exempt, factor, is_dtensor)]
             group: dict[str, Any] = {"params": members}
             if exempt:
                 group["weight_decay"] = 0.0

@@ -69,13 +69,6 @@ def tp_plan(model: HFCausalLM) -> dict[str, ParallelStyle]:
             f"parallelism.tensor_parallel_degree: {type(model.base).__name__} ships no tensor "
             "parallel plan (base_model_tp_plan) in transformers; leave the degree at 1"
         )
-    experts = next((name for name, p in model.base.named_parameters() if p.ndim == 3), None)
-    if experts is not None:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree: {type(model.base).__name__} stacks its routed "
-            f"experts ({experts}), which the hf backend cannot shard or replicate under tensor "
-            "parallel yet; leave the degree at 1 (FSDP shards them)"
-        )
     names = [name for name, _ in model.base.named_modules()]
     styles: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
@@ -117,9 +110,16 @@ def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
     distribute_module(module, mesh, replicate_parameters, inputs, outputs)
 
 
+def _replicable(module: nn.Module) -> bool:
+    """Modules whose parameters become replicated DTensors under tensor parallel: embeddings,
+    linears and norms. Others (a MoE router, stacked experts) keep plain parameters, which
+    every tp rank updates alike from the same replicated inputs."""
+    return isinstance(module, (nn.Embedding, nn.Linear)) or "Norm" in type(module).__name__
+
+
 def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
     """transformers' plan, then every module whose own parameters the plan left plain
-    (embedding, norms, output) replicated over the tp ranks."""
+    (embedding, norms, output) replicated over the tp ranks; routers and experts stay plain."""
     text = model.model_args.hf_config.get_text_config()
     check_tp_divides_heads(
         tp_mesh.size(),
@@ -135,7 +135,7 @@ def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model.base, tp_mesh, tp_plan(model))
     for module in model.modules():
         own = list(module.parameters(recurse=False))
-        if own and not any(isinstance(p, DTensor) for p in own):
+        if own and _replicable(module) and not any(isinstance(p, DTensor) for p in own):
             _replicated(module, tp_mesh)
     model.tie_embeddings()
     logger.info(f"applied transformers' tensor parallel plan over {tp_mesh.size()} ranks")
