@@ -2,8 +2,9 @@
 tiny Qwen3 built by transformers from its config.json under FSDP 2, TP 2 (transformers' own
 plan, per-head q/k norms included), FSDP 2 x TP 2, FSDP 2 with full activation
 checkpointing, CP 2 (alltoall, the ring) on packed documents (block_causal), PP 2 (1F1B) and
-LoRA under FSDP 2, and a tiny Qwen3-MoE under FSDP 2, PP 2 and TP 2 (experts replicated); and Hugging Face weights load
-through the hardened loader and export back bit for bit, in a folder transformers loads."""
+LoRA under FSDP 2, and a tiny Qwen3-MoE under FSDP 2, PP 2 and TP 2 (experts replicated).
+Hugging Face weights load through the hardened loader and export back bit for bit, in a
+folder transformers loads; a checkpoint saved under FSDP 2 resumes under TP 2."""
 
 from __future__ import annotations
 
@@ -135,3 +136,19 @@ def test_hf_weights_load_and_export_bit_for_bit(folders, tmp_path):
         reloaded.model.layers[1].mlp.down_proj.weight,
         original["model.layers.1.mlp.down_proj.weight"],
     )
+
+
+def test_a_checkpoint_resumes_under_another_layout(folders, tmp_path):
+    """Saved at step 2 under FSDP 2, resumed under TP 2: steps 3 and 4 give the uninterrupted
+    run's loss and grad norm (1e-4: TP sums in another order)."""
+    checkpointing = [
+        *("--checkpoint.enable", "--checkpoint.interval", "2"),
+        *("--checkpoint.no_last_save_model_only", "--training.steps", "4"),
+    ]
+    model = hf_model(folders["qwen3"])
+    whole = train(2, tmp_path, model + checkpointing, dp=2)
+    shutil.rmtree(tmp_path / "checkpoint" / "step-4")
+    (tmp_path / "metrics.jsonl").unlink()
+    resumed = train(2, tmp_path, model + checkpointing + TP2, dp=1)
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert_parity(whole[2:], resumed)
