@@ -275,7 +275,7 @@ def parallelize_moe(moe: MoE, parallel_dims: ParallelDims) -> None:
 
 
 def apply_expert_fsdp(
-    moe: MoE,
+    experts: nn.Module,
     parallel_dims: ParallelDims,
     *,
     param_dtype: torch.dtype,
@@ -283,22 +283,23 @@ def apply_expert_fsdp(
     reshard_after_forward: bool,
     cpu_offload: bool = False,
 ) -> None:
-    """FSDP for expert-parallel experts over the data-parallel ranks that hold the same
-    experts (``efsdp``, with ``dp_replicate`` for HSDP); arguments as for ``apply_fsdp``.
+    """FSDP for expert-parallel experts (a MoE layer's routed experts, split over ``ep``)
+    over the data-parallel ranks that hold the same experts (``efsdp``, with
+    ``dp_replicate`` for HSDP); arguments as for ``apply_fsdp``.
     Their gradients already sum the tokens of a whole EP group, so they are divided by the
     full data-parallel size (as the dense gradients are), not by the efsdp size."""
     mesh = parallel_dims.world_mesh
     efsdp = mesh[("dp_replicate", "efsdp")] if parallel_dims.dp_replicate_enabled else mesh["efsdp"]
     fully_shard(
-        moe.experts,
+        experts,
         mesh=efsdp,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         reshard_after_forward=reshard_after_forward,
         **({"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}),
     )
     dp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
-    moe.experts.set_gradient_divide_factor(dp_size)
+    experts.set_gradient_divide_factor(dp_size)
     if efsdp.device_type == "cpu" and mesh["efsdp"].size() > 1:
         # gloo has no PREMUL_SUM. Not on a 1-rank efsdp: torch's FSDP (2.13) then divides by
         # the factor when copying instead of reduce-scattering, and again afterwards.
-        moe.experts.set_force_sum_reduction_for_comms(True)
+        experts.set_force_sum_reduction_for_comms(True)

@@ -231,7 +231,7 @@ def parallelize_decoder(
         settings = fsdp_settings(training, parallelism, parallel_dims)
         if parallel_dims.ep_enabled:
             for moe in moes:
-                apply_expert_fsdp(moe, parallel_dims, **settings)
+                apply_expert_fsdp(moe.experts, parallel_dims, **settings)
         apply_fsdp(model, parallel_dims.fsdp_mesh, list(model.layers.values()), **settings)
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.world_mesh["dp_replicate"])

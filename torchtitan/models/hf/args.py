@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.common.args import check_no_experts, nparams_and_flops, require
+from torchtitan.models.common.args import nparams_and_flops, require
 from torchtitan.protocols.model import BaseModelArgs
 
 if TYPE_CHECKING:
@@ -134,8 +134,19 @@ class HFModelArgs(BaseModelArgs):
         return nparams_and_flops(model, attention, tied_embeddings=tied)
 
     def check_parallelism(self, parallel_dims: ParallelDims) -> None:
-        check_no_experts(parallel_dims, "the hf backend (its expert parallel is not built yet)")
-        multiplier = getattr(self.hf_config.get_text_config(), "embedding_multiplier", 1.0)
+        require(
+            parallel_dims.etp == 1,
+            "parallelism.expert_tensor_parallel_degree: the hf backend keeps each expert whole "
+            "(expert tensor parallel is not built for it); leave the degree at 1",
+        )
+        text = self.hf_config.get_text_config()
+        require(
+            parallel_dims.pp == 1 or not getattr(text, "tie_word_embeddings", False),
+            "parallelism.pipeline_parallel_degree: this model ties lm_head to the input "
+            "embedding (tie_word_embeddings in its config.json), and the two sit on different "
+            "pipeline stages; leave the degree at 1 or use an untied model",
+        )
+        multiplier = getattr(text, "embedding_multiplier", 1.0)
         require(
             parallel_dims.pp == 1 or multiplier in (None, 1.0),
             f"parallelism.pipeline_parallel_degree ({parallel_dims.pp}): this model's base "

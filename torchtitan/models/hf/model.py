@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.layers.attention import AttentionKernel, MaskSpec, build_attention, prepare_mask
@@ -79,6 +80,17 @@ def _is_attention(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
 
 
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module of ``module``'s own class sharing its attributes (``copy.copy`` cannot
+    copy a module FSDP wraps: FSDP's class re-runs ``__init__`` on creation)."""
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    twin = object.__new__(cls)
+    twin.__dict__.update(module.__dict__)
+    return twin
+
+
 class LayerDict(nn.ModuleDict):
     """Decoder layers keyed ``"0" .. "n-1"`` (the FQNs of transformers' ``ModuleList``) that
     transformers' code slices, indexes and iterates as it does its list, and from which a
@@ -125,6 +137,20 @@ class HFCausalLM(nn.Module):
         decoder_layers(self.base)
         self._add_kernels(model_args)
         self.tie_embeddings()
+
+    def fit_config_to_held_layers(self) -> None:
+        """transformers' decoder loop picks each layer's mask and RoPE by the layer's place
+        in the loop (``config.layer_types[i]``); a pipeline stage loops over its own layers
+        only, so its base model reads a config listing just their types (the layers keep
+        the whole config)."""
+        config = self.base.config
+        types = getattr(config, "layer_types", None)
+        held = [int(key) for key in self.layers.keys()]
+        if types is None or len(held) == len(types):
+            return
+        stage_config = copy.copy(config)
+        stage_config.layer_types = [types[i] for i in held]
+        self.base.config = stage_config
 
     def _add_kernels(self, args: HFModelArgs) -> None:
         for module in self.base.modules():
@@ -240,7 +266,7 @@ class HFCausalLM(nn.Module):
     ) -> None:
         """``params`` of ``module`` as transformers' ``_init_weights`` draws them on a
         full-size fp32 CPU copy of the module, seeded by the module's FQN."""
-        twin = copy.copy(module)
+        twin = shallow_copy(module)
         twin._modules = {}
         twin._parameters = {
             name: None if param is None else nn.Parameter(torch.empty(param.shape))

@@ -1,8 +1,10 @@
 """Parallelisms of ``HFCausalLM``: tensor parallel from transformers' own
 ``base_model_tp_plan`` (its styles as DTensor styles; the activations between blocks
 replicated, no sequence parallel), context parallel by replacing each attention module's
-kernel (``inner_attention``) with the context-parallel one, activation checkpointing and
-per-block compile of the decoder layers, then FSDP/HSDP per decoder layer, or DDP."""
+kernel (``inner_attention``) with the context-parallel one, expert parallel over the stacked
+experts (``experts.py``), activation checkpointing and per-block compile of the decoder
+layers, then FSDP/HSDP (the split experts over ``efsdp`` first, then each decoder layer), or
+DDP."""
 
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel.attention import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
+from torchtitan.distributed.expert_parallel import apply_expert_fsdp
 from torchtitan.models.common.args import check_tp_divides_heads
 from torchtitan.models.common.parallelize import fsdp_settings
+from torchtitan.models.hf.experts import apply_ep
 from torchtitan.models.hf.model import HFCausalLM
 from torchtitan.tools.compile import compile_blocks
 from torchtitan.tools.logging import logger
@@ -150,6 +154,7 @@ def parallelize_hf(
     activation_checkpoint: ActivationCheckpointConfig,
     compile_config: CompileConfig,
 ) -> HFCausalLM:
+    model.fit_config_to_held_layers()
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.world_mesh["tp"])
     if parallel_dims.cp_enabled:
@@ -159,6 +164,10 @@ def parallelize_hf(
             parallel_dims.cp_rotate_method,
             parallel_dims.cp_load_balancer,
         )
+    split_experts = []
+    if parallel_dims.ep_enabled:
+        split_experts = apply_ep(model, parallel_dims.world_mesh["ep"])
+        logger.info(f"applied expert parallel over {parallel_dims.ep} ranks")
     ac = activation_checkpoint
     compiled = compile_config.enable and "model" in compile_config.components
     if compiled and ac.mode != "none":
@@ -179,6 +188,8 @@ def parallelize_hf(
         compile_blocks(model.layers, compile_config.backend, prefix=f"{model.base_prefix}.layers")
     if parallel_dims.fsdp_enabled:
         settings = fsdp_settings(training, parallelism, parallel_dims)
+        for experts in split_experts:
+            apply_expert_fsdp(experts, parallel_dims, **settings)
         apply_fsdp(model, parallel_dims.fsdp_mesh, list(model.layers.values()), **settings)
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.world_mesh["dp_replicate"])
