@@ -56,14 +56,16 @@ def test_presets_globs_and_names_select_linears(patterns, expected):
         ("llama", "wz", "'wz' matches no linear layer"),
         ("llama", "tok_embeddings", "matches no linear layer"),
         ("qwen3_moe", "experts", "selects MoE routed experts"),
+        ("qwen3_tied", "output", "selects output, whose weight is tied to the input embedding"),
     ],
 )
 def test_bad_targets_are_refused_in_one_line(model, pattern, message):
     if model == "llama":
         target = llama()
     else:
+        flavor = "debugmodel_moe" if model == "qwen3_moe" else "0.6B"
         with torch.device("meta"):
-            target = Qwen3Model(qwen3_flavors["debugmodel_moe"])
+            target = Qwen3Model(qwen3_flavors[flavor])
     with pytest.raises(ConfigError, match=message) as error:
         select_targets(target, [pattern])
     assert str(error.value).startswith("lora.target_modules:") and "\n" not in str(error.value)

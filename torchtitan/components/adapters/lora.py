@@ -68,8 +68,21 @@ def select_targets(model: nn.Module, patterns: list[str]) -> dict[str, nn.Linear
                 f"a preset ({', '.join(PRESETS)}), an FQN glob such as layers.*.attention.wq, "
                 "or a layer name such as wq"
             )
+        _refuse_tied(pattern, linears, model)
         targets.update(linears)
     return targets
+
+
+def _refuse_tied(pattern: str, linears: dict[str, nn.Linear], model: nn.Module) -> None:
+    """A linear whose weight is also the input embedding (tied embeddings) cannot take an
+    adapter: merged, it would no longer be the embedding it is saved as."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for fqn, linear in linears.items():
+        if id(linear.weight) in embeddings:
+            raise ConfigError(
+                f"lora.target_modules: {pattern!r} selects {fqn}, whose weight is tied to the "
+                "input embedding (tie_word_embeddings); leave it out"
+            )
 
 
 def trainable_summary(model: nn.Module) -> tuple[int, int]:
