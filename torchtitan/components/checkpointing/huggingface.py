@@ -318,7 +318,9 @@ def _write_index_and_config(
     export_dtype: torch.dtype,
     sharded: bool,
 ) -> None:
-    config = dict(config, torch_dtype=str(export_dtype).removeprefix("torch."))
+    # transformers 5 reads `dtype`, older releases `torch_dtype`: both name the export's
+    dtype = str(export_dtype).removeprefix("torch.")
+    config = dict(config, dtype=dtype, torch_dtype=dtype)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if sharded:
         index = {"metadata": {}, "weight_map": dict(sorted(keys.items()))}
