@@ -1,10 +1,11 @@
 """The hf backend trains like one process (per-step loss and grad norm within 1e-4, fp32): a
-tiny Qwen3 built by transformers from its config.json under FSDP 2, TP 2 (transformers' own
-plan, per-head q/k norms included), FSDP 2 x TP 2, FSDP 2 with full activation
-checkpointing, CP 2 (alltoall, the ring) on packed documents (block_causal), PP 2 (1F1B) and
-LoRA under FSDP 2, and a tiny Qwen3-MoE under FSDP 2, PP 2 and TP 2 (experts replicated).
-Hugging Face weights load through the hardened loader and export back bit for bit, in a
-folder transformers loads; a checkpoint saved under FSDP 2 resumes under TP 2."""
+tiny Gemma 3 built by transformers from its config.json (GeGLU, per-head q/k norms, scaled
+embeddings) under FSDP 2, TP 2 (transformers' own plan), FSDP 2 x TP 2, FSDP 2 with full
+activation checkpointing, CP 2 (alltoall) on packed documents (block_causal), PP 2
+(1F1B) and LoRA under FSDP 2, and a tiny Mixtral under FSDP 2, PP 2, TP 2 (experts
+replicated), EP 2 and PP 2 x EP 2 (transformers' router and experts, the experts split over
+the ep ranks). Hugging Face weights load through the hardened loader and export back bit for
+bit, in a folder transformers loads; a checkpoint saved under FSDP 2 resumes under TP 2."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from tests.parity import assert_loss_falls, assert_parity, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
+DENSE, MOE = "gemma3_text", "mixtral"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 PP2 = [
     "--parallelism.pipeline_parallel_degree",
@@ -36,10 +39,10 @@ LORA = [
 
 # reference: (model type, its 1-process overrides)
 REFERENCES = {
-    "dense": ("qwen3", []),
-    "packed": ("qwen3", PACKED),
-    "lora": ("qwen3", LORA),
-    "moe": ("qwen3_moe", []),
+    "dense": (DENSE, []),
+    "packed": (DENSE, PACKED),
+    "lora": (DENSE, LORA),
+    "moe": (MOE, []),
 }
 # name: (reference, processes, data-parallel degree, overrides beside the reference's)
 CASES = {
@@ -58,6 +61,8 @@ CASES = {
     "moe_fsdp2": ("moe", 2, 2, []),
     "moe_pp2": ("moe", 2, 1, PP2),
     "moe_tp2": ("moe", 2, 1, TP2),
+    "moe_ep2": ("moe", 2, 2, EP2),
+    "moe_pp2_ep2": ("moe", 4, 2, PP2 + EP2),
 }
 
 
@@ -66,7 +71,17 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     """Per model type, a folder with its tiny config.json (MoE: 4 experts, top 2) and the
     test tokenizer."""
     root = tmp_path_factory.mktemp("hf_models")
-    return {model_type: write_folder(root, model_type) for model_type in ("qwen3", "qwen3_moe")}
+    return {
+        # untied (pipeline stages cannot share the embedding), and layers of both kinds, whose
+        # RoPE differs: a pipeline stage must give each of its layers its own
+        DENSE: write_folder(
+            root,
+            DENSE,
+            tie_word_embeddings=False,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        MOE: write_folder(root, MOE),
+    }
 
 
 def hf_model(folder: Path) -> list[str]:
@@ -107,8 +122,12 @@ def test_hf_weights_load_and_export_bit_for_bit(folders, tmp_path):
 
     torch.manual_seed(3)
     published = tmp_path / "published"
-    config = AutoConfig.from_pretrained(folders["qwen3"])
-    AutoModelForCausalLM.from_config(config).save_pretrained(published)
+    config = AutoConfig.from_pretrained(folders[DENSE])
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # no weight at zero, where a step of 1e-30 would still show
+        for param in model.parameters():
+            param.add_(torch.randn_like(param), alpha=0.02)
+    model.save_pretrained(published)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / name, published / name)
     dump = tmp_path / "run"
@@ -145,7 +164,7 @@ def test_a_checkpoint_resumes_under_another_layout(folders, tmp_path):
         *("--checkpoint.enable", "--checkpoint.interval", "2"),
         *("--checkpoint.no_last_save_model_only", "--training.steps", "4"),
     ]
-    model = hf_model(folders["qwen3"])
+    model = hf_model(folders[DENSE])
     whole = train(2, tmp_path, model + checkpointing, dp=2)
     shutil.rmtree(tmp_path / "checkpoint" / "step-4")
     (tmp_path / "metrics.jsonl").unlink()
