@@ -265,8 +265,15 @@ class MuonConfig:
         )
 
 
-DEFAULT_WEIGHT_DECAY_EXCLUDE = ("*norm.weight", "*bias", "*.experts.b[123]", "tok_embeddings.*")
-"""optimizer.weight_decay_exclude's default: norms, biases and the token embeddings."""
+DEFAULT_WEIGHT_DECAY_EXCLUDE = (
+    "*norm.weight",
+    "*bias",
+    "*.experts.b[123]",
+    "tok_embeddings.*",
+    "*.embed_tokens.weight",
+)
+"""optimizer.weight_decay_exclude's default: norms, biases and the token embeddings (the
+native models' ``tok_embeddings``, transformers' ``embed_tokens`` in the hf backend)."""
 
 
 @dataclass
