@@ -149,6 +149,21 @@ def test_auto_iteration_dtype_follows_the_device():
 
 
 def test_a_pattern_that_matches_nothing_is_refused():
-    args = config("--optimizer.muon.adamw_params", "tok_embeddings.*,lm_head.*").optimizer
-    with pytest.raises(ConfigError, match="'lm_head.\\*' matches no parameter"):
+    args = config("--optimizer.muon.adamw_params", "tok_embeddings.*,head.*").optimizer
+    with pytest.raises(ConfigError, match="'head.\\*' matches no parameter"):
         build_optimizers([tiny_model()], args, None)
+
+
+def test_the_default_trains_transformers_embedding_and_output_with_adamw():
+    """The hf backend's names (``model.embed_tokens``, ``lm_head``): the default patterns
+    send them to AdamW, and the native names matching nothing there is no error."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Embedding(32, 8)
+    model.model.proj = torch.nn.Linear(8, 8, bias=False)
+    model.lm_head = torch.nn.Linear(8, 32, bias=False)
+    args = config().optimizer
+    muon, adamw, _ = muon_split([model], args.muon.adamw_params)
+    assert muon[0] == [model.model.proj.weight]
+    assert adamw[0] == [model.model.embed_tokens.weight, model.lm_head.weight]
+    build_optimizers([model], args, None)

@@ -208,6 +208,11 @@ class ModelConfig:
             )
 
 
+DEFAULT_MUON_ADAMW_PARAMS = ("tok_embeddings.*", "output.*", "*.embed_tokens.weight", "lm_head.*")
+"""optimizer.muon.adamw_params' default: the token embedding and the output projection (the
+native models' names, and transformers' in the hf backend)."""
+
+
 @dataclass
 class MuonConfig:
     """Muon (``optimizer.name = "Muon"``): momentum orthogonalised by a Newton-Schulz
@@ -242,9 +247,9 @@ class MuonConfig:
     when it switches to Muon); "original" sqrt(max(1, rows / cols)) (Keller Jordan's Muon,
     which wants an lr about 50x AdamW's)."""
 
-    adamw_params: list[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*"])
+    adamw_params: list[str] = field(default_factory=lambda: list(DEFAULT_MUON_ADAMW_PARAMS))
     """fnmatch patterns of parameter names (as in the checkpoint) that train with AdamW
-    although they are matrices; each must match a parameter."""
+    although they are matrices; each pattern beyond the default must match a parameter."""
 
     adamw_lr: float | None = None
     """Learning rate of the AdamW parameters; unset = optimizer.lr."""

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizers.adam_states import AdamWithStateDtype
 from torchtitan.components.optimizers.muon import NS_DTYPES, Muon, resolve_ns_dtype
 from torchtitan.config import ConfigError
-from torchtitan.config.job_config import DEFAULT_WEIGHT_DECAY_EXCLUDE
+from torchtitan.config.job_config import DEFAULT_MUON_ADAMW_PARAMS, DEFAULT_WEIGHT_DECAY_EXCLUDE
 from torchtitan.layers.moe import moe_layers, update_expert_biases
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import logger
@@ -271,7 +271,8 @@ def _build_muon(
 ) -> OptimizersContainer:
     m = cfg.muon
     muon, adamw, matches = muon_split(model_parts, m.adamw_params)
-    _check_patterns_match(matches, parallel_dims, "optimizer.muon.adamw_params")
+    added = {p: count for p, count in matches.items() if p not in DEFAULT_MUON_ADAMW_PARAMS}
+    _check_patterns_match(added, parallel_dims, "optimizer.muon.adamw_params")
     adamw_kwargs = {
         **adamw_kwargs,
         "lr": cfg.lr if m.adamw_lr is None else m.adamw_lr,
