@@ -107,6 +107,10 @@ def test_initialisation_follows_the_seed_and_fqn_not_the_build(tmp_path):
             "names remote code, which is never run",
         ),
         (lambda c: c.update(final_logit_softcapping=30.0), "sets final_logit_softcapping"),
+        (
+            lambda c: c.update(rope_parameters=[1, 2]),
+            "config.json is not a valid llama config",
+        ),
     ],
 )
 def test_a_folder_the_backend_cannot_build_is_one_line(edit, message, tmp_path):

@@ -56,6 +56,7 @@ def load_hf_config(folder: str | None) -> Any:
     """The transformers config of ``folder``, never with remote code: an ``auto_map`` that
     names a class transformers lacks is refused; one whose ``model_type`` transformers knows
     is ignored (its own classes are used)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -76,7 +77,14 @@ def load_hf_config(folder: str | None) -> Any:
             f"model.hf_assets_path: config.json's auto_map is ignored; the installed "
             f"transformers' {model_type!r} classes are used (no remote code)"
         )
-    config: PretrainedConfig = AutoConfig.for_model(**raw)
+    try:
+        config: PretrainedConfig = AutoConfig.for_model(**raw)
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model.hf_assets_path: config.json is not a valid {model_type} config ({reason}); "
+            "fix the field it names or write the folder again with save_pretrained"
+        ) from None
     for field, what in UNSUPPORTED_FIELDS.items():
         require(
             getattr(config, field, None) in (None, 1.0),
