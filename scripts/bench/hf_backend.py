@@ -3,9 +3,10 @@ tokens/s and peak memory per process, through the real entry point::
 
     python scripts/bench/hf_backend.py --output benchmarks/hf_backend_cpu.md
 
-The native Qwen3 flavor (``--flavor``) is written as a Hugging Face ``config.json`` by its own
-state-dict adapter, so ``model.name = "hf"`` builds transformers' ``Qwen3ForCausalLM`` of the
-same shape (dim, layers, heads, FFN, vocabulary of the test tokenizer). Both train
+The native model's flavor (``--model``, ``--flavor``: Llama 3 or Qwen3) is written as a Hugging
+Face ``config.json`` by its own state-dict adapter, so ``model.name = "hf"`` builds
+transformers' ``LlamaForCausalLM`` (``Qwen3ForCausalLM``) of the same shape (dim, layers,
+heads, FFN, vocabulary of the test tokenizer). Both train
 ``--steps`` steps in one process (fp32, batch ``--batch`` x ``--seq-len``, the chunked loss),
 alternating ``--repeats`` times; the table gives the median over runs of each run's median
 tokens/s after the first 3 steps (compile-free warm-up), and the largest ``memory_gib`` the
@@ -29,11 +30,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "scripts" / "bench" / "upstream_test_tokenizer"
 WARMUP = 3
+HF_CLASSES = {"llama3": "Llama", "qwen3": "Qwen3"}
 
 
-def write_hf_folder(flavor: str, folder: Path) -> None:
-    """config.json of the native Qwen3 flavor (with the test tokenizer's vocabulary) and the
-    tokenizer files."""
+def write_hf_folder(model: str, flavor: str, folder: Path) -> None:
+    """config.json of the native model's flavor (with the test tokenizer's vocabulary) and
+    the tokenizer files."""
     from torchtitan.config import ConfigManager
     from torchtitan.data.tokenizers import build_tokenizer
     from torchtitan.protocols.train_spec import get_train_spec
@@ -41,14 +43,14 @@ def write_hf_folder(flavor: str, folder: Path) -> None:
     config = ConfigManager().parse_args(
         [
             "--model.name",
-            "qwen3",
+            model,
             "--model.flavor",
             flavor,
             "--model.tokenizer_path",
             str(TOKENIZER),
         ]
     )
-    spec = get_train_spec("qwen3")
+    spec = get_train_spec(model)
     args = spec.flavor_args(flavor)
     args.update_from_config(config.model, max_seq_len=4096, tokenizer=build_tokenizer(config.model))
     folder.mkdir(parents=True)
@@ -72,6 +74,7 @@ def train(model_flags: list[str], args: argparse.Namespace, dump: Path) -> list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("llama3", "qwen3"), default="llama3")
     parser.add_argument("--flavor", default="debugmodel")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
@@ -79,15 +82,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", help="write the markdown table here")
     args = parser.parse_args()
-    rates: dict[str, list[float]] = {"native qwen3": [], "hf (transformers' Qwen3)": []}
+    native, hf = f"native {args.model}", f"hf (transformers' {HF_CLASSES[args.model]})"
+    rates: dict[str, list[float]] = {native: [], hf: []}
     memory: dict[str, float] = dict.fromkeys(rates, 0.0)
     with tempfile.TemporaryDirectory(prefix="hf_backend_") as tmp:
         root = Path(tmp)
-        write_hf_folder(args.flavor, root / "hf")
+        write_hf_folder(args.model, args.flavor, root / "hf")
         flags = {
-            "native qwen3": ["--model.name", "qwen3", "--model.flavor", args.flavor]
+            native: ["--model.name", args.model, "--model.flavor", args.flavor]
             + ["--model.tokenizer_path", str(TOKENIZER)],
-            "hf (transformers' Qwen3)": ["--model.name", "hf", "--model.flavor", "full"]
+            hf: ["--model.name", "hf", "--model.flavor", "full"]
             + ["--model.hf_assets_path", str(root / "hf")],
         }
         for repeat in range(args.repeats):
@@ -100,9 +104,9 @@ def main() -> None:
         "# The hf backend beside the native model (same shape)",
         "",
         f"- command: `python scripts/bench/hf_backend.py {' '.join(sys.argv[1:])}`",
-        f"- Qwen3 `{args.flavor}` shape, one process, fp32, batch {args.batch} x seq "
-        f"{args.seq_len}, {args.steps} steps x {args.repeats} alternating runs; Python "
-        f"{platform.python_version()}, {os.cpu_count()} CPU cores, "
+        f"- {HF_CLASSES[args.model]} `{args.flavor}` shape, one process, fp32, batch "
+        f"{args.batch} x seq {args.seq_len}, {args.steps} steps x {args.repeats} alternating "
+        f"runs; Python {platform.python_version()}, {os.cpu_count()} CPU cores, "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "",
         "| model | tokens/s (median of runs) | runs | peak memory (GiB) |",
