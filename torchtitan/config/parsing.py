@@ -26,6 +26,7 @@ import tyro
 
 from torchtitan.config.checks import check_job_config, get_field
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.hub import resolve_hf_assets_path
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.toml_chain import load_toml_chain
 
@@ -466,6 +467,7 @@ class ConfigManager:
         config = self._parse_cli(config_cls, args, default)
         _apply_value_aliases(config)
         check_job_config(config)
+        resolve_hf_assets_path(config.model)
         return config
 
     @staticmethod
