@@ -171,3 +171,14 @@ def test_greedy_generation_equals_transformers_with_and_without_the_kv_cache(tmp
     assert torch.equal(cached, generate(model, prompt, use_kv_cache=False, **kwargs))
     theirs = reference(folder, model).generate(prompt, max_new_tokens=8, do_sample=False)
     assert torch.equal(cached, theirs)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_model_keeps_its_embedding_out_of_the_tensor_parallel_plan(tied, tmp_path):
+    """LFM2's plan splits the embedding by vocabulary rows; tied, the same weight is also
+    lm_head (not split alike), so the embedding stays whole (TP 2 then equals 1 process:
+    hf_compat's table)."""
+    from torchtitan.models.hf.parallelize import tp_plan
+
+    model = build(write_folder(tmp_path, "lfm2", tie_word_embeddings=tied))
+    assert ("embed_tokens" in tp_plan(model)) is not tied

@@ -129,7 +129,7 @@ class HFCausalLM(nn.Module):
         self.model_args = model_args
         hf = AutoModelForCausalLM.from_config(model_args.hf_config)
         self._hf_init = hf._init_weights
-        self._tie = bool(model_args.hf_config.get_text_config().tie_word_embeddings)
+        self.tied = bool(model_args.hf_config.get_text_config().tie_word_embeddings)
         self.base_prefix = hf.base_model_prefix
         self.add_module(self.base_prefix, hf.base_model)
         self.lm_head: nn.Linear | None = hf.get_output_embeddings()
@@ -201,7 +201,7 @@ class HFCausalLM(nn.Module):
     def tie_embeddings(self) -> None:
         """Point ``lm_head`` at the input embedding again when the config ties them (moving
         the model gives each module its own copy)."""
-        if self._tie and self.lm_head is not None and self.base.embed_tokens is not None:
+        if self.tied and self.lm_head is not None and self.base.embed_tokens is not None:
             self.lm_head.weight = self.base.embed_tokens.weight
 
     def _apply(self, fn: Any, recurse: bool = True) -> HFCausalLM:

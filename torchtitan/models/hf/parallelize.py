@@ -66,14 +66,19 @@ model has refuses tensor parallel for the model."""
 
 def tp_plan(model: HFCausalLM) -> dict[str, ParallelStyle]:
     """The model's ``base_model_tp_plan`` resolved to its modules' FQNs (under the base
-    model), refused in one line when the config has none or names a style we do not apply."""
+    model), refused in one line when the config has none or names a style we do not apply.
+    A tied model keeps its input embedding whole (replicated): the same weight is also
+    ``lm_head``, which the plan does not split alike."""
     plan = model.model_args.hf_config.get_text_config().base_model_tp_plan or {}
     if not plan:
         raise ConfigError(
             f"parallelism.tensor_parallel_degree: {type(model.base).__name__} ships no tensor "
             "parallel plan (base_model_tp_plan) in transformers; leave the degree at 1"
         )
-    names = [name for name, _ in model.base.named_modules()]
+    modules = dict(model.base.named_modules())
+    if model.tied:
+        modules = {n: m for n, m in modules.items() if not isinstance(m, nn.Embedding)}
+    names = list(modules)
     styles: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
         matched = fnmatch.filter(names, pattern.replace(".*.", ".*[0-9].")) or []
