@@ -182,3 +182,19 @@ def test_a_tied_model_keeps_its_embedding_out_of_the_tensor_parallel_plan(tied, 
 
     model = build(write_folder(tmp_path, "lfm2", tie_word_embeddings=tied))
     assert ("embed_tokens" in tp_plan(model)) is not tied
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "olmo_hybrid", "llama"])
+def test_context_parallel_refuses_layers_that_mix_tokens_without_attention(model_type, tmp_path):
+    """LFM2's convolution layers and OLMo-Hybrid's linear-attention layers would each see
+    only their rank's piece of the sequence under CP; Llama's attention-only layers pass."""
+    from torchtitan.models.hf.parallelize import check_context_parallel
+
+    kinds = {"lfm2": {"layer_types": ["conv", "full_attention"]}}  # its tiny default: attention
+    model = build(write_folder(tmp_path, model_type, **kinds.get(model_type, {})))
+    if model_type == "llama":
+        check_context_parallel(model)
+        return
+    with pytest.raises(ConfigError, match="mixes tokens without attention") as error:
+        check_context_parallel(model)
+    assert str(error.value).startswith("parallelism.context_parallel_degree:")

@@ -31,6 +31,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel.attention import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
 from torchtitan.distributed.expert_parallel import apply_expert_fsdp
+from torchtitan.layers.attention import AttentionKernel
 from torchtitan.models.common.args import check_tp_divides_heads
 from torchtitan.models.common.parallelize import fsdp_settings
 from torchtitan.models.hf.experts import apply_ep
@@ -150,6 +151,19 @@ def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
     logger.info(f"applied transformers' tensor parallel plan over {tp_mesh.size()} ranks")
 
 
+def check_context_parallel(model: HFCausalLM) -> None:
+    """Context parallel splits the sequence at the attention kernels only: a decoder layer
+    that mixes tokens without attention (a convolution, a linear-attention or state-space
+    mixer) would see its piece of the sequence alone, so it is refused in one line."""
+    for index, layer in model.layers.items():
+        if not any(isinstance(m, AttentionKernel) for m in layer.modules()):
+            raise ConfigError(
+                f"parallelism.context_parallel_degree: decoder layer {index} "
+                f"({type(layer).__name__}) mixes tokens without attention, which context "
+                "parallel cannot split in the hf backend; leave the degree at 1"
+            )
+
+
 def parallelize_hf(
     model: HFCausalLM,
     parallel_dims: ParallelDims,
@@ -163,6 +177,7 @@ def parallelize_hf(
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.world_mesh["tp"])
     if parallel_dims.cp_enabled:
+        check_context_parallel(model)
         apply_cp(
             model,
             parallel_dims.world_mesh["cp"],
