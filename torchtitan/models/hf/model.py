@@ -76,8 +76,9 @@ def register_attention() -> None:
 
 
 def _is_attention(module: nn.Module) -> bool:
-    """transformers' attention modules: an ``...Attention`` class that knows its layer."""
-    return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
+    """transformers' attention modules: an ``...Attention`` (or multi-head latent attention,
+    ``...MLA``) class that knows its layer."""
+    return type(module).__name__.endswith(("Attention", "MLA")) and hasattr(module, "layer_idx")
 
 
 def shallow_copy(module: nn.Module) -> nn.Module:
