@@ -120,9 +120,17 @@ def flex_has_backward(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def _blockwise(device: torch.device) -> bool:
-    """Whether this forward needs the block-by-block kernel (a backward FlexAttention lacks)."""
-    return torch.is_grad_enabled() and not flex_has_backward(device)
+CPU_FLEX_MULTIPLE = 16
+"""Sequence lengths the CPU's compiled FlexAttention computes right are multiples of this
+(torch 2.13: 8, 24, 40, 56 or 72 tokens give wrong rows or NaN, from some inputs only)."""
+
+
+def _blockwise(device: torch.device, seq_len: int) -> bool:
+    """Whether this forward needs the block-by-block kernel: a backward FlexAttention lacks,
+    or a length the CPU's compiled FlexAttention gets wrong."""
+    if flex_has_backward(device):
+        return False
+    return torch.is_grad_enabled() or seq_len % CPU_FLEX_MULTIPLE != 0
 
 
 def chunk_size(seq_len: int) -> int:
@@ -181,7 +189,8 @@ class FlexAttention(AttentionKernel):
     ) -> PreparedMask | None:
         if document_ids is None:
             return None
-        seq_len, blockwise = document_ids.shape[1], _blockwise(device)
+        seq_len = document_ids.shape[1]
+        blockwise = _blockwise(device, seq_len)
         if not self.spec.block_causal:
             return _position_only_mask(self.spec, seq_len, device, blockwise)
         if blockwise:
@@ -206,7 +215,7 @@ class FlexAttention(AttentionKernel):
         mask = own_mask(mask, self.spec)
         if mask is None:  # no document ids (generation, direct calls): any length, so on the
             # CPU the eager block kernel rather than a compilation per length
-            blockwise = _blockwise(q.device) or not flex_has_backward(q.device)
+            blockwise = not flex_has_backward(q.device)
             mask = _position_only_mask(self.spec, q.shape[2], q.device, blockwise)
         if mask.plan is None and sinks is not None and not flex_has_backward(q.device):
             # the CPU's compiled FlexAttention returns no log-sum-exp: the block kernel
