@@ -13,8 +13,9 @@ attention: ranks 32, rotary and value heads of 16), each column one check::
 - compile: the decoder layers compiled one by one (as ``compile.enable`` does; backend
   ``--compile-backend``, default inductor) give the eager model's logits (1e-5) and
   gradients (1e-4);
-- lora: LoRA adapters on every linear of the decoder layers (B drawn non-zero), exported as a
-  PEFT adapter, give our logits when PEFT loads them onto transformers' model (1e-5).
+- lora: LoRA adapters on every linear of the decoder layers and on an untied lm_head (B
+  drawn non-zero), exported as a PEFT adapter, give our logits when PEFT loads them onto
+  transformers' model (1e-5).
 
 A cell says ``pass``, ``FAIL`` or ``refused`` (with the first line of the error or of our
 one-line refusal below the table), ``-`` (not run: the logits failed) or ``n/a`` (ep2 of a
@@ -187,7 +188,8 @@ def lora_check(folder: Path, root: Path) -> None:
         for name, module in base.layers.named_modules()
         if type(module) is torch.nn.Linear
     }
-    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=sorted(linears))
+    output = [] if base.tied else ["lm_head"]
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=sorted(linears) + output)
     ours = build_model(folder, convert=LoRAConverter(lora, None).convert)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():

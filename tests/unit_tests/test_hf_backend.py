@@ -129,33 +129,26 @@ def test_a_missing_folder_is_one_line(tmp_path):
 
 
 def test_lora_adapters_export_as_a_peft_adapter_that_computes_alike(tmp_path):
-    """LoRA on the hf backend (transformers' module names as targets): the adapters, made
-    non-zero, export as a PEFT folder that PEFT loads onto transformers' model of the same
-    base, with our logits; the base alone (the adapters dropped) differs."""
-    from peft import PeftModel
+    """LoRA on the hf backend (transformers' module names as targets, lm_head too): the
+    adapters, made non-zero, export as a PEFT folder that PEFT loads onto transformers' model
+    of the same base, with our logits; the base alone (the adapters dropped) differs."""
+    from scripts.hf_compat import lora_check
 
-    from torchtitan.components.adapters.lora import LoRAConverter
-    from torchtitan.components.checkpointing.peft import save_peft_adapter
-    from torchtitan.config import LoRAConfig
-    from torchtitan.models.hf.state_dict_adapter import HFStateDictAdapter
+    lora_check(write_folder(tmp_path, "qwen3"), tmp_path)
 
-    folder = write_folder(tmp_path, "qwen3")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=[*targets, "lm_head"])
-    ours = build(folder, convert=LoRAConverter(lora, None).convert)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in ours.named_parameters():
-            if name.endswith("lora_b"):
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-    save_peft_adapter([ours], tmp_path / "adapter", HFStateDictAdapter(ours.model_args), lora)
-    base = build(folder)
-    with_adapter = PeftModel.from_pretrained(reference(folder, base), tmp_path / "adapter")
-    tokens = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        theirs = with_adapter.eval()(tokens).logits
-        torch.testing.assert_close(ours(tokens), theirs, rtol=0, atol=1e-5)
-        assert (base(tokens) - theirs).abs().max() > 1e-2
+
+def test_parameters_init_weights_leaves_unset_take_their_constructor_values(tmp_path):
+    """Apertus's xIELU coefficients (parameters and buffers) are set by its constructor only:
+    two builds agree, with the constructor's values (not uninitialised memory)."""
+    from transformers.activations import XIELUActivation
+
+    first, second = (build(write_folder(tmp_path, "apertus")) for _ in range(2))
+    fresh = XIELUActivation()
+    activation = first.layers[1].mlp.act_fn
+    for name in ("alpha_p", "alpha_n", "beta", "eps"):
+        torch.testing.assert_close(getattr(activation, name), getattr(fresh, name).float())
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_greedy_generation_equals_transformers_with_and_without_the_kv_cache(tmp_path):

@@ -34,6 +34,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.layers.attention import AttentionKernel, MaskSpec, build_attention, prepare_mask
 from torchtitan.layers.init import assign_full_, clean_fqn, init_param_, param_seed
 from torchtitan.models.hf.args import ATTENTION, HFModelArgs
+from torchtitan.tools.logging import logger
 
 
 def titan_attention(
@@ -50,16 +51,27 @@ def titan_attention(
     """transformers' attention-function signature (``[batch, heads, seq, head_dim]`` in,
     ``[batch, seq, heads, head_dim]`` out) over the module's ``inner_attention``. transformers'
     ``attention_mask`` is not used: the kernel masks from ``titan_mask`` (the forward's
-    prepared mask) and its own spec. Attention dropout is not applied."""
+    prepared mask) and its own spec. Attention dropout is not applied. Values and keys of
+    different head sizes (multi-head latent attention) are zero-padded to the wider for the
+    kernel (flash kernels and context parallel take one head size; zeros change neither the
+    scores nor the output) and the output cut back."""
     del attention_mask, dropout, kwargs
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+    value_dim, key_dim = value.shape[-1], key.shape[-1]
+    if value_dim != key_dim:
+        scaling = key_dim**-0.5 if scaling is None else scaling
+        query, key, value = (_pad_heads(t, max(value_dim, key_dim)) for t in (query, key, value))
     out = module.inner_attention(
         query, key, value, mask=titan_mask, scale=scaling, sinks=getattr(module, "sinks", None)
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :value_dim].transpose(1, 2).contiguous(), None
+
+
+def _pad_heads(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -79,6 +91,48 @@ def _is_attention(module: nn.Module) -> bool:
     """transformers' attention modules: an ``...Attention`` (or multi-head latent attention,
     ``...MLA``) class that knows its layer."""
     return type(module).__name__.endswith(("Attention", "MLA")) and hasattr(module, "layer_idx")
+
+
+_WARNED: set[str] = set()
+
+
+def _constructed(cls: type[nn.Module]) -> dict[str, torch.Tensor]:
+    """The parameters and buffers a module of ``cls`` built with its default arguments holds
+    (transformers builds activations so); none when the class needs arguments."""
+    try:
+        with torch.device("cpu"):
+            fresh = cls()
+    except TypeError:
+        return {}
+    return {
+        **dict(fresh.named_parameters(recurse=False)),
+        **dict(fresh.named_buffers(recurse=False)),
+    }
+
+
+@torch.no_grad()
+def fill_unset(cls: type[nn.Module], tensors: dict[str, torch.Tensor], fqn: str) -> None:
+    """``tensors`` of a module of ``cls`` that transformers' ``_init_weights`` left unset
+    (still NaN: set only by the module's constructor, as Apertus's xIELU coefficients) take
+    the values of a ``cls()`` built with its defaults, else zero with a warning: every
+    layout starts alike either way."""
+    unset = {n: t for n, t in tensors.items() if t.is_floating_point() and t.isnan().all()}
+    if not unset:
+        return
+    constructed = _constructed(cls)
+    for name, tensor in unset.items():
+        value = constructed.get(name)
+        if value is not None and value.shape == tensor.shape:
+            tensor.copy_(value)
+            continue
+        tensor.zero_()
+        if cls.__name__ not in _WARNED:
+            _WARNED.add(cls.__name__)
+            logger.warning(
+                f"transformers' _init_weights leaves {fqn}.{name} ({cls.__name__}) unset: it "
+                "starts at zero; load the model's weights (checkpoint.initial_load_path) to "
+                "train from its own values"
+            )
 
 
 def shallow_copy(module: nn.Module) -> nn.Module:
@@ -234,11 +288,14 @@ class HFCausalLM(nn.Module):
         """Recompute the buffers (RoPE frequencies) where they live, then every parameter
         from ``(seed, FQN)``."""
         del buffer_device  # buffers are recomputed on the device they were allocated on
-        for module in self.modules():
-            if any(b is not None for b in module._buffers.values()) and not isinstance(
-                module, AttentionKernel
-            ):
+        for prefix, module in self.named_modules():
+            buffers = {name: b for name, b in module._buffers.items() if b is not None}
+            if buffers and not isinstance(module, AttentionKernel):
+                for buffer in buffers.values():
+                    if buffer.is_floating_point():
+                        buffer.fill_(torch.nan)
                 self._hf_init(module)
+                fill_unset(type(shallow_copy(module)), buffers, clean_fqn(prefix))
         self.init_parameters(seed)
 
     @torch.no_grad()
@@ -266,11 +323,12 @@ class HFCausalLM(nn.Module):
         self, module: nn.Module, fqn: str, params: dict[str, torch.Tensor], seed: int
     ) -> None:
         """``params`` of ``module`` as transformers' ``_init_weights`` draws them on a
-        full-size fp32 CPU copy of the module, seeded by the module's FQN."""
+        full-size fp32 CPU copy of the module, seeded by the module's FQN (what it leaves
+        unset: ``fill_unset``)."""
         twin = shallow_copy(module)
         twin._modules = {}
         twin._parameters = {
-            name: None if param is None else nn.Parameter(torch.empty(param.shape))
+            name: None if param is None else nn.Parameter(torch.full(param.shape, torch.nan))
             for name, param in module._parameters.items()
         }
         twin._buffers = {
@@ -280,5 +338,7 @@ class HFCausalLM(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(param_seed(seed, fqn))
             self._hf_init(twin)
+        drawn = {name: twin._parameters[name].data for name in params}
+        fill_unset(type(twin), drawn, fqn)
         for name, param in params.items():
-            assign_full_(param, twin._parameters[name].data.to(param.device))
+            assign_full_(param, drawn[name].to(param.device))
