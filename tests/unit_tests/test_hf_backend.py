@@ -47,6 +47,38 @@ def test_logits_equal_transformers(model_type, tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "model_type, fields",
+    [
+        ("cohere", {}),  # logit_scale 0.0625 multiplies
+        ("granite", {"logits_scaling": 8.0}),  # divides the logits
+        ("minicpm3", {"dim_model_base": 16}),  # divides the hidden states by 64 / 16
+        ("nanochat", {"final_logit_softcapping": 2.0}),  # tanh(logits / 2) * 2
+    ],
+)
+def test_scaled_and_soft_capped_logits_equal_transformers(model_type, fields, tmp_path):
+    """Logits scaled or soft-capped after the decoder equal transformers'; leaving the
+    scale or the cap out (a planted error) does not. A soft-capped model takes the full
+    logits: the chunked loss is refused in one line when asked for."""
+    from torchtitan.components.training_loss import chunked_loss_for
+    from torchtitan.config import TrainingConfig
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    folder = write_folder(tmp_path, model_type, **fields)
+    model = build(folder)
+    tokens = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = reference(folder, model)(tokens).logits
+        torch.testing.assert_close(model(tokens), theirs, rtol=0, atol=1e-5)
+        model.logit_scale, model.logit_softcap = 1.0, None
+        assert (model(tokens) - theirs).abs().max() > 1e-2
+    if model.needs_full_logits:
+        with pytest.raises(ConfigError, match=r"^training.loss_chunk_size=64: the model soft"):
+            chunked_loss_for(
+                TrainingConfig(loss_chunk_size=64), get_train_spec("hf"), model, "cpu", 1
+            )
+
+
 def test_a_sliding_window_layer_masks_as_transformers_does(tmp_path):
     """Gemma 3 alternates sliding-window (8 tokens here) and full attention; 40 tokens."""
     folder = write_folder(
@@ -106,7 +138,7 @@ def test_initialisation_follows_the_seed_and_fqn_not_the_build(tmp_path):
             lambda c: c.update(model_type="nope", auto_map={"AutoModelForCausalLM": "x.Y"}),
             "names remote code, which is never run",
         ),
-        (lambda c: c.update(final_logit_softcapping=30.0), "sets final_logit_softcapping"),
+        (lambda c: c.update(attn_logit_softcapping=50.0), "sets attn_logit_softcapping"),
         (
             lambda c: c.update(rope_parameters=[1, 2]),
             "config.json is not a valid llama config",
@@ -114,7 +146,7 @@ def test_initialisation_follows_the_seed_and_fqn_not_the_build(tmp_path):
     ],
 )
 def test_a_folder_the_backend_cannot_build_is_one_line(edit, message, tmp_path):
-    folder = write_folder(tmp_path, "gemma" if "softcapping" in message else "llama")
+    folder = write_folder(tmp_path, "gemma2" if "softcapping" in message else "llama")
     config = json.loads((folder / "config.json").read_text())
     edit(config)
     (folder / "config.json").write_text(json.dumps(config))

@@ -23,13 +23,20 @@ from torchtitan.tools.compile import compile_loss
 from torchtitan.tools.logging import logger
 
 
-def _why_not_plain(output: nn.Module) -> str | None:
-    """Why the chunked loss cannot project with this output layer's weight alone."""
+def _why_not_plain(model: nn.Module, output: nn.Module) -> str | None:
+    """Why the chunked loss cannot project with this output layer's weight alone (a model
+    may say why it needs its whole logits in ``needs_full_logits``)."""
     if has_lora(output):
-        return "carries LoRA adapters (lora.target_modules selects it)"
+        return "the output layer carries LoRA adapters (lora.target_modules selects it)"
     if type(output) is not nn.Linear:
-        return f"is a {type(output).__name__} (float8.filter_fqns keeps 'output' plain)"
-    return None
+        return (
+            f"the output layer is a {type(output).__name__} (float8.filter_fqns keeps 'output' "
+            "plain)"
+        )
+    if output.bias is not None:
+        return "the output layer has a bias"
+    reason = getattr(model, "needs_full_logits", None)
+    return None if reason is None else f"the model {reason}"
 
 
 def chunked_loss_for(
@@ -45,14 +52,14 @@ def chunked_loss_for(
     if spec.build_loss_fn is not build_cross_entropy_loss:
         logger.info(f"loss: the train spec's own loss ({spec.name}) on the full logits")
         return None
-    reason = _why_not_plain(output)
+    reason = _why_not_plain(model, output)
     if reason is not None:
         if chunk > 0:
             raise ConfigError(
-                f"training.loss_chunk_size={chunk}: the output layer {reason}; the chunked "
-                "loss needs a plain linear output (set training.loss_chunk_size = 0)"
+                f"training.loss_chunk_size={chunk}: {reason}; the chunked loss needs a plain "
+                "linear output (set training.loss_chunk_size = 0)"
             )
-        logger.info(f"loss: cross-entropy on the full logits: the output layer {reason}")
+        logger.info(f"loss: cross-entropy on the full logits: {reason}")
         return None
     if training.loss_kernel == "liger" and device_type != "cuda":
         raise ConfigError(

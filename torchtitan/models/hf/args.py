@@ -23,14 +23,16 @@ ATTENTION = "torchtitan"
 """The name our attention function is registered under in transformers' attention and
 mask registries (``model.py``)."""
 
-UNSUPPORTED_FIELDS = {
-    "attn_logit_softcapping": "attention logit soft-capping",
-    "final_logit_softcapping": "final logit soft-capping",
-    "logit_scale": "scaled logits",
-    "logits_scaling": "scaled logits",
-}
-"""config.json fields (set, not None) that change the logits outside the decoder layers or
-inside the attention kernel, which the backend does not apply yet."""
+UNSUPPORTED_FIELDS = {"attn_logit_softcapping": "attention logit soft-capping"}
+"""config.json fields (set, not None) that change the scores inside the attention kernel,
+which the backend does not apply yet."""
+
+
+def logit_multiplier(text_config: Any) -> float:
+    """What transformers multiplies the logits by: Cohere's ``logit_scale``, Granite's and
+    MiniCPM3's ``1 / logits_scaling`` (1 for the others)."""
+    scale = getattr(text_config, "logit_scale", None) or 1.0
+    return scale / (getattr(text_config, "logits_scaling", None) or 1.0)
 
 
 def read_config_json(folder: str | None) -> dict[str, Any]:

@@ -16,8 +16,9 @@ change:
   ``_init_weights`` on a full-size CPU copy of the module, from the global RNG seeded by
   ``(seed, module FQN)``, and each rank keeps its piece: every layout starts from the same
   weights. Buffers (RoPE inverse frequencies) are recomputed by ``_init_weights`` in place.
-- the output: the forward returns the logits of ``lm_head``, or the final hidden states
-  when ``hidden_output`` is set (the chunked loss projects them itself).
+- the output: the forward returns the logits of ``lm_head`` (scaled and soft-capped as the
+  config says), or the final hidden states when ``hidden_output`` is set (the chunked loss
+  projects them itself; a model that soft-caps its logits needs them whole).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torchtitan.config.errors import ConfigError
 from torchtitan.layers.attention import AttentionKernel, MaskSpec, build_attention, prepare_mask
 from torchtitan.layers.init import assign_full_, clean_fqn, init_param_, param_seed
-from torchtitan.models.hf.args import ATTENTION, HFModelArgs
+from torchtitan.models.hf.args import ATTENTION, HFModelArgs, logit_multiplier
 from torchtitan.tools.logging import logger
 
 
@@ -189,6 +190,14 @@ class HFCausalLM(nn.Module):
         self.add_module(self.base_prefix, hf.base_model)
         self.lm_head: nn.Linear | None = hf.get_output_embeddings()
         self.hidden_output = False
+        text = model_args.hf_config.get_text_config()
+        self.logit_scale = logit_multiplier(text)
+        self.logit_softcap: float | None = getattr(text, "final_logit_softcapping", None)
+        self.needs_full_logits = (
+            None
+            if self.logit_softcap is None
+            else f"soft-caps its logits (final_logit_softcapping {self.logit_softcap})"
+        )
         decoder_layers(self.base)
         self._add_kernels(model_args)
         self.tie_embeddings()
@@ -282,7 +291,16 @@ class HFCausalLM(nn.Module):
         given = {"inputs_embeds" if tokens.is_floating_point() else "input_ids": tokens}
         out = self.base(**given, position_ids=positions, titan_mask=mask, use_cache=False)
         hidden = out.last_hidden_state
-        return hidden if self.hidden_output or self.lm_head is None else self.lm_head(hidden)
+        if self.lm_head is None:
+            return hidden
+        if self.logit_scale != 1.0:  # on the hidden states, so the chunked loss projects them
+            hidden = hidden * self.logit_scale
+        if self.hidden_output:
+            return hidden
+        logits = self.lm_head(hidden)
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Recompute the buffers (RoPE frequencies) where they live, then every parameter
