@@ -223,3 +223,21 @@ def test_context_parallel_refuses_layers_that_mix_tokens_without_attention(model
     with pytest.raises(ConfigError, match="mixes tokens without attention") as error:
         check_context_parallel(model)
     assert str(error.value).startswith("parallelism.context_parallel_degree:")
+
+
+def test_a_model_without_a_plan_gets_one_from_its_projection_names_or_one_line(tmp_path):
+    """StableLM ships no plan: its q/k/v/gate/up projections split by columns, o/down by
+    rows (TP 2 then equals 1 process: hf_compat's table); BitNet's norm between the
+    projections would see half the features, so its TP is refused in one line."""
+    from torchtitan.models.hf.parallelize import derived_plan
+
+    plan = derived_plan(build(write_folder(tmp_path, "stablelm")))
+    assert plan == {
+        **{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    with pytest.raises(ConfigError, match=r"^parallelism.tensor_parallel_degree: .*attn_sub_norm"):
+        derived_plan(build(write_folder(tmp_path, "bitnet")))

@@ -88,7 +88,7 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, _no_mask)
 
 
-def _is_attention(module: nn.Module) -> bool:
+def is_attention(module: nn.Module) -> bool:
     """transformers' attention modules: an ``...Attention`` (or multi-head latent attention,
     ``...MLA``) class that knows its layer."""
     return type(module).__name__.endswith(("Attention", "MLA")) and hasattr(module, "layer_idx")
@@ -218,7 +218,7 @@ class HFCausalLM(nn.Module):
 
     def _add_kernels(self, args: HFModelArgs) -> None:
         for module in self.base.modules():
-            if _is_attention(module):
+            if is_attention(module):
                 window = getattr(module, "sliding_window", None) or args.sliding_window
                 spec = MaskSpec(
                     block_causal=args.attn_mask_type == "block_causal", sliding_window=window

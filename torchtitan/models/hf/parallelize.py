@@ -1,6 +1,7 @@
 """Parallelisms of ``HFCausalLM``: tensor parallel from transformers' own
 ``base_model_tp_plan`` (its styles as DTensor styles; the activations between blocks
-replicated, no sequence parallel), context parallel by replacing each attention module's
+replicated, no sequence parallel) or, where a model ships none, a plan derived from the
+standard projection names, context parallel by replacing each attention module's
 kernel (``inner_attention``) with the context-parallel one, expert parallel over the stacked
 experts (``experts.py``), activation checkpointing and per-block compile of the decoder
 layers, then FSDP/HSDP (the split experts over ``efsdp`` first, then each decoder layer), or
@@ -35,7 +36,7 @@ from torchtitan.layers.attention import AttentionKernel
 from torchtitan.models.common.args import check_tp_divides_heads
 from torchtitan.models.common.parallelize import fsdp_settings
 from torchtitan.models.hf.experts import apply_ep
-from torchtitan.models.hf.model import HFCausalLM
+from torchtitan.models.hf.model import HFCausalLM, is_attention
 from torchtitan.tools.compile import compile_blocks
 from torchtitan.tools.logging import logger
 
@@ -65,17 +66,50 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
 model has refuses tensor parallel for the model."""
 
 
+PROJECTIONS = {
+    "q_proj": "colwise",
+    "k_proj": "colwise",
+    "v_proj": "colwise",
+    "o_proj": "rowwise",
+    "gate_proj": "colwise",
+    "up_proj": "colwise",
+    "down_proj": "rowwise",
+}
+"""The standard projection names of a decoder layer and their styles, for a model whose
+config ships no plan."""
+
+
+def derived_plan(model: HFCausalLM) -> dict[str, str]:
+    """A plan from the standard projection names (``layers.*.self_attn.q_proj``: colwise,
+    ...) when transformers ships none: every module of a decoder layer that holds parameters
+    must be such a projection or one of the layer's own norms (which see the whole hidden
+    state); anything else (a fused QKV, a norm between the projections, a wrapper) is refused
+    in one line, since splitting around it would be silently wrong."""
+    plan = {}
+    for layer in model.layers.values():
+        for name, module in layer.named_modules():
+            if not any(True for _ in module.parameters(recurse=False)):
+                continue
+            if "." not in name and "Norm" in type(module).__name__:
+                continue
+            style = PROJECTIONS.get(name.rsplit(".", 1)[-1]) if type(module) is nn.Linear else None
+            if style is None or "." not in name:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree: {type(model.base).__name__} ships no "
+                    "tensor parallel plan (base_model_tp_plan) in transformers, and a plan from "
+                    f"the standard projection names cannot split its {name} "
+                    f"({type(module).__name__}); leave the degree at 1"
+                )
+            plan[f"layers.*.{name}"] = style
+    return plan
+
+
 def tp_plan(model: HFCausalLM) -> dict[str, ParallelStyle]:
-    """The model's ``base_model_tp_plan`` resolved to its modules' FQNs (under the base
-    model), refused in one line when the config has none or names a style we do not apply.
-    A tied model keeps its input embedding whole (replicated): the same weight is also
-    ``lm_head``, which the plan does not split alike."""
-    plan = model.model_args.hf_config.get_text_config().base_model_tp_plan or {}
-    if not plan:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree: {type(model.base).__name__} ships no tensor "
-            "parallel plan (base_model_tp_plan) in transformers; leave the degree at 1"
-        )
+    """The model's ``base_model_tp_plan`` (else :func:`derived_plan`) resolved to its
+    modules' FQNs (under the base model), refused in one line where it names a style we do
+    not apply. A tied model keeps its input embedding whole (replicated): the same weight is
+    also ``lm_head``, which the plan does not split alike."""
+    plan = model.model_args.hf_config.get_text_config().base_model_tp_plan or derived_plan(model)
     modules = dict(model.base.named_modules())
     if model.tied:
         modules = {n: m for n, m in modules.items() if not isinstance(m, nn.Embedding)}
@@ -93,6 +127,21 @@ def tp_plan(model: HFCausalLM) -> dict[str, ParallelStyle]:
             )
         styles.update({name: STYLES[style]() for name in matched})
     return styles
+
+
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "hidden_size")
+"""The attention attributes some transformers models reshape by (``view(b, s, self.num_heads,
+head_dim)``); models with a shipped plan reshape by ``-1``."""
+
+
+def _local_head_counts(model: HFCausalLM, tp: int) -> None:
+    """Under a derived plan, each attention module's head counts and width become its rank's
+    share, so its reshapes see its local heads."""
+    for module in model.layers.modules():
+        if is_attention(module):
+            for name in HEAD_COUNTS:
+                if isinstance(getattr(module, name, None), int):
+                    setattr(module, name, getattr(module, name) // tp)
 
 
 def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -143,6 +192,8 @@ def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
             "leave the degree at 1)"
         )
     parallelize_module(model.base, tp_mesh, tp_plan(model))
+    if not text.base_model_tp_plan:
+        _local_head_counts(model, tp_mesh.size())
     for module in model.modules():
         own = list(module.parameters(recurse=False))
         if own and _replicable(module) and not any(isinstance(p, DTensor) for p in own):
