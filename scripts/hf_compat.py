@@ -163,6 +163,7 @@ def logits_and_gradients(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str
 def compile_check(folder: Path, backend: str) -> None:
     from torchtitan.tools.compile import compile_blocks
 
+    torch._dynamo.reset()  # the previous architectures' graphs would count as recompiles
     eager, compiled = build_model(folder), build_model(folder)
     compile_blocks(compiled.layers, backend, prefix=f"{compiled.base_prefix}.layers")
     (logits, grads), (compiled_logits, compiled_grads) = map(
