@@ -15,7 +15,10 @@ attention: ranks 32, rotary and value heads of 16), each column one check::
   gradients (1e-4);
 - lora: LoRA adapters on every linear of the decoder layers and on an untied lm_head (B
   drawn non-zero), exported as a PEFT adapter, give our logits when PEFT loads them onto
-  transformers' model (1e-5).
+  transformers' model (1e-5). For the MoE model types whose adapters PEFT converts from
+  transformers 4's layout, the names it maps to the stacked experts (``gate_proj``,
+  ``up_proj``, ``down_proj``) are left out: PEFT would load a shared expert's adapter onto
+  the experts.
 
 A cell says ``pass``, ``FAIL`` or ``refused`` (with the first line of the error or of our
 one-line refusal below the table), ``-`` (not run: the logits failed) or ``n/a`` (ep2 of a
@@ -175,6 +178,16 @@ def compile_check(folder: Path, backend: str) -> None:
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def peft_expert_names(model_type: str) -> set[str]:
+    """The target names PEFT reads as the stacked experts' for this model type (its
+    conversion of adapters saved under transformers 4), whatever linear they name: an adapter
+    on a shared expert's ``down_proj`` would load onto the experts instead."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    base = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+    return set(conversion._MOE_TARGET_MODULE_MAPPING.get(base, {}))
+
+
 def lora_check(folder: Path, root: Path) -> None:
     from peft import PeftModel
 
@@ -188,7 +201,7 @@ def lora_check(folder: Path, root: Path) -> None:
         name.rsplit(".", 1)[-1]
         for name, module in base.layers.named_modules()
         if type(module) is torch.nn.Linear
-    }
+    } - peft_expert_names(base.model_args.hf_config.model_type)
     output = [] if base.tied else ["lm_head"]
     lora = LoRAConfig(rank=4, alpha=8.0, target_modules=sorted(linears) + output)
     ours = build_model(folder, convert=LoRAConverter(lora, None).convert)
