@@ -586,3 +586,19 @@ def test_context_parallel_inside_pipeline_stages_is_traced():
         peaks = trace_training_memory(TrainingBuild(config, world_size, "cuda")).result.phase_peaks
         added[name] = peaks[(2, "forward")] - peaks[(2, "zero_grad")]
     assert 0 < added["cp2_pp2"] < added["pp2"], added
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "overrides", [[], ["--parallelism.tensor_parallel_degree", "2"]], ids=["fsdp2", "tp2"]
+)
+def test_trace_of_the_hf_backend_equals_real_cpu_allocations(overrides):
+    """The transformers model backend (train_configs/hf_debug.toml: a Mistral folder) traced
+    on fake tensors vs the same steps on real ones, one rank of 2."""
+    config = ConfigManager().parse_args(
+        ["--job.config_file", str(REPO_ROOT / "train_configs" / "hf_debug.toml")]
+        + ["--memory_estimation.target_device", "cpu", *overrides]
+    )
+    estimate = trace_training_memory(TrainingBuild(config, 2, "cpu")).result.peak_bytes
+    assert measure_single_process(TrainingBuild(config, 2, "cpu")).peak_bytes == estimate

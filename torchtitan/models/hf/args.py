@@ -133,6 +133,10 @@ class HFModelArgs(BaseModelArgs):
         return self.hf_config.get_text_config().num_attention_heads
 
     @property
+    def vocab_size(self) -> int:
+        return self.hf_config.get_text_config().vocab_size
+
+    @property
     def n_layers(self) -> int:
         return self.hf_config.get_text_config().num_hidden_layers
 
