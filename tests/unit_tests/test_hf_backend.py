@@ -241,3 +241,12 @@ def test_a_model_without_a_plan_gets_one_from_its_projection_names_or_one_line(t
     }
     with pytest.raises(ConfigError, match=r"^parallelism.tensor_parallel_degree: .*attn_sub_norm"):
         derived_plan(build(write_folder(tmp_path, "bitnet")))
+
+
+def test_a_config_asking_for_the_router_loss_is_told_it_is_not_added(tmp_path, caplog):
+    from torchtitan.models.hf.args import load_hf_config
+
+    folder = write_folder(tmp_path, "mixtral", output_router_logits=True)
+    with caplog.at_level("WARNING", logger="torchtitan"):
+        load_hf_config(str(folder))
+    assert "does not add transformers' load-balancing loss (router_aux_loss_coef" in caplog.text

@@ -13,6 +13,7 @@ from torch import nn
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.common.args import nparams_and_flops, require
 from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
     from torchtitan.config import ModelConfig
@@ -73,8 +74,6 @@ def load_hf_config(folder: str | None) -> Any:
             f"installed transformers{needs}; upgrade transformers or train a supported model"
         )
     if raw.get("auto_map"):
-        from torchtitan.tools.logging import logger
-
         logger.warning(
             f"model.hf_assets_path: config.json's auto_map is ignored; the installed "
             f"transformers' {model_type!r} classes are used (no remote code)"
@@ -87,6 +86,14 @@ def load_hf_config(folder: str | None) -> Any:
             f"model.hf_assets_path: config.json is not a valid {model_type} config ({reason}); "
             "fix the field it names or write the folder again with save_pretrained"
         ) from None
+    text = config.get_text_config()
+    if getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", 0):
+        logger.warning(
+            "model.hf_assets_path: config.json sets output_router_logits, but the hf backend "
+            f"does not add transformers' load-balancing loss (router_aux_loss_coef "
+            f"{text.router_aux_loss_coef}: batch-wise, so it would differ across data-parallel "
+            "layouts); the routers train from the language-model loss alone"
+        )
     for field, what in UNSUPPORTED_FIELDS.items():
         require(
             getattr(config, field, None) in (None, 1.0),
