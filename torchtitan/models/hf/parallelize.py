@@ -164,6 +164,8 @@ def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
         )
 
     def outputs(module: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+        if isinstance(out, tuple):  # e.g. a router (a linear) returning logits, weights, choices
+            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
         return out.to_local() if isinstance(out, DTensor) else out
 
     distribute_module(module, mesh, replicate_parameters, inputs, outputs)
