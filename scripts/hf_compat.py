@@ -86,7 +86,7 @@ def write_folder(root: Path, model_type: str, **overrides: Any) -> Path:
     from transformers import AutoConfig
 
     folder = root / model_type
-    latent = hasattr(AutoConfig.for_model(model_type), "kv_lora_rank")
+    latent = "kv_lora_rank" in AutoConfig.for_model(model_type).to_dict()
     fields = {**TINY, **(MLA if latent else {}), **overrides}
     AutoConfig.for_model(model_type, **fields).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
