@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from scripts.hf_compat import build_model as build
 from scripts.hf_compat import transformers_model as reference
@@ -250,3 +251,16 @@ def test_a_config_asking_for_the_router_loss_is_told_it_is_not_added(tmp_path, c
     with caplog.at_level("WARNING", logger="torchtitan"):
         load_hf_config(str(folder))
     assert "does not add transformers' load-balancing loss (router_aux_loss_coef" in caplog.text
+
+
+def test_pipeline_stages_drop_the_embedding_and_final_norm_under_the_models_own_names(tmp_path):
+    """GPT-NeoX calls them embed_in and final_layer_norm: a middle stage drops both (before,
+    its first stage kept the final norm and normalised twice); DeepSeek V4's base also runs a
+    hyper-connection head, so splitting it is refused in one line."""
+    model = build(write_folder(tmp_path, "gpt_neox"))
+    assert model.tok_embeddings is model.base.embed_in
+    assert model.norm is model.base.final_layer_norm
+    model.tok_embeddings, model.norm = None, None
+    assert model.base.embed_in is None and isinstance(model.base.final_layer_norm, nn.Identity)
+    with pytest.raises(ConfigError, match=r"^parallelism.pipeline_parallel_degree: .*hc_head"):
+        build(write_folder(tmp_path, "deepseek_v4")).norm = None

@@ -174,6 +174,10 @@ def decoder_layers(base: nn.Module) -> LayerDict:
     return layers
 
 
+FINAL_NORMS = ("norm", "final_layer_norm", "final_layernorm", "ln_f", "norm_f")
+"""The names transformers' base models give their final norm."""
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM under its own FQNs (see the module docstring)."""
 
@@ -188,6 +192,11 @@ class HFCausalLM(nn.Module):
         self.tied = bool(model_args.hf_config.get_text_config().tie_word_embeddings)
         self.base_prefix = hf.base_model_prefix
         self.add_module(self.base_prefix, hf.base_model)
+        embedding = hf.get_input_embeddings()
+        self.embedding_name = next(n for n, m in self.base.named_children() if m is embedding)
+        self.norm_name = next(
+            (n for n in FINAL_NORMS if isinstance(getattr(self.base, n, None), nn.Module)), None
+        )
         self.lm_head: nn.Linear | None = hf.get_output_embeddings()
         self.hidden_output = False
         text = model_args.hf_config.get_text_config()
@@ -239,19 +248,41 @@ class HFCausalLM(nn.Module):
     # them unnormalised, without the output it returns hidden states.
     @property
     def tok_embeddings(self) -> nn.Module | None:
-        return self.base.embed_tokens
+        return getattr(self.base, self.embedding_name)
 
     @tok_embeddings.setter
     def tok_embeddings(self, value: None) -> None:
-        self.base.embed_tokens = value
+        self._check_pipeline_split()
+        setattr(self.base, self.embedding_name, value)
 
     @property
-    def norm(self) -> nn.Module:
-        return self.base.norm
+    def norm(self) -> nn.Module | None:
+        return None if self.norm_name is None else getattr(self.base, self.norm_name)
 
     @norm.setter
     def norm(self, value: None) -> None:
-        self.base.norm = nn.Identity() if value is None else value
+        self._check_pipeline_split()
+        setattr(self.base, self.norm_name, nn.Identity() if value is None else value)
+
+    def _check_pipeline_split(self) -> None:
+        """A pipeline stage runs the base model's forward without the embedding or without the
+        final norm: a base whose final norm has a name we do not know, or that runs another
+        module with parameters beside its layers (DeepSeek V4's hyper-connection head), would
+        be split wrong, so it is refused in one line."""
+        base = type(self.base).__name__
+        if self.norm_name is None:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_degree: {base} has no final norm under a name "
+                f"the hf backend knows ({', '.join(FINAL_NORMS)}); leave the degree at 1"
+            )
+        known = {self.embedding_name, "layers", self.norm_name}
+        for name, child in self.base.named_children():
+            if name not in known and any(True for _ in child.parameters()):
+                raise ConfigError(
+                    f"parallelism.pipeline_parallel_degree: {base} runs its {name} "
+                    f"({type(child).__name__}) beside the decoder layers, which every pipeline "
+                    "stage would repeat; leave the degree at 1"
+                )
 
     @property
     def output(self) -> nn.Linear | None:
@@ -265,8 +296,8 @@ class HFCausalLM(nn.Module):
     def tie_embeddings(self) -> None:
         """Point ``lm_head`` at the input embedding again when the config ties them (moving
         the model gives each module its own copy)."""
-        if self.tied and self.lm_head is not None and self.base.embed_tokens is not None:
-            self.lm_head.weight = self.base.embed_tokens.weight
+        if self.tied and self.lm_head is not None and self.tok_embeddings is not None:
+            self.lm_head.weight = self.tok_embeddings.weight
 
     def _apply(self, fn: Any, recurse: bool = True) -> HFCausalLM:
         super()._apply(fn, recurse)
