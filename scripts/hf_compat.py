@@ -6,7 +6,8 @@ attention: ranks 32, rotary and value heads of 16), each column one check::
     python scripts/hf_compat.py --output benchmarks/hf_compat.md
 
 - logits: our model's logits (fp32) equal transformers' own (eager attention, our weights
-  loaded into it) within 1e-5 on 2 x 40 random tokens;
+  loaded into it) within 1e-5 on 2 x 40 random tokens, and so does every parameter's gradient
+  of their next-token cross-entropy (1e-5 absolute, 1e-4 relative);
 - fsdp2 / tp2 / cp2 / pp2 / ep2: 6 training steps under FSDP 2, TP 2, CP 2, PP 2 and (MoE)
   EP 2 x FSDP 2 (torchrun, gloo) give the per-step loss and grad norm of 1 process within
   1e-4 (relative);
@@ -148,15 +149,22 @@ TOKENS = torch.randint(3, 2000, (2, 40), generator=torch.Generator().manual_seed
 
 
 def logits_check(folder: Path) -> None:
+    """Our logits and every parameter's gradient equal transformers' (same weights)."""
     model = build_model(folder)
-    with torch.no_grad():
-        ours, theirs = model(TOKENS), transformers_model(folder, model)(TOKENS).logits
+    reference = transformers_model(folder, model)
+    ours, our_grads = logits_and_gradients(model)
+    theirs, their_grads = logits_and_gradients(reference, lambda out: out.logits)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    assert our_grads.keys() == their_grads.keys(), "the gradients differ in names"
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def logits_and_gradients(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def logits_and_gradients(
+    model: torch.nn.Module, logits_of: Callable[[Any], torch.Tensor] = lambda out: out
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The logits of ``TOKENS`` and the gradients of their next-token cross-entropy."""
-    logits = model(TOKENS)
+    logits = logits_of(model(TOKENS))
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), TOKENS[:, 1:].flatten())
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}

@@ -264,3 +264,21 @@ def test_pipeline_stages_drop_the_embedding_and_final_norm_under_the_models_own_
     assert model.base.embed_in is None and isinstance(model.base.final_layer_norm, nn.Identity)
     with pytest.raises(ConfigError, match=r"^parallelism.pipeline_parallel_degree: .*hc_head"):
         build(write_folder(tmp_path, "deepseek_v4")).norm = None
+
+
+def test_the_compat_tables_logits_check_catches_a_planted_error(tmp_path, monkeypatch):
+    """hf_compat's logits column (logits and every gradient vs transformers) passes for
+    Qwen3 and fails once our model's MLP activation is swapped (GELU for SiLU)."""
+    import scripts.hf_compat as compat
+
+    folder = write_folder(tmp_path, "qwen3")
+    compat.logits_check(folder)
+
+    def planted(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.layers[1].mlp.act_fn = nn.GELU()
+        return model
+
+    monkeypatch.setattr(compat, "build_model", planted)
+    with pytest.raises(AssertionError):
+        compat.logits_check(folder)
