@@ -149,7 +149,8 @@ class HFModelArgs(BaseModelArgs):
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         text = self.hf_config.get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        # from the dict: a config with per-layer attention sizes (Gemma 4) refuses the attribute
+        head_dim = text.to_dict().get("head_dim") or text.hidden_size // text.num_attention_heads
         attention = 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * seq_len
         tied = bool(getattr(text, "tie_word_embeddings", False))
         return nparams_and_flops(model, attention, tied_embeddings=tied)
