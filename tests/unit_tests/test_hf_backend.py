@@ -256,7 +256,8 @@ def test_a_config_asking_for_the_router_loss_is_told_it_is_not_added(tmp_path, c
 def test_pipeline_stages_drop_the_embedding_and_final_norm_under_the_models_own_names(tmp_path):
     """GPT-NeoX calls them embed_in and final_layer_norm: a middle stage drops both (before,
     its first stage kept the final norm and normalised twice); DeepSeek V4's base also runs a
-    hyper-connection head, so splitting it is refused in one line."""
+    hyper-connection head and nanochat's applies its final norm before the layers too, so
+    splitting either is refused in one line."""
     model = build(write_folder(tmp_path, "gpt_neox"))
     assert model.tok_embeddings is model.base.embed_in
     assert model.norm is model.base.final_layer_norm
@@ -264,6 +265,8 @@ def test_pipeline_stages_drop_the_embedding_and_final_norm_under_the_models_own_
     assert model.base.embed_in is None and isinstance(model.base.final_layer_norm, nn.Identity)
     with pytest.raises(ConfigError, match=r"^parallelism.pipeline_parallel_degree: .*hc_head"):
         build(write_folder(tmp_path, "deepseek_v4")).norm = None
+    with pytest.raises(ConfigError, match="also before the decoder layers"):
+        build(write_folder(tmp_path, "nanochat")).norm = None
 
 
 def test_the_compat_tables_logits_check_catches_a_planted_error(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ change:
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Collection
 from typing import Any
 
@@ -266,14 +267,21 @@ class HFCausalLM(nn.Module):
 
     def _check_pipeline_split(self) -> None:
         """A pipeline stage runs the base model's forward without the embedding or without the
-        final norm: a base whose final norm has a name we do not know, or that runs another
-        module with parameters beside its layers (DeepSeek V4's hyper-connection head), would
+        final norm: a base whose final norm has a name we do not know, applies it twice
+        (nanochat: also before the layers; read from its forward's source), or runs another
+        module with parameters beside its layers (DeepSeek V4's hyper-connection head) would
         be split wrong, so it is refused in one line."""
         base = type(self.base).__name__
         if self.norm_name is None:
             raise ConfigError(
                 f"parallelism.pipeline_parallel_degree: {base} has no final norm under a name "
                 f"the hf backend knows ({', '.join(FINAL_NORMS)}); leave the degree at 1"
+            )
+        if inspect.getsource(type(self.base).forward).count(f"self.{self.norm_name}(") > 1:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_degree: {base} applies its final norm "
+                f"({self.norm_name}) also before the decoder layers, which a pipeline stage "
+                "without it would skip; leave the degree at 1"
             )
         known = {self.embedding_name, "layers", self.norm_name}
         for name, child in self.base.named_children():
