@@ -326,6 +326,7 @@ def architecture_cells(
         same(reference, train(folder, root / f"{model_type}_{name}", 2, dp, extra))
 
     for column in args.columns:
+        errors.pop(f"{model_type} {column}", None)
         if column == "logits":
             cells[column] = check(f"{model_type} logits", lambda: logits_check(folder), errors)
         elif column == "ep2" and not moe:

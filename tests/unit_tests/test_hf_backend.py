@@ -210,10 +210,12 @@ def test_a_tied_model_keeps_its_embedding_out_of_the_tensor_parallel_plan(tied, 
     assert ("embed_tokens" in tp_plan(model)) is not tied
 
 
-@pytest.mark.parametrize("model_type", ["lfm2", "olmo_hybrid", "llama"])
+@pytest.mark.parametrize("model_type", ["lfm2", "olmo_hybrid", "minimax", "llama"])
 def test_context_parallel_refuses_layers_that_mix_tokens_without_attention(model_type, tmp_path):
-    """LFM2's convolution layers and OLMo-Hybrid's linear-attention layers would each see
-    only their rank's piece of the sequence under CP; Llama's attention-only layers pass."""
+    """LFM2's convolution layers, OLMo-Hybrid's linear-attention layers and MiniMax's
+    lightning attention (an ``...Attention`` class that computes without the attention
+    registry) would each see only their rank's piece of the sequence under CP; Llama's
+    attention-only layers pass."""
     from torchtitan.models.hf.parallelize import check_context_parallel
 
     kinds = {"lfm2": {"layer_types": ["conv", "full_attention"]}}  # its tiny default: attention
@@ -285,3 +287,11 @@ def test_the_compat_tables_logits_check_catches_a_planted_error(tmp_path, monkey
     monkeypatch.setattr(compat, "build_model", planted)
     with pytest.raises(AssertionError):
         compat.logits_check(folder)
+
+
+def test_a_model_that_computes_its_own_attention_mask_is_refused_in_one_line(tmp_path):
+    """Doge's dynamic mask reaches the attention function, where our kernels would drop it
+    (before: logits matched at initialisation, gradients did not)."""
+    model = build(write_folder(tmp_path, "doge"))
+    with pytest.raises(ConfigError, match=r"^model.hf_assets_path: DogeAttention computes its own"):
+        model(torch.randint(3, 300, (1, 16)))

@@ -24,6 +24,7 @@ change:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Collection
 from typing import Any
@@ -51,13 +52,20 @@ def titan_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature (``[batch, heads, seq, head_dim]`` in,
-    ``[batch, seq, heads, head_dim]`` out) over the module's ``inner_attention``. transformers'
-    ``attention_mask`` is not used: the kernel masks from ``titan_mask`` (the forward's
-    prepared mask) and its own spec. Attention dropout is not applied. Values and keys of
+    ``[batch, seq, heads, head_dim]`` out) over the module's ``inner_attention``. The kernel
+    masks from ``titan_mask`` (the forward's prepared mask) and its own spec; transformers'
+    mask builder is registered away, so an ``attention_mask`` here is one the model computed
+    itself, refused in one line. Attention dropout is not applied. Values and keys of
     different head sizes (multi-head latent attention) are zero-padded to the wider for the
     kernel (flash kernels and context parallel take one head size; zeros change neither the
     scores nor the output) and the output cut back."""
-    del attention_mask, dropout, kwargs
+    if attention_mask is not None:
+        raise ConfigError(
+            f"model.hf_assets_path: {type(module).__name__} computes its own attention mask "
+            "(as Doge's dynamic mask), which the hf backend's attention kernels do not apply; "
+            "train this model with transformers' own loop"
+        )
+    del dropout, kwargs
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
@@ -91,8 +99,21 @@ def register_attention() -> None:
 
 def is_attention(module: nn.Module) -> bool:
     """transformers' attention modules: an ``...Attention`` (or multi-head latent attention,
-    ``...MLA``) class that knows its layer."""
-    return type(module).__name__.endswith(("Attention", "MLA")) and hasattr(module, "layer_idx")
+    ``...MLA``) class that knows its layer and calls the attention-function registry (a
+    linear-attention mixer, MiniMax's lightning attention, mixes tokens itself)."""
+    return (
+        type(module).__name__.endswith(("Attention", "MLA"))
+        and hasattr(module, "layer_idx")
+        and "ALL_ATTENTION_FUNCTIONS" in _forward_source(type(module))
+    )
+
+
+@functools.cache
+def _forward_source(cls: type[nn.Module]) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
 
 
 _WARNED: set[str] = set()
@@ -277,7 +298,7 @@ class HFCausalLM(nn.Module):
                 f"parallelism.pipeline_parallel_degree: {base} has no final norm under a name "
                 f"the hf backend knows ({', '.join(FINAL_NORMS)}); leave the degree at 1"
             )
-        if inspect.getsource(type(self.base).forward).count(f"self.{self.norm_name}(") > 1:
+        if _forward_source(type(self.base)).count(f"self.{self.norm_name}(") > 1:
             raise ConfigError(
                 f"parallelism.pipeline_parallel_degree: {base} applies its final norm "
                 f"({self.norm_name}) also before the decoder layers, which a pipeline stage "
