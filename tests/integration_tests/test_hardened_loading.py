@@ -343,12 +343,17 @@ def test_only_the_safe_loading_module_reads_checkpoint_files():
     """A future caller cannot bypass safe_loading: no other module of the package or the
     scripts unpickles, torch.load()s, dcp.load()s or opens safetensors."""
     allowed = REPO_ROOT / "torchtitan" / "components" / "checkpointing" / "safe_loading.py"
+    # hf_compat's LoRA check has PEFT load the adapter it has just written to a temporary
+    # folder, as a user's PEFT would: PEFT's own loading is what that check is about
+    verifier = (REPO_ROOT / "scripts" / "hf_compat.py", "PeftModel.from_pretrained(")
     offenders = []
     for root in (REPO_ROOT / "torchtitan", REPO_ROOT / "scripts"):
         for path in root.rglob("*.py"):
             if path == allowed:
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
+                if (path, verifier[1]) == verifier and verifier[1] in line:
+                    continue
                 if _LOADING_CALL.search(line):
                     offenders.append(f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
