@@ -4,7 +4,8 @@ chosen device type, model args that keep the flavor's vocabulary, and the recipe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +20,7 @@ from torchtitan.recipe import (
     build_meta_model,
     materialize,
     model_args_from_config,
+    resolve_for_device,
 )
 
 
@@ -33,6 +35,14 @@ class TrainingBuild:
     config: JobConfig
     world_size: int
     target: str
+
+    def resolved_for(self, device_type: str) -> TrainingBuild:
+        """This build with a copy of its config resolved for a run on ``device_type`` (the
+        CPU's precision, fused kernels). A copy: one config can be built for several targets,
+        and a GPU target must not see what the CPU resolved."""
+        config = copy.deepcopy(self.config)
+        resolve_for_device(config, device_type)
+        return replace(self, config=config)
 
     def parallel_dims(self, device_type: str = "cpu") -> ParallelDims:
         """The trainer's preflight checks for a run on ``target``, then ParallelDims whose

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtitan.estimate.build import TrainingBuild
 from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
 from torchtitan.estimate.steps import run_training_steps
-from torchtitan.recipe import Recipe, resolve_for_device
+from torchtitan.recipe import Recipe
 
 INIT_SEED = 0
 
@@ -156,7 +156,7 @@ def _measure_cuda(setup: Recipe) -> MeasuredOutcome:
 def measure_training_memory(build: TrainingBuild, device: torch.device) -> MeasuredOutcome:
     """Run the steps for real on this rank (the default process group must exist, of
     ``build.world_size`` ranks; ``device`` of the build's target type)."""
-    resolve_for_device(build.config, device.type)
+    build = build.resolved_for(device.type)
     parallel_dims = build.parallel_dims(device.type)
     setup = build.recipe(parallel_dims, device, seed=INIT_SEED)
     if device.type == "cuda":

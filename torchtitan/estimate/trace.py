@@ -30,7 +30,7 @@ from torchtitan.estimate.emulation import (
 )
 from torchtitan.estimate.memory_tracker import TrackerResult, build_tracker
 from torchtitan.estimate.steps import run_training_steps
-from torchtitan.recipe import Recipe, resolve_for_device
+from torchtitan.recipe import Recipe
 
 T = TypeVar("T")
 
@@ -66,7 +66,7 @@ def trace_training_memory(build: TrainingBuild) -> TraceOutcome:
     pads every shard to the first rank's size), under pipeline parallel the first rank of
     every pipeline rank (each holds different stages), the largest reported."""
     start = time.perf_counter()
-    resolve_for_device(build.config, build.target)
+    build = build.resolved_for(build.target)
     parallel_dims = check_covered(build)
     if not parallel_dims.pp_enabled:
         result, setup = _trace_rank(build, rank=0)
