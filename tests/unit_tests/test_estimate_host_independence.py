@@ -12,7 +12,8 @@ import torch
 from tests.hermetic import PLANTED_BF16_RATIOS
 from tests.launcher import REPO_ROOT
 from torchtitan import recipe
-from torchtitan.estimate import cli, trace
+from torchtitan.estimate import cli
+from torchtitan.estimate.build import TrainingBuild
 from torchtitan.estimate.cli import main
 from torchtitan.tools.cpu_precision import ratio_measurement_name
 from torchtitan.tools.machine_cache import CACHE_ENV, record_measurement
@@ -68,10 +69,11 @@ def test_a_cuda_plan_is_the_same_on_any_host(run, mode, monkeypatch, tmp_path, c
 def test_a_trace_resolved_for_the_host_differs(monkeypatch, tmp_path, capsys):
     """Planted error: the estimator decides for the CPU that traces instead of the target
     (Muon's iteration dtype, as it did before) and two hosts' estimates of one GPU run differ."""
-    for module in (cli, trace):
-        monkeypatch.setattr(
-            module, "resolve_for_device", lambda config, _: recipe.resolve_for_device(config, "cpu")
-        )
+    monkeypatch.setattr(
+        cli, "resolve_for_device", lambda config, _: recipe.resolve_for_device(config, "cpu")
+    )
+    resolved_for = TrainingBuild.resolved_for
+    monkeypatch.setattr(TrainingBuild, "resolved_for", lambda build, _: resolved_for(build, "cpu"))
     outputs = [
         estimate_as_on(host, ["--optimizer.name", "Muon"], monkeypatch, tmp_path, capsys)
         for host in ("native", "emulated")
