@@ -4,7 +4,10 @@ under a given layout and compare per-step loss AND grad norm with the 1-process 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
+
+import pytest
 
 from tests.launcher import REPO_ROOT, read_metrics, run_torchrun
 
@@ -92,3 +95,13 @@ def assert_parity(reference: list[dict], other: list[dict], rtol: float = RTOL) 
 def assert_loss_falls(records: list[dict]) -> None:
     first, last = records[0]["loss"], records[-1]["loss"]
     assert last < first - 0.5, f"loss did not fall clearly: {first} -> {last}"
+
+
+def ci_subset(cases: Iterable[str], covered_by: dict[str, str]) -> list:
+    """``cases`` as pytest parameters, those in ``covered_by`` marked matrix (they run with
+    ``--matrix``): CI leaves each to the composition named beside it, which runs its
+    parallelisms together (the suite's time is spent once per code path)."""
+    cases = list(cases)
+    for case, composition in covered_by.items():
+        assert case in cases and composition in cases and composition not in covered_by
+    return [pytest.param(c, marks=pytest.mark.matrix) if c in covered_by else c for c in cases]
