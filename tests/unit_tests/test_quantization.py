@@ -67,11 +67,23 @@ def test_converter_that_swaps_nothing_is_an_error():
 
 
 def test_linear_filter_checks_both_dims():
-    keep = LinearFilter([])
+    keep = LinearFilter([], nn.Module())
     assert keep(nn.Linear(32, 48, device="meta"), "a")
     assert not keep(nn.Linear(32, 40, device="meta"), "b")
     assert not keep(nn.Linear(40, 32, device="meta"), "c")
     assert keep.swapped == ["a"]
+
+
+def test_output_in_filter_fqns_keeps_an_output_layer_of_another_name():
+    """The hf backend's output layer is ``lm_head``: the default filter entry ``output``
+    names it by identity, and is not reported as matching nothing."""
+    model = nn.Module()
+    model.lm_head = nn.Linear(32, 64, device="meta")
+    model.output = model.lm_head
+    model.block = nn.Linear(32, 32, device="meta")
+    keep = LinearFilter(["output"], model)
+    assert [fqn for fqn in ("block", "lm_head") if keep(getattr(model, fqn), fqn)] == ["block"]
+    assert keep.matched == {"output"}
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])

@@ -53,20 +53,38 @@ def _import_torchao() -> None:
 
 
 # ---------------------------------------------------------------------------- linear selection
+OUTPUT = "output"
+"""The ``filter_fqns`` entry that also names the model's output layer under whatever FQN the
+model gives it (the hf backend's ``lm_head``)."""
+
+
+def output_fqn(model: nn.Module) -> str | None:
+    """The FQN of the model's output layer (its ``output`` attribute), if it has one."""
+    output = getattr(model, OUTPUT, None)
+    if not isinstance(output, nn.Module):
+        return None
+    return next((name for name, module in model.named_modules() if module is output), None)
+
+
 class LinearFilter:
     """Which ``nn.Linear``s a converter swaps: both dimensions divisible by 16 (the float8
-    and MX matmul kernels need it) and no ``filter_fqns`` entry in the FQN. Remembers which
-    entries matched, so a misspelt one can be reported."""
+    and MX matmul kernels need it) and no ``filter_fqns`` entry in the FQN (``"output"``
+    also matches the model's output layer by identity). Remembers which entries matched, so
+    a misspelt one can be reported."""
 
-    def __init__(self, filter_fqns: list[str]) -> None:
+    def __init__(self, filter_fqns: list[str], model: nn.Module) -> None:
         self.filter_fqns = filter_fqns
+        self.output_fqn = output_fqn(model)
         self.matched: set[str] = set()
         self.swapped: list[str] = []
+
+    def _hits(self, fqn: str) -> set[str]:
+        return {f for f in self.filter_fqns if f in fqn or (f == OUTPUT and fqn == self.output_fqn)}
 
     def __call__(self, module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear):
             return False
-        hits = {f for f in self.filter_fqns if f in fqn}
+        hits = self._hits(fqn)
         self.matched |= hits
         if hits or module.in_features % 16 or module.out_features % 16:
             return False
@@ -113,7 +131,7 @@ class Float8LinearConverter:
             enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather,
         )
         total = count_linears(model)
-        selected = LinearFilter(self.settings.filter_fqns)
+        selected = LinearFilter(self.settings.filter_fqns, model)
         convert_to_float8_training(model, config=config, module_filter_fn=selected)
         selected.report(
             "quantize.linear.float8",
@@ -152,7 +170,7 @@ class MXLinearConverter:
         from torchao.quantization import quantize_
 
         total = count_linears(model)
-        selected = LinearFilter(self.settings.filter_fqns)
+        selected = LinearFilter(self.settings.filter_fqns, model)
         quantize_(
             model, _mx_config(self.settings.recipe_name, self.settings.emulate), filter_fn=selected
         )
