@@ -185,7 +185,11 @@ def test_fsdp2_exact_resume_through_a_kill_during_save(straight, tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-15", "step-20"]
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "hsdp2x2", "ddp2", "fsdp2_tp2", "pp2_fsdp2"])
+@pytest.mark.parametrize(
+    "layout",
+    # FSDP 2 alone: CI runs its reshard inside HSDP 2 x 2; --matrix runs it alone
+    [pytest.param("fsdp2", marks=pytest.mark.matrix), "hsdp2x2", "ddp2", "fsdp2_tp2", "pp2_fsdp2"],
+)
 def test_resume_under_another_layout(straight, layout, tmp_path):
     """Saved at step 10 by FSDP 4, resumed by another layout: same losses, same data."""
     ref_folder, reference = straight("fsdp4")
@@ -245,7 +249,7 @@ def test_seed_checkpoint_gives_every_layout_the_same_start(straight, seed_folder
     one_step = ["--checkpoint.enable", "--training.steps", "1"]
     seed = str(seed_folder / "checkpoint" / "step-0")
     losses = {}
-    for layout in ("fsdp4", "fsdp2", "tp2"):
+    for layout in ("fsdp4", "tp2"):
         records, out = run(
             layout, tmp_path / layout, one_step + ["--checkpoint.initial_load_path", seed]
         )
