@@ -110,6 +110,7 @@ COVERED_BY = {
     "tp2": "fsdp2_tp2",
     "moe_fsdp2": "moe_fsdp2_tp2",
     "moe_pp2": "moe_pp2_ep2",
+    "moe_ep2": "moe_pp2_ep2",
 }
 
 
