@@ -75,8 +75,8 @@ def test_linear_filter_checks_both_dims():
 
 
 def test_output_in_filter_fqns_keeps_an_output_layer_of_another_name():
-    """The hf backend's output layer is ``lm_head``: the default filter entry ``output``
-    names it by identity, and is not reported as matching nothing."""
+    """The hf backend's output layer is ``lm_head``: the filter entry ``output`` (upstream's
+    habitual one) names it by identity, and is not reported as matching nothing."""
     model = nn.Module()
     model.lm_head = nn.Linear(32, 64, device="meta")
     model.output = model.lm_head

@@ -78,13 +78,11 @@ class LinearFilter:
         self.matched: set[str] = set()
         self.swapped: list[str] = []
 
-    def _hits(self, fqn: str) -> set[str]:
-        return {f for f in self.filter_fqns if f in fqn or (f == OUTPUT and fqn == self.output_fqn)}
-
     def __call__(self, module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear):
             return False
-        hits = self._hits(fqn)
+        is_output = fqn == self.output_fqn
+        hits = {f for f in self.filter_fqns if f in fqn or (f == OUTPUT and is_output)}
         self.matched |= hits
         if hits or module.in_features % 16 or module.out_features % 16:
             return False
