@@ -2,7 +2,8 @@
 tiny Gemma 3 built by transformers from its config.json (GeGLU, per-head q/k norms, scaled
 embeddings) under FSDP 2, TP 2 (transformers' own plan), FSDP 2 x TP 2, FSDP 2 with full
 activation checkpointing, CP 2 (alltoall) on packed documents (block_causal), PP 2
-(1F1B) and LoRA under FSDP 2, and a tiny Mixtral under FSDP 2, PP 2, FSDP 2 x TP 2 (experts
+(1F1B) and LoRA (adapters on column-wise, row-wise and the replicated lm_head) under
+FSDP 2, TP 2 and FSDP 2 x TP 2, and a tiny Mixtral under FSDP 2, PP 2, FSDP 2 x TP 2 (experts
 replicated), EP 2 and PP 2 x EP 2 (transformers' router and experts, the experts split over
 the ep ranks). Hugging Face weights load through the hardened loader and export back bit for
 bit, in a folder transformers loads; a checkpoint saved under FSDP 2 resumes under TP 2; Llama 3
@@ -59,6 +60,8 @@ CASES = {
         CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
     ),
     "lora_fsdp2": ("lora", 2, 2, []),
+    "lora_tp2": ("lora", 2, 1, TP2),
+    "lora_fsdp2_tp2": ("lora", 4, 2, TP2),
     "moe_fsdp2": ("moe", 2, 2, []),
     "moe_pp2": ("moe", 2, 1, PP2),
     "moe_fsdp2_tp2": ("moe", 4, 2, TP2),
@@ -108,6 +111,8 @@ def references(folders, tmp_path_factory):
 COVERED_BY = {
     "fsdp2": "fsdp2_tp2",
     "tp2": "fsdp2_tp2",
+    "lora_fsdp2": "lora_fsdp2_tp2",
+    "lora_tp2": "lora_fsdp2_tp2",
     "moe_fsdp2": "moe_fsdp2_tp2",
     "moe_pp2": "moe_pp2_ep2",
     "moe_ep2": "moe_pp2_ep2",

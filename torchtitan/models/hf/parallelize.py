@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.components.adapters.lora_linear import has_lora
+from torchtitan.components.adapters.lora import with_lora_styles
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -179,21 +179,17 @@ def _replicable(module: nn.Module) -> bool:
 
 
 def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
-    """transformers' plan, then every module whose own parameters the plan left plain
-    (embedding, norms, output) replicated over the tp ranks; routers and experts stay plain."""
+    """transformers' plan (LoRA adapters placed as the split linear's, ``lora.py``), then
+    every module whose own parameters the plan left plain (embedding, norms, output, an
+    adapted ``lm_head`` with its adapters) replicated over the tp ranks; routers and experts
+    stay plain."""
     text = model.model_args.hf_config.get_text_config()
     check_tp_divides_heads(
         tp_mesh.size(),
         num_attention_heads=text.num_attention_heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
     )
-    if any(has_lora(module) for module in model.modules()):
-        raise ConfigError(
-            "parallelism.tensor_parallel_degree: LoRA adapters under transformers' tensor "
-            "parallel plan are not built for the hf backend yet; train LoRA with FSDP (or "
-            "leave the degree at 1)"
-        )
-    parallelize_module(model.base, tp_mesh, tp_plan(model))
+    parallelize_module(model.base, tp_mesh, with_lora_styles(model.base, tp_plan(model)))
     if not text.base_model_tp_plan:
         _local_head_counts(model, tp_mesh.size())
     for module in model.modules():
