@@ -1,13 +1,13 @@
-"""The hf backend trains like one process (per-step loss and grad norm within 1e-4, fp32): a
-tiny Gemma 3 built by transformers from its config.json (GeGLU, per-head q/k norms, scaled
-embeddings) under FSDP 2, TP 2 (transformers' own plan), FSDP 2 x TP 2, FSDP 2 with full
-activation checkpointing, CP 2 (alltoall) on packed documents (block_causal), PP 2
-(1F1B) and LoRA (adapters on column-wise, row-wise and the replicated lm_head) under
-FSDP 2, TP 2 and FSDP 2 x TP 2, and a tiny Mixtral under FSDP 2, PP 2, FSDP 2 x TP 2 (experts
-replicated), EP 2 and PP 2 x EP 2 (transformers' router and experts, the experts split over
-the ep ranks). Hugging Face weights load through the hardened loader and export back bit for
-bit, in a folder transformers loads; a checkpoint saved under FSDP 2 resumes under TP 2; Llama 3
-trains alike natively and through the backend (1e-5)."""
+"""The hf backend trains like one process (per-step loss and grad norm within 1e-4, fp32): a tiny
+Gemma 3 built by transformers from its config.json (GeGLU, per-head q/k norms, scaled embeddings)
+under FSDP 2, TP 2 (transformers' own plan), FSDP 2 x TP 2, FSDP 2 with full activation
+checkpointing, CP 2 (alltoall) on packed documents (block_causal), PP 2 (1F1B), LoRA (adapters on
+column-wise, row-wise and the replicated lm_head) under FSDP 2, TP 2 and FSDP 2 x TP 2, QLoRA
+(NF4 base) under FSDP 2, and a tiny Mixtral under FSDP 2, PP 2, FSDP 2 x TP 2 (experts
+replicated), EP 2 and PP 2 x EP 2 (transformers' router and experts, the experts split over the
+ep ranks). Hugging Face weights load through the hardened loader and export back bit for bit, in
+a folder transformers loads; a checkpoint saved under FSDP 2 resumes under TP 2; Llama 3 trains
+alike natively and through the backend (1e-5)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from scripts.hf_compat import TOKENIZER, write_folder
-from tests.parity import assert_loss_falls, assert_parity, ci_subset, train
+from tests.launcher import read_metrics, run_torchrun
+from tests.parity import assert_loss_falls, assert_parity, ci_subset, train, train_args
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -127,6 +128,25 @@ def test_parity_with_one_process(case, folders, references, tmp_path):
         nproc, tmp_path, hf_model(folders[model_type]) + reference_overrides + overrides, dp=dp
     )
     assert_parity(references(reference), run)
+
+
+def test_qlora_under_fsdp2_trains_like_one_process(tmp_path):
+    """QLoRA on a Gemma 3 wide enough for whole NF4 groups (256): the adapted linears' base
+    is NF4 and FSDP 2 (NF4 rows split over the ranks) gives the 1-process losses and grad
+    norms."""
+    folder = write_folder(tmp_path, DENSE, hidden_size=256, intermediate_size=512, head_dim=64)
+    qlora = hf_model(folder) + [
+        *("--model.converters", "lora", "--lora.target_modules", "q_proj,v_proj,down_proj"),
+        *("--lora.base_quantization", "nf4", "--optimizer.lr", "1e-2"),
+    ]
+    runs = {}
+    for nproc in (1, 2):
+        dump = tmp_path / f"nproc{nproc}"
+        out = run_torchrun(nproc, train_args(nproc, dump, qlora)).stdout
+        assert "adapted linears are NF4 now" in out, out[-3000:]
+        runs[nproc] = read_metrics(dump)
+    assert runs[1][-1]["loss"] < runs[1][0]["loss"] - 0.3, "QLoRA did not learn"
+    assert_parity(runs[1], runs[2])
 
 
 def test_hf_weights_load_and_export_bit_for_bit(folders, tmp_path):
