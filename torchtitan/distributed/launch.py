@@ -57,6 +57,7 @@ from torchtitan.distributed.restarts import (
     Failure,
     read_failures,
 )
+from torchtitan.tools.storage import checkpoint_root
 
 _WORKER_MONITOR_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 TRAINER_MODULE = "torchtitan.train"
@@ -193,7 +194,9 @@ def restart_report(args: Namespace) -> RestartReport | None:
     return RestartReport(
         failure_file=_fresh_file("torchtitan-failures.", FAILURE_FILE_ENV),
         traceback_file=traceback_file,
-        checkpoint_root=Path(dump_folder) / checkpoint.folder if checkpoint.enable else None,
+        checkpoint_root=checkpoint_root(checkpoint.folder, dump_folder)
+        if checkpoint.enable
+        else None,
         max_restarts=args.max_restarts,
     )
 

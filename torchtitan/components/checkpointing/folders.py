@@ -1,14 +1,17 @@
-"""The checkpoint folders on disk: ``{job.dump_folder}/{checkpoint.folder}/step-N``, each
-complete once its manifest ``checkpoint.json`` is written (last); which folders are complete,
-what is wrong with one that is not, and the atomic publish of a finished save
-(``step-N.tmp`` renamed to ``step-N``, the directory synced) and purge of old ones."""
+"""The checkpoint folders: ``{job.dump_folder}/{checkpoint.folder}/step-N`` (or
+``{checkpoint.folder}/step-N`` for a URL, ``storage``), each complete once its manifest
+``checkpoint.json`` is written (last); which folders are complete, what is wrong with one that
+is not, the publish of a finished save and the purge of old ones. On a local disk a save is
+written to ``step-N.tmp`` and renamed (the directory synced); an object store has no rename,
+so there a save is written into ``step-N`` and the marker alone publishes it: a ``step-N``
+without one is invisible to loading and to ``keep_latest_k`` and is deleted at the next
+start."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +23,15 @@ from torchtitan.components.checkpointing.safe_loading import (
 )
 from torchtitan.config import ConfigError
 from torchtitan.tools.logging import logger
+from torchtitan.tools.storage import (
+    check_reachable,
+    checkpoint_root,
+    is_object_store,
+    is_url,
+    remove_tree,
+    storage_path,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from torchtitan.config import CheckpointConfig
@@ -31,16 +43,30 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 _LEFTOVER_RE = re.compile(r"^step-\d+\.(tmp|old)$")
 
 
+def refresh_listing(folder: Path) -> None:
+    """Forget the filesystem's cached listing of ``folder`` (object stores cache listings;
+    other processes write there)."""
+    if is_object_store(folder):
+        folder.fs.invalidate_cache(folder.path)
+
+
 def step_folders(root: Path) -> dict[int, Path]:
     """``step-N`` folders under ``root`` by step; other names are ignored."""
+    refresh_listing(root)
     if not root.is_dir():
         return {}
     found = {}
     for entry in root.iterdir():
         match = _STEP_RE.match(entry.name)
-        if match and entry.is_dir():
+        if match and entry.is_dir() and _holds_files(entry):
             found[int(match.group(1))] = entry
     return found
+
+
+def _holds_files(folder: Path) -> bool:
+    """An object store may list a prefix emptied a moment ago (SeaweedFS drops empty
+    directories lazily); such a folder is nothing."""
+    return not is_object_store(folder) or any(True for _ in folder.iterdir())
 
 
 def inspect_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -88,32 +114,49 @@ def missing_step_error(root: Path, step: int) -> str:
     )
 
 
-def not_a_folder_error(path: Path) -> str:
+def not_a_folder_error(path: Path | str) -> str:
     return f"checkpoint.initial_load_path: {path} is not a checkpoint folder"
 
 
 def check_checkpoint_inputs(config: CheckpointConfig, dump_folder: str) -> None:
-    """Refuse, before any process starts, a ``checkpoint.load_step`` or
-    ``checkpoint.initial_load_path`` that names nothing on disk. Loading checks the same
-    again, and the contents, on rank 0."""
-    root = Path(dump_folder) / config.folder
+    """Refuse, before any process starts, a checkpoint storage that cannot be reached, a
+    ``checkpoint.load_step`` or ``checkpoint.initial_load_path`` that names nothing there,
+    and what object stores do not take yet. Loading checks the same again, and the contents,
+    on rank 0."""
+    if not (config.enable or config.create_seed_checkpoint):
+        return
+    root = checkpoint_root(config.folder, dump_folder)
+    check_reachable(root, "checkpoint.folder")
     if config.create_seed_checkpoint:
         check_seed_folder(root)
         return
-    if not config.enable:
-        return
+    _refuse_hf_on_object_stores(config, root)
     folders = step_folders(root)
     if config.load_step != -1 and config.load_step not in folders:
         raise ConfigError(missing_step_error(root, config.load_step))
     initial = config.initial_load_path
     resumes_from_folders = config.load_step != -1 or folders
-    if (
-        initial
-        and not config.initial_load_in_hf
-        and not resumes_from_folders
-        and not Path(initial).is_dir()
-    ):
-        raise ConfigError(not_a_folder_error(Path(initial)))
+    if initial and not config.initial_load_in_hf and not resumes_from_folders:
+        path = storage_path(initial, "checkpoint.initial_load_path")
+        check_reachable(path, "checkpoint.initial_load_path")
+        if not path.is_dir():
+            raise ConfigError(not_a_folder_error(initial))
+
+
+def _refuse_hf_on_object_stores(config: CheckpointConfig, root: Path) -> None:
+    """The Hugging Face export and load read and write local files (safetensors)."""
+    if config.last_save_in_hf and is_object_store(root):
+        raise ConfigError(
+            f"checkpoint.last_save_in_hf: the Hugging Face export into {root} (an object "
+            "store) is not built yet; export with a local checkpoint.folder"
+        )
+    initial = config.initial_load_path
+    if config.initial_load_in_hf and initial and is_url(initial):
+        if is_object_store(storage_path(initial, "checkpoint.initial_load_path")):
+            raise ConfigError(
+                f"checkpoint.initial_load_path: loading Hugging Face weights from {initial} "
+                "(an object store) is not built yet; download the folder first"
+            )
 
 
 def check_seed_folder(root: Path) -> None:
@@ -141,18 +184,9 @@ def purge_old_checkpoints(root: Path, keep: int) -> list[int]:
     for step in steps[keep:]:
         path = root / f"step-{step}"
         (path / MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
         deleted.append(step)
     return deleted
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -163,25 +197,43 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Rename the finished ``tmp`` to ``final``, replacing an older checkpoint of that step."""
+def save_folder(root: Path, step: int) -> Path:
+    """Where the save of ``step`` writes: ``step-N.tmp`` on a local disk, ``step-N`` itself
+    on an object store."""
+    return root / (f"step-{step}" if is_object_store(root) else f"step-{step}.tmp")
+
+
+def publish(written: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Write the marker (``manifest`` with the size of every file written) into the
+    finished ``written`` folder and publish it as ``final``: on a local disk by renaming it
+    over an older checkpoint of that step; on an object store ``written`` is ``final`` and
+    the marker is the publish."""
+    refresh_listing(written)
+    manifest["files"] = {f.name: f.stat().st_size for f in written.iterdir() if f.is_file()}
+    write_json(written / MANIFEST, manifest)
+    if written == final:
+        return
     old = final.with_name(final.name + ".old")
     if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old)
         final.rename(old)
-    tmp.rename(final)
+    written.rename(final)
     _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_tree(old)
 
 
 def remove_leftovers(root: Path) -> None:
-    """Drop ``step-N.tmp``/``.old`` folders that an interrupted save left behind."""
-    if not root.is_dir():
-        return
-    for entry in root.iterdir():
-        if _LEFTOVER_RE.match(entry.name):
-            logger.warning(f"removing {entry}, left by an interrupted checkpoint save")
-            shutil.rmtree(entry, ignore_errors=True)
+    """Drop what interrupted saves left behind: ``step-N.tmp``/``.old`` folders on a local
+    disk, ``step-N`` folders without a marker on an object store."""
+    if is_object_store(root):
+        leftovers = [f for f in step_folders(root).values() if not (f / MANIFEST).is_file()]
+    elif root.is_dir():
+        leftovers = [entry for entry in root.iterdir() if _LEFTOVER_RE.match(entry.name)]
+    else:
+        leftovers = []
+    for entry in leftovers:
+        logger.warning(f"removing {entry}, left by an interrupted checkpoint save")
+        remove_tree(entry)
 
 
 def plain_json(states: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from torchtitan.components.checkpointing.folders import (
     step_folders,
 )
 from torchtitan.tools.logging import logger
+from torchtitan.tools.storage import storage_path
 
 if TYPE_CHECKING:
     from torchtitan.config import CheckpointConfig
@@ -62,7 +63,8 @@ def choose_initial_weights(config: CheckpointConfig, hf_assets_path: str | None)
     if config.initial_load_in_hf:
         choice = _choose_hf(config, hf_assets_path)
     elif config.initial_load_path:
-        choice = _choose_initial(Path(config.initial_load_path), config.initial_load_model_only)
+        path = storage_path(config.initial_load_path, "checkpoint.initial_load_path")
+        choice = _choose_initial(path, config.initial_load_model_only)
     else:
         return LoadChoice()
     choice.base = True

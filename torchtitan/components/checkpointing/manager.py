@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -43,13 +44,12 @@ from torchtitan.components.adapters.lora_linear import is_lora_param
 from torchtitan.components.adapters.qlora import PendingBase
 from torchtitan.components.checkpointing.folders import (
     FORMAT,
-    MANIFEST,
     check_seed_folder,
     plain_json,
     publish,
     purge_old_checkpoints,
     remove_leftovers,
-    write_json_atomic,
+    save_folder,
 )
 from torchtitan.components.checkpointing.huggingface import (
     HFCheckpointError,
@@ -67,6 +67,12 @@ from torchtitan.config import ConfigError
 from torchtitan.data.state import merge_data_states
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
 from torchtitan.tools.logging import logger
+from torchtitan.tools.storage import (
+    checkpoint_root,
+    is_object_store,
+    remove_tree,
+    storage_path,
+)
 
 if TYPE_CHECKING:
     from torchtitan.config import CheckpointConfig, LoRAConfig
@@ -126,7 +132,7 @@ class CheckpointManager:
         self.lr_schedulers = lr_schedulers
         self.states = dict(states)
         self.parallel_dims = parallel_dims
-        self.root = Path(dump_folder) / self.config.folder
+        self.root = checkpoint_root(self.config.folder, dump_folder)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.excluded = self._check_exclusions(self.config.exclude_from_loading)
@@ -208,8 +214,10 @@ class CheckpointManager:
         start = time.perf_counter()
         tensors = self._tensor_state(model_only, dtype)
         manifest = self._manifest(step, model_only, dtype, tensors)
-        tmp, final = self.root / f"step-{step}.tmp", self.root / f"step-{step}"
-        writer = FileSystemWriter(tmp)
+        final, tmp = self.root / f"step-{step}", save_folder(self.root, step)
+        if self.rank == 0:  # before DCP's planning collective, so before any rank writes
+            remove_tree(tmp)
+        writer = FsspecWriter(str(final)) if is_object_store(final) else FileSystemWriter(tmp)
         kind = "model-only " if model_only else ""
         if blocking:
             dcp.save(tensors, storage_writer=writer, process_group=self._group)
@@ -307,9 +315,7 @@ class CheckpointManager:
         """Rank 0, once every rank's files are written: marker, then the atomic rename."""
         if upload is not None:
             upload.result()
-        manifest["files"] = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
-        write_json_atomic(tmp / MANIFEST, manifest)
-        publish(tmp, final)
+        publish(tmp, final, manifest)
         kind = "model-only checkpoint" if manifest["model_only"] else "checkpoint"
         logger.info(f"saved {kind} {final} in {time.perf_counter() - start:.2f}s")
 
@@ -383,7 +389,8 @@ class CheckpointManager:
             keys = "adapters"
         elif choice.base and self.lora is not None:
             keys = "base"
-        self._load(Path(choice.path), choice.manifest, choice.model_only, keys)
+        path = storage_path(choice.path, "checkpoint.initial_load_path")
+        self._load(path, choice.manifest, choice.model_only, keys)
 
     def _load_base(self) -> None:
         """Before an adapters-only checkpoint: the frozen base from the initial weights."""

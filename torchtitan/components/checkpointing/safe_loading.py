@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -62,6 +63,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from torchtitan.config.errors import UserInputError
 from torchtitan.tools.logging import logger
+from torchtitan.tools.storage import is_object_store, storage_path
 
 METADATA_FILE = ".metadata"
 MANIFEST_FILE = "checkpoint.json"
@@ -114,9 +116,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(folder: str | Path, name: str = METADATA_FILE) -> Metadata:
     """The checked DCP metadata of ``folder``."""
-    path = Path(folder) / name
+    path = _folder_path(folder) / name
     try:
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise LoadError(f"{path}: missing (not a DCP checkpoint folder)") from None
@@ -200,7 +202,7 @@ def _entry_problem(entry: Any) -> str | None:
 def check_dcp_folder(folder: str | Path, metadata: Metadata) -> None:
     """The folder holds only DCP's files (and ``checkpoint.json``), and every record of the
     metadata points into one of its ``.distcp`` files, within that file's size."""
-    folder = Path(folder)
+    folder = _folder_path(folder)
     strays = sorted(
         entry.name
         for entry in folder.iterdir()
@@ -238,7 +240,7 @@ def check_entries(
     tensor of the same shape and dtype kind, or bytes for a non-tensor value."""
     flat, _ = flatten_state_dict(state_dict)
     stored = metadata.state_dict_metadata
-    path = Path(folder) / METADATA_FILE
+    path = _folder_path(folder) / METADATA_FILE
     missing = sorted(key for key in flat if key not in stored)
     if missing:
         raise LoadError(
@@ -275,16 +277,28 @@ def _dtype_fits(stored: torch.dtype, wanted: torch.dtype) -> bool:
     return stored == wanted or (stored.is_floating_point and wanted.is_floating_point)
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata goes through the allow-list unpickler and checks."""
+def _folder_path(folder: str | Path) -> Path:
+    return storage_path(folder, "checkpoint folder")
+
+
+class _SafeMetadata:
+    """A DCP reader's ``read_metadata`` through the allow-list unpickler and checks."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        metadata = read_dcp_metadata(Path(self.path), name)
+        metadata = read_dcp_metadata(self.path, name)
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    """A local folder's reader."""
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """An fsspec URL's reader (object stores: ranged reads of each record)."""
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -305,14 +319,15 @@ def load_dcp(
     resharded, floating dtypes converted), after the checks above. Collective over
     ``process_group`` (default: the world, or none without a process group); every rank
     calls it, and every rank raises the same LoadError when a check fails anywhere."""
-    folder = Path(folder)
+    folder = _folder_path(folder)
     distributed = dist.is_available() and dist.is_initialized()
     problem = _local_problem(state_dict, folder, hint)
     if distributed:
         problem = _first_problem_of_all_ranks(problem, process_group)
     if problem:
         raise LoadError(problem)
-    reader, planner = SafeFileSystemReader(str(folder)), WeightsOnlyLoadPlanner()
+    reader_type = SafeFsspecReader if is_object_store(folder) else SafeFileSystemReader
+    reader, planner = reader_type(str(folder)), WeightsOnlyLoadPlanner()
     try:
         with warnings.catch_warnings():  # one process without a process group is fine here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
