@@ -50,7 +50,9 @@ def bucket_state(server: S3Server, prefix: str) -> tuple[list[int], list[int]]:
     committed, uncommitted = [], []
     for entry in fs.ls(prefix) if fs.exists(prefix) else []:
         name = entry.rsplit("/", 1)[1]
-        if not name.startswith("step-") or not fs.ls(entry):
+        # SeaweedFS lists an emptied folder as its own directory object ("step-2/")
+        files = [f for f in fs.ls(entry) if not f.endswith("/")]
+        if not name.startswith("step-") or not files:
             continue
         step = int(name.removeprefix("step-"))
         (committed if fs.exists(f"{entry}/checkpoint.json") else uncommitted).append(step)
