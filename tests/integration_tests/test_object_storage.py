@@ -1,7 +1,8 @@
 """Checkpoints on object storage, against a real S3 server (SeaweedFS on 127.0.0.1, started
 here): saved under FSDP 2 into ``s3://``, a resume from step 2 repeats steps 3-4 bitwise, and
 a resume under FSDP 2 x TP 2 gives them within 1e-4; a step whose save did not commit its
-marker is never loaded and is purged; bad credentials, a missing bucket and an unknown scheme
+marker is never loaded and is purged; Hugging Face weights load from ``s3://`` and export
+back there bit for bit; bad credentials, a missing bucket and an unknown scheme
 end in one ``error:`` line, exit 2, with nothing written."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from scripts.s3_server import S3Server
 from tests.launcher import run_command
@@ -54,6 +56,41 @@ def test_resume_and_reshard_from_s3_repeat_the_uninterrupted_run(s3, tmp_path):
     fs.rm("resume/run/step-4", recursive=True)
     resharded = train(4, tmp_path / "resharded", flags + TP2, dp=2, env=s3.env)
     assert_parity(whole[2:], resharded)
+
+
+def test_hugging_face_weights_round_trip_through_s3(s3, tmp_path):
+    """A Hugging Face folder in the bucket is the initial weights of an FSDP 2 run; with a
+    learning rate of 1e-30 (no fp32 weight moves) its export into the bucket holds exactly
+    those weights."""
+    from safetensors.torch import load_file
+
+    from scripts.hf_compat import TOKENIZER
+    from tests.integration_tests.test_parity_hf import llama3_folder
+
+    tokenizer = ["--model.tokenizer_path", str(TOKENIZER)]
+    published = llama3_folder(tmp_path, tokenizer)
+    bucket = s3.make_bucket("hf-weights")
+    fs = s3.filesystem()
+    fs.put(str(published), "hf-weights/published", recursive=True)
+    train(
+        2,
+        tmp_path / "run",
+        tokenizer
+        + [
+            *("--checkpoint.enable", "--checkpoint.folder", f"{bucket}/run"),
+            *("--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path"),
+            f"{bucket}/published",
+            *("--checkpoint.last_save_in_hf", "--checkpoint.interval", "2"),
+            *("--training.steps", "2", "--optimizer.lr", "1e-30", "--optimizer.weight_decay", "0"),
+        ],
+        env=s3.env,
+    )
+    fs.get("hf-weights/run/step-2-hf/model.safetensors", str(tmp_path / "exported.safetensors"))
+    original = load_file(published / "model.safetensors")
+    exported = load_file(tmp_path / "exported.safetensors")
+    assert exported.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
 
 
 # case -> (checkpoint.folder, environment beside the server's, the error line's start)

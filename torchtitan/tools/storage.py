@@ -8,9 +8,12 @@ messages name the URL, never a credential."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +121,32 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def writing_into(dest: Path) -> Iterator[Path]:
+    """A local folder to write ``dest``'s files into (for writers of local files, such as
+    safetensors): ``dest`` itself on a local disk; for an object store a temporary folder
+    whose files are uploaded into ``dest`` when the block ends without an error."""
+    if not is_object_store(dest):
+        yield dest
+        return
+    with tempfile.TemporaryDirectory(prefix="torchtitan-upload-") as tmp:
+        yield Path(tmp)
+        for file in sorted(Path(tmp).iterdir()):
+            dest.fs.put_file(str(file), (dest / file.name).path)
+
+
+@contextlib.contextmanager
+def reading_from(source: Path) -> Iterator[Path]:
+    """A local folder with ``source``'s files (for readers of local files): ``source``
+    itself on a local disk; for an object store a temporary download of its files (this
+    process's own, deleted when the block ends)."""
+    if not is_object_store(source):
+        yield source
+        return
+    with tempfile.TemporaryDirectory(prefix="torchtitan-download-") as tmp:
+        for file in source.iterdir():
+            if file.is_file():
+                source.fs.get_file(file.path, os.path.join(tmp, file.name))
+        yield Path(tmp)

@@ -27,7 +27,6 @@ from torchtitan.tools.storage import (
     check_reachable,
     checkpoint_root,
     is_object_store,
-    is_url,
     remove_tree,
     storage_path,
     write_json,
@@ -120,8 +119,8 @@ def not_a_folder_error(path: Path | str) -> str:
 
 def check_checkpoint_inputs(config: CheckpointConfig, dump_folder: str) -> None:
     """Refuse, before any process starts, a checkpoint storage that cannot be reached, a
-    ``checkpoint.load_step`` or ``checkpoint.initial_load_path`` that names nothing there,
-    and what object stores do not take yet. Loading checks the same again, and the contents,
+    ``checkpoint.load_step`` or ``checkpoint.initial_load_path`` that names nothing there.
+    Loading checks the same again, and the contents,
     on rank 0."""
     if not (config.enable or config.create_seed_checkpoint):
         return
@@ -130,33 +129,16 @@ def check_checkpoint_inputs(config: CheckpointConfig, dump_folder: str) -> None:
     if config.create_seed_checkpoint:
         check_seed_folder(root)
         return
-    _refuse_hf_on_object_stores(config, root)
     folders = step_folders(root)
     if config.load_step != -1 and config.load_step not in folders:
         raise ConfigError(missing_step_error(root, config.load_step))
-    initial = config.initial_load_path
+    if not config.initial_load_path:
+        return
+    initial = storage_path(config.initial_load_path, "checkpoint.initial_load_path")
+    check_reachable(initial, "checkpoint.initial_load_path")
     resumes_from_folders = config.load_step != -1 or folders
-    if initial and not config.initial_load_in_hf and not resumes_from_folders:
-        path = storage_path(initial, "checkpoint.initial_load_path")
-        check_reachable(path, "checkpoint.initial_load_path")
-        if not path.is_dir():
-            raise ConfigError(not_a_folder_error(initial))
-
-
-def _refuse_hf_on_object_stores(config: CheckpointConfig, root: Path) -> None:
-    """The Hugging Face export and load read and write local files (safetensors)."""
-    if config.last_save_in_hf and is_object_store(root):
-        raise ConfigError(
-            f"checkpoint.last_save_in_hf: the Hugging Face export into {root} (an object "
-            "store) is not built yet; export with a local checkpoint.folder"
-        )
-    initial = config.initial_load_path
-    if config.initial_load_in_hf and initial and is_url(initial):
-        if is_object_store(storage_path(initial, "checkpoint.initial_load_path")):
-            raise ConfigError(
-                f"checkpoint.initial_load_path: loading Hugging Face weights from {initial} "
-                "(an object store) is not built yet; download the folder first"
-            )
+    if not config.initial_load_in_hf and not resumes_from_folders and not initial.is_dir():
+        raise ConfigError(not_a_folder_error(initial))
 
 
 def check_seed_folder(root: Path) -> None:

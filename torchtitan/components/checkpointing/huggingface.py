@@ -41,6 +41,7 @@ from torchtitan.config.errors import UserInputError
 from torchtitan.layers.init import clean_fqn
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.logging import logger
+from torchtitan.tools.storage import storage_path, writing_into
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -247,10 +248,11 @@ def save_hf_weights(
     parallel_dims: Any,
     field: str = "checkpoint.last_save_in_hf",
 ) -> None:
-    """Write consolidated Hugging Face safetensors + config.json into ``folder`` (LoRA
-    adapters merged into their base weights); a model with no Hugging Face equivalent
+    """Write consolidated Hugging Face safetensors + config.json into ``folder`` (a local
+    path or an object store's, ``storage.writing_into``; LoRA adapters merged into their
+    base weights); a model with no Hugging Face equivalent
     raises HFCheckpointError on every rank before any collective."""
-    folder = Path(folder)
+    folder = storage_path(folder, field)
     try:
         config = adapter.hf_config()  # on every rank, before any collective
     except (ValueError, NotImplementedError) as e:
@@ -278,23 +280,24 @@ def save_hf_weights(
         if pp_size == 1
         else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
     )
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-    if dist.is_initialized():
-        dist.barrier()
-    if writer:
-        save_file(
-            {k: _own_storage(v) for k, v in tensors.items()},
-            str(folder / filename),
-            metadata={"format": "pt"},
-        )
-    keys = {k: filename for k in tensors}
-    if pp_size > 1:
-        gathered: list[dict[str, str]] = [{} for _ in range(world)]
-        dist.all_gather_object(gathered, keys)
-        keys = {k: v for part in gathered for k, v in part.items()}
-    if rank == 0:
-        _write_index_and_config(folder, keys, config, export_dtype, pp_size > 1)
+    with writing_into(folder) as local:
+        if rank == 0:
+            local.mkdir(parents=True, exist_ok=True)
+        if dist.is_initialized():
+            dist.barrier()
+        if writer:
+            save_file(
+                {k: _own_storage(v) for k, v in tensors.items()},
+                str(local / filename),
+                metadata={"format": "pt"},
+            )
+        keys = {k: filename for k in tensors}
+        if pp_size > 1:
+            gathered: list[dict[str, str]] = [{} for _ in range(world)]
+            dist.all_gather_object(gathered, keys)
+            keys = {k: v for part in gathered for k, v in part.items()}
+        if rank == 0:
+            _write_index_and_config(local, keys, config, export_dtype, pp_size > 1)
     if dist.is_initialized():
         dist.barrier()
     logger.info(f"saved Hugging Face weights ({export_dtype}) to {folder}")

@@ -70,6 +70,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.storage import (
     checkpoint_root,
     is_object_store,
+    reading_from,
     remove_tree,
     storage_path,
 )
@@ -382,7 +383,8 @@ class CheckpointManager:
 
     def _load_choice(self, choice: LoadChoice) -> None:
         if choice.hf:
-            self._load_hf(Path(choice.path))
+            with reading_from(storage_path(choice.path, "checkpoint.initial_load_path")) as local:
+                self._load_hf(local)
             return
         keys = "all"
         if choice.manifest and choice.manifest.get("adapters_only"):

@@ -26,6 +26,7 @@ from torchtitan.components.checkpointing.huggingface import copy_full_into
 from torchtitan.components.checkpointing.safe_loading import LoadError, open_safetensors
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
+from torchtitan.tools.storage import storage_path, writing_into
 
 if TYPE_CHECKING:
     from torchtitan.config import LoRAConfig
@@ -81,7 +82,8 @@ def peft_config(lora: LoRAConfig, modules: list[str]) -> dict[str, Any]:
 def save_peft_adapter(
     model_parts: list[nn.Module], folder: str | Path, adapter: StateDictAdapter, lora: LoRAConfig
 ) -> None:
-    """Write this run's adapters as a PEFT folder (rank 0 writes; every rank calls)."""
+    """Write this run's adapters as a PEFT folder, local or on an object store (rank 0
+    writes; every rank calls)."""
     tensors = peft_tensors(adapted_linears(model_parts), adapter)
     if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold parts
         gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
@@ -89,11 +91,12 @@ def save_peft_adapter(
         tensors = {k: v for part in gathered for k, v in part.items()}
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = storage_path(folder, "checkpoint.last_save_in_hf")
     modules = sorted({k.removesuffix(".lora_A.weight") for k in tensors if "lora_A" in k})
-    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, modules), indent=2))
+    with writing_into(folder) as local:
+        local.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(local / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (local / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, modules), indent=2))
     logger.info(f"saved the LoRA adapters ({len(modules)} linears) as a PEFT folder: {folder}")
 
 
