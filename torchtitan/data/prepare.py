@@ -15,6 +15,8 @@ Documents are tokenized in order by ``--workers`` processes (chunks of documents
 in order), so the store is byte-identical whatever the worker count. Every finished shard is
 kept, with a ``progress.json`` that says where the input stands: a killed run, started again
 with the same arguments, redoes only the unfinished shard. ``manifest.json`` is written last.
+``--out`` may be an object store's URL (``s3://bucket/stores/web``): the store is written into
+a local temporary folder, then uploaded, its manifest last (resumption is for local folders).
 Bad input is one ``error:`` line and exit code 2.
 """
 
@@ -48,6 +50,7 @@ from torchtitan.data.token_store import (
     token_dtype,
 )
 from torchtitan.protocols.tokenizer import BaseTokenizer
+from torchtitan.tools.storage import storage_path, writing_into
 
 PROGRESS = "progress.json"
 CHUNK_DOCUMENTS = 256
@@ -330,11 +333,20 @@ def _resume(out: Path, inputs: dict[str, Any], tokenizer: dict[str, Any]) -> Pro
 
 
 def prepare(args: argparse.Namespace, make_tokenizer: TokenizerFactory) -> Manifest:
-    """Write (or finish) the store ``args`` describe; see the module docstring."""
-    out = Path(args.out)
+    """Write (or finish) the store ``args`` describe; see the module docstring. A store on
+    an object store (``--out s3://...``) is written into a local temporary folder and
+    uploaded, its manifest last (an interrupted upload is no store; it starts afresh)."""
+    destination = storage_path(args.out, "--out")
+    if (destination / MANIFEST).exists():
+        raise ConfigError(f"--out {destination}: already holds a complete token store")
+    with writing_into(destination, last=MANIFEST) as out:
+        return _prepare_into(out, args, make_tokenizer)
+
+
+def _prepare_into(
+    out: Path, args: argparse.Namespace, make_tokenizer: TokenizerFactory
+) -> Manifest:
     out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST).exists():
-        raise ConfigError(f"--out {out}: already holds a complete token store")
     tokenizer = make_tokenizer()
     identity = {
         "fingerprint": tokenizer.fingerprint(),

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeAlias
 
+from torchtitan.tools.storage import is_url
+
 Documents: TypeAlias = Sequence[Any] | Iterable[Any]
 
 
@@ -85,6 +87,13 @@ def check_dataset_fields(name: str, path: str | None, section: str = "training")
             f"{section}.dataset_path: dataset {name!r} does not read a path (got {path!r}); "
             f"unset it, or use one of the file datasets json, jsonl, parquet, txt, sft"
         )
+    if path and is_url(path):
+        if name != "tokens":
+            raise ValueError(
+                f"{section}.dataset_path: {path} is a URL; of the datasets only token stores "
+                "(dataset tokens) read from object storage: prepare one there"
+            )
+        return config
     if path and not os.path.exists(path) and (not config.hf_options or _names_a_file(path)):
         raise FileNotFoundError(f"{section}.dataset_path: {path!r} does not exist")
     return config

@@ -1,6 +1,8 @@
 """A pre-tokenized token store: written once by ``scripts/data/prepare.py``,
 read by positioned reads (``os.pread``) of just the tokens a sequence needs, so a rank's RSS
-stays flat however large the store is and however much of it is read.
+stays flat however large the store is and however much of it is read. A store on an object
+store (``s3://...``, ``storage.py``) is read the same way with ranged GETs, nothing cached
+locally, only its document index (8 bytes per document) read whole into memory.
 
 Layout of a store folder:
 
@@ -27,7 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
+
+from torchtitan.tools.storage import is_object_store, storage_path
 
 FORMAT = "torchtitan-token-store-1"
 MANIFEST = "manifest.json"
@@ -91,11 +96,13 @@ class TokenStore:
     """Random access to the documents of a store folder."""
 
     def __init__(self, folder: str | Path) -> None:
-        self.folder = Path(folder)
+        self.folder = storage_path(folder, "token store")
         if not self.folder.is_dir():
             raise StoreError(f"{self.folder}: no such token-store folder")
         self.manifest = Manifest.read(self.folder)
         self.dtype = np.dtype(self.manifest.dtype)
+        self._remote = is_object_store(self.folder)
+        self._filesystem: tuple[int, Any] | None = None
         self._shard_files: list[int] = []
         weakref.finalize(self, _close_all, self._shard_files)  # also those opened before an error
         self._shard_files.extend(self._open_shard(entry) for entry in self.manifest.shards)
@@ -113,7 +120,7 @@ class TokenStore:
                 f"{path}: {found}, the manifest says {expected:,} bytes (truncated or "
                 "replaced); prepare the store again"
             )
-        return os.open(path, os.O_RDONLY)
+        return -1 if self._remote else os.open(path, os.O_RDONLY)
 
     def _map_documents(self) -> np.ndarray:
         path = self.folder / DOCUMENTS
@@ -123,7 +130,17 @@ class TokenStore:
                 f"{path}: not the {self.manifest.documents:,} document offsets the manifest "
                 "records (truncated or replaced); prepare the store again"
             )
+        if self._remote:
+            return np.frombuffer(self._fs().cat_file(path.path), dtype=DOCUMENT_DTYPE)
         return np.memmap(path, dtype=DOCUMENT_DTYPE, mode="r")
+
+    def _fs(self) -> Any:
+        """The object store's filesystem of this process (a loader worker makes its own: a
+        client's connections do not survive a fork)."""
+        if self._filesystem is None or self._filesystem[0] != os.getpid():
+            fs = fsspec.filesystem(self.folder.protocol, **self.folder.storage_options)
+            self._filesystem = (os.getpid(), fs)
+        return self._filesystem[1]
 
     @property
     def num_documents(self) -> int:
@@ -162,8 +179,12 @@ class TokenStore:
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=self.dtype)
 
     def _read(self, shard: int, offset: int, count: int) -> np.ndarray:
-        size = count * self.dtype.itemsize
-        data = os.pread(self._shard_files[shard], size, offset * self.dtype.itemsize)
+        size, start = count * self.dtype.itemsize, offset * self.dtype.itemsize
+        if self._remote:
+            path = self.folder / self.manifest.shards[shard]["file"]
+            data = self._fs().cat_file(path.path, start=start, end=start + size)
+        else:
+            data = os.pread(self._shard_files[shard], size, start)
         if len(data) != size:
             raise StoreError(
                 f"{self.folder / self.manifest.shards[shard]['file']}: shorter than its "
@@ -181,4 +202,5 @@ def _release(mapped: np.ndarray) -> None:
 
 def _close_all(descriptors: list[int]) -> None:
     for descriptor in descriptors:
-        os.close(descriptor)
+        if descriptor >= 0:
+            os.close(descriptor)

@@ -124,16 +124,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def writing_into(dest: Path) -> Iterator[Path]:
+def writing_into(dest: Path, last: str | None = None) -> Iterator[Path]:
     """A local folder to write ``dest``'s files into (for writers of local files, such as
     safetensors): ``dest`` itself on a local disk; for an object store a temporary folder
-    whose files are uploaded into ``dest`` when the block ends without an error."""
+    whose files are uploaded into ``dest`` when the block ends without an error, the file
+    named ``last`` (a completion marker) after all others."""
     if not is_object_store(dest):
         yield dest
         return
     with tempfile.TemporaryDirectory(prefix="torchtitan-upload-") as tmp:
         yield Path(tmp)
-        for file in sorted(Path(tmp).iterdir()):
+        for file in sorted(Path(tmp).iterdir(), key=lambda f: f.name == last):
             dest.fs.put_file(str(file), (dest / file.name).path)
 
 

@@ -280,7 +280,7 @@ def save_hf_weights(
         if pp_size == 1
         else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
     )
-    with writing_into(folder) as local:
+    with writing_into(folder, last="config.json") as local:
         if rank == 0:
             local.mkdir(parents=True, exist_ok=True)
         if dist.is_initialized():
