@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 
 ACCESS_KEY, SECRET_KEY = "titan-test-access", "titan-test-secret"
+READER_KEY, READER_SECRET = "titan-test-reader", "titan-test-reader-secret"
+"""A second identity that may list and read, not write."""
 
 
 def _free_ports(count: int) -> list[int]:
@@ -51,7 +53,12 @@ class S3Server:
                             "name": "titan",
                             "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                        }
+                        },
+                        {
+                            "name": "reader",
+                            "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+                            "actions": ["Read", "List"],
+                        },
                     ]
                 }
             )
@@ -112,6 +119,11 @@ class S3Server:
             "AWS_ENDPOINT_URL": self.endpoint,
             "AWS_DEFAULT_REGION": "us-east-1",
         }
+
+    @property
+    def reader_env(self) -> dict[str, str]:
+        """``env`` with the read-only identity's keys."""
+        return self.env | {"AWS_ACCESS_KEY_ID": READER_KEY, "AWS_SECRET_ACCESS_KEY": READER_SECRET}
 
     def filesystem(self):
         """An s3fs filesystem of this server, with no listing cache (tests look afresh)."""

@@ -1,10 +1,10 @@
-"""Checkpoints on object storage, against a real S3 server (SeaweedFS on 127.0.0.1, started
-here): saved under FSDP 2 into ``s3://``, a resume from step 2 repeats steps 3-4 bitwise, and
-a resume under FSDP 2 x TP 2 gives them within 1e-4; a step whose save did not commit its
-marker is never loaded and is purged; Hugging Face weights load from ``s3://`` and export
-back there bit for bit; a token store prepared into ``s3://`` trains as the same store on
-local disk, bitwise; bad credentials, a missing bucket and an unknown scheme
-end in one ``error:`` line, exit 2, with nothing written."""
+"""Checkpoints on object storage, against a real S3 server (SeaweedFS on 127.0.0.1, started here):
+saved under FSDP 2 into ``s3://``, a resume from step 2 repeats steps 3-4 bitwise, and a resume
+under FSDP 2 x TP 2 gives them within 1e-4; a step whose save did not commit its marker is never
+loaded and is purged; Hugging Face weights load from ``s3://`` and export back there bit for bit;
+a token store prepared into ``s3://`` trains as the same store on local disk, bitwise; a save the
+storage refuses mid-run, bad credentials, a missing bucket and an unknown scheme end in one
+``error:`` line, exit 2, with nothing written."""
 
 from __future__ import annotations
 
@@ -139,6 +139,28 @@ BAD_INPUT = {
     ),
     "unknown scheme": ("s4://bad-input/run", {}, "error: checkpoint.folder: unknown storage"),
 }
+
+
+def test_a_save_the_storage_refuses_is_one_line(s3, tmp_path):
+    """Credentials that may read the bucket but not write it: the first save fails after
+    the client's retries, and the run ends in one ``error:`` line, exit 2, nothing
+    committed."""
+    s3.make_bucket("read-only")
+    result = run_command(
+        ["./run_train.sh", "--model.flavor", "debugmodel_tiny", "--training.steps", "4"]
+        + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
+        + ["--checkpoint.interval", "2", "--checkpoint.folder", "s3://read-only/run"],
+        env={"NGPU": "2", **s3.reader_env},
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stdout
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: checkpoint.folder: saving step-2 into s3://read-only/run failed (PermissionError: "
+        "Access Denied.); the checkpoints committed before it stay loadable"
+    ], result.stdout
+    assert "Traceback" not in result.stdout
+    assert s3.filesystem().ls("read-only") == []
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)

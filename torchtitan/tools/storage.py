@@ -18,10 +18,25 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan.config import ConfigError
+from torchtitan.config.errors import UserInputError
 
 LOCAL_SCHEMES = ("file", "local")
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 """The package each object-store scheme needs (the ``s3``/``gcs`` extras install them)."""
+
+
+class StorageError(UserInputError):
+    """Storage that failed after its client's retries (an outage, lost credentials, a full
+    disk): one line naming the folder; what was committed before stays loadable."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error`` (of the first failure a DCP ``CheckpointException``
+    carries), prefixed by its type, at most 200 characters."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def is_url(location: str) -> bool:

@@ -19,8 +19,9 @@ files; every entry is checked against the metadata first) and JSON.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -68,7 +70,9 @@ from torchtitan.data.state import merge_data_states
 from torchtitan.distributed.data_parallel import TORCH_DTYPES
 from torchtitan.tools.logging import logger
 from torchtitan.tools.storage import (
+    StorageError,
     checkpoint_root,
+    first_line,
     is_object_store,
     reading_from,
     remove_tree,
@@ -85,6 +89,7 @@ _BUILTIN_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
 
 @dataclass
 class _PendingSave:
+    step: int
     staging: Future | None
     upload: Future
     finish: Future | None  # rank 0: marker + rename
@@ -217,13 +222,16 @@ class CheckpointManager:
         manifest = self._manifest(step, model_only, dtype, tensors)
         final, tmp = self.root / f"step-{step}", save_folder(self.root, step)
         if self.rank == 0:  # before DCP's planning collective, so before any rank writes
-            remove_tree(tmp)
+            with self._storage_failures(step):
+                remove_tree(tmp)
         writer = FsspecWriter(str(final)) if is_object_store(final) else FileSystemWriter(tmp)
         kind = "model-only " if model_only else ""
         if blocking:
-            dcp.save(tensors, storage_writer=writer, process_group=self._group)
-            if self.rank == 0:  # the worker thread does every rename and delete, in order
-                self._worker.submit(self._finish, None, tmp, final, manifest, start).result()
+            with self._storage_failures(step):
+                dcp.save(tensors, storage_writer=writer, process_group=self._group)
+                if self.rank == 0:  # the worker thread does every rename and delete, in order
+                    self._worker.submit(self._finish, None, tmp, final, manifest, start).result()
+            if self.rank == 0:
                 self._worker.submit(self._purge)
             return
         logger.info(f"saving {kind}checkpoint step-{step} in the background")
@@ -239,7 +247,7 @@ class CheckpointManager:
         if self.rank == 0:
             finish = self._worker.submit(self._finish, upload, tmp, final, manifest, start)
             self._worker.submit(self._purge)
-        self._pending = _PendingSave(staging, upload, finish)
+        self._pending = _PendingSave(step, staging, upload, finish)
 
     def _tensor_state(self, model_only: bool, dtype: str | None) -> dict[str, Any]:
         keys = "adapters" if self.adapters_only else "all"
@@ -343,11 +351,24 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        if pending.staging is not None:
-            pending.staging.result()
-        pending.upload.result()
-        if pending.finish is not None:
-            pending.finish.result()
+        with self._storage_failures(pending.step):
+            if pending.staging is not None:
+                pending.staging.result()
+            pending.upload.result()
+            if pending.finish is not None:
+                pending.finish.result()
+
+    @contextlib.contextmanager
+    def _storage_failures(self, step: int) -> Iterator[None]:
+        """A save that the storage failed (after its client's retries) is one line; the
+        step stays unpublished, so the checkpoints committed before it are what loads."""
+        try:
+            yield
+        except (OSError, CheckpointException) as e:
+            raise StorageError(
+                f"checkpoint.folder: saving step-{step} into {self.root} failed "
+                f"({first_line(e)}); the checkpoints committed before it stay loadable"
+            ) from None
 
     # ------------------------------------------------------------------ loading
     def load(self, step: int = -1) -> bool:
