@@ -124,6 +124,23 @@ def test_a_token_store_on_s3_trains_as_on_local_disk(s3, tmp_path):
     ]
 
 
+def test_a_file_replaced_with_the_same_size_is_caught_by_its_etag(s3, monkeypatch):
+    """The marker records each file's ETag (the store's content hash): a file replaced by
+    other bytes of the same size makes the step corrupt, without reading it back."""
+    from torchtitan.components.checkpointing.folders import inspect_checkpoint, publish
+    from torchtitan.tools.storage import storage_path
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    bucket = s3.make_bucket("etags")
+    step = storage_path(f"{bucket}/run/step-1", "checkpoint.folder")
+    (step / "__0_0.distcp").write_bytes(b"a" * 64)
+    publish(step, step, {"step": 1, "model_only": False})
+    (step / "__0_0.distcp").write_bytes(b"b" * 64)
+    manifest, problem = inspect_checkpoint(step)
+    assert manifest is None and "__0_0.distcp was replaced" in problem, problem
+
+
 # case -> (checkpoint.folder, environment beside the server's, the error line's start)
 BAD_INPUT = {
     "wrong credentials": (

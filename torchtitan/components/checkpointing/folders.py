@@ -83,11 +83,20 @@ def inspect_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         if actual != size:
             found = "missing" if actual is None else f"{actual} bytes"
             return None, f"{path} is corrupt ({name}: {found}, expected {size} bytes)"
+    for name, tag in manifest.get("etags", {}).items():
+        if content_tag(path / name) != tag:
+            return None, f"{path} is corrupt ({name} was replaced: its ETag is not the saved one)"
     try:
         check_dcp_folder(path, read_dcp_metadata(path))
     except LoadError as e:
         return None, f"corrupt checkpoint: {e}"
     return manifest, None
+
+
+def content_tag(file: Path) -> str | None:
+    """An object store's hash of ``file``'s content (S3's ETag: the MD5 of a single-part
+    upload, of its parts' MD5s for a multipart one), from the listing, without reading it."""
+    return file.fs.info(file.path).get("ETag")
 
 
 def complete_checkpoints(root: Path) -> dict[int, dict[str, Any]]:
@@ -186,12 +195,15 @@ def save_folder(root: Path, step: int) -> Path:
 
 
 def publish(written: Path, final: Path, manifest: dict[str, Any]) -> None:
-    """Write the marker (``manifest`` with the size of every file written) into the
-    finished ``written`` folder and publish it as ``final``: on a local disk by renaming it
-    over an older checkpoint of that step; on an object store ``written`` is ``final`` and
-    the marker is the publish."""
+    """Write the marker (``manifest`` with the size of every file written, and on an object
+    store its ETag, the store's hash of the content) into the finished ``written`` folder
+    and publish it as ``final``: on a local disk by renaming it over an older checkpoint of
+    that step; on an object store ``written`` is ``final`` and the marker is the publish."""
     refresh_listing(written)
-    manifest["files"] = {f.name: f.stat().st_size for f in written.iterdir() if f.is_file()}
+    files = [f for f in written.iterdir() if f.is_file()]
+    manifest["files"] = {f.name: f.stat().st_size for f in files}
+    if is_object_store(written):
+        manifest["etags"] = {f.name: content_tag(f) for f in files}
     write_json(written / MANIFEST, manifest)
     if written == final:
         return
