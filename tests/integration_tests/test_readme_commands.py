@@ -52,6 +52,7 @@ from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.config.entry import main as config_main
 from torchtitan.distributed import fault_tolerance
 from torchtitan.distributed import process as distributed_utils
+from torchtitan.estimate.cli import TIME_FLAG
 from torchtitan.estimate.cli import main as estimate_main
 from torchtitan.models import BUILTIN_MODELS
 from torchtitan.protocols import get_train_spec, train_spec
@@ -331,7 +332,8 @@ def check_estimator(check: Check, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     args += ["--memory_estimation.mode", "analytic"]
     if check.world_size > 1:  # launched by torchrun
         args += ["--memory_estimation.world_size", str(check.world_size)]
-    if ConfigManager().parse_args(args).memory_estimation.device_memory_gib is None:
+    config_args = [a for a in args if a != TIME_FLAG]  # the estimator's own short flag
+    if ConfigManager().parse_args(config_args).memory_estimation.device_memory_gib is None:
         args += ["--memory_estimation.device_memory_gib", "80"]
     assert_exits_0(lambda: estimate_main(args))
 

@@ -1253,6 +1253,18 @@ class MemoryEstimationConfig:
     """PNG path: the traced peak's per-phase memory breakdown as a stacked bar (needs
     matplotlib: the plot extra)."""
 
+    time: bool = False
+    """Also predict the step time (tokens/s per GPU, MFU, per-phase breakdown) on ``gpu``
+    GPUs; ``--time`` on the estimation script's command line."""
+
+    gpu: Literal["H100", "H200", "B200", "A100"] = "H100"
+    """GPU kind whose data-sheet peaks and NVLink bandwidth the step-time model (``time``
+    and mode plan's ranking) uses."""
+
+    network_gbps_per_gpu: float = 400.0
+    """Bandwidth between nodes per GPU in Gb/s (one 400 Gb/s NIC per GPU), for the
+    step-time model."""
+
     def check(self, path: str) -> None:
         check_values(
             self,
@@ -1263,6 +1275,7 @@ class MemoryEstimationConfig:
             nccl_allowance_gib=AT_LEAST_0,
             gpus_per_node=AT_LEAST_1,
             plan_traced_layouts=AT_LEAST_0,
+            network_gbps_per_gpu=POSITIVE,
         )
         refuse_until_supported(
             self,

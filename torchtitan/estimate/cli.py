@@ -33,6 +33,7 @@ from torchtitan.estimate.coverage import check_covered, eager, resolve_world_siz
 from torchtitan.estimate.measure_mode import measure_single_process, run_measure
 from torchtitan.estimate.plan_mode import run_plan
 from torchtitan.estimate.steps import ITERATIONS, microbatches_per_step
+from torchtitan.estimate.time_mode import check_gpu_kind, time_lines
 from torchtitan.estimate.trace import TraceOutcome, trace_training_memory
 from torchtitan.protocols.geometry import Geometry
 from torchtitan.recipe import Recipe, grad_accumulation_steps, resolve_for_device
@@ -41,6 +42,7 @@ from torchtitan.tools.logging import init_logger
 # The trainer refuses memory_estimation.enable; this script always estimates, so the flag
 # (which upstream's run script passes) is accepted here as a no-op.
 _ENABLE_FLAGS = ("--memory_estimation.enable", "--memory_estimation.enabled")
+TIME_FLAG = "--time"  # short for --memory_estimation.time
 
 
 def closed_form_of(setup: Recipe, target: str) -> AnalyticEstimate | str:
@@ -296,7 +298,10 @@ def _estimate_on_real_tensors(build: TrainingBuild) -> int:
 def main(argv: list[str] | None = None) -> int:
     init_logger()
     args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in _ENABLE_FLAGS]
+    if TIME_FLAG in args:
+        args = [a for a in args if a != TIME_FLAG] + ["--memory_estimation.time"]
     job_config = ConfigManager().parse_args(args)
+    _check_time_request(job_config)
     if job_config.memory_estimation.plot is not None:
         plot.require_matplotlib()  # before tracing
     # decided for the target as the trainer decides for its device: a CPU target is this
@@ -309,4 +314,28 @@ def main(argv: list[str] | None = None) -> int:
         "plan": run_plan,
         "measure": run_measure,
     }
-    return modes[job_config.memory_estimation.mode](job_config)
+    status = modes[job_config.memory_estimation.mode](job_config)
+    me = job_config.memory_estimation
+    if status == 0 and me.time and me.mode in ("estimate", "analytic"):
+        build = TrainingBuild(job_config, resolve_world_size(me), me.target_device)
+        print("\n".join([""] + time_lines(build, build.parallel_dims())))
+    return status
+
+
+def _check_time_request(job_config: JobConfig) -> None:
+    """The step-time model predicts GPU runs of mode estimate, analytic or plan (before any
+    of them starts: a trace can take minutes)."""
+    me = job_config.memory_estimation
+    if not me.time:
+        return
+    check_gpu_kind(me, job_config.model.converters)
+    if me.mode == "measure":
+        raise ConfigError(
+            "memory_estimation.time: mode measure runs on this machine, which the step-time "
+            "model does not predict; use mode estimate, analytic or plan with --time"
+        )
+    if me.target_device != "cuda":
+        raise ConfigError(
+            "memory_estimation.time: the step-time model predicts GPU runs; drop "
+            "--memory_estimation.target_device cpu (or --time)"
+        )

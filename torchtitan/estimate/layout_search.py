@@ -1,26 +1,16 @@
 """Layout planning: enumerate every parallel layout of a model on N GPUs, keep those whose
-analytic per-GPU memory fits, and rank them by a simple throughput model.
-
-The throughput model (rough, for ranking only): compute at a fixed fraction of bf16 peak;
-FSDP/HSDP traffic overlaps compute and only its excess is exposed; tensor- and
-context-parallel traffic is exposed; pipeline parallel adds its bubble. Groups that fit in a
-node use NVLink bandwidth, others the inter-node bandwidth (mesh order pp, dp_replicate,
-dp_shard, cp, tp with tp innermost, as ParallelDims builds it).
-"""
+analytic per-GPU memory fits, and rank them by the step-time model (``step_time``)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torchtitan.estimate.closed_form.inputs import Layout, Run
 from torchtitan.estimate.closed_form.peak import estimate_peak
 from torchtitan.estimate.report import GiB
+from torchtitan.estimate.step_time import GPU_KINDS, GpuKind, StepInputs, StepTime, step_time
 from torchtitan.protocols.geometry import Geometry
 
-EFFECTIVE_FLOPS = 400e12  # per GPU: about 40 % of H100/H200 dense bf16 peak
-INTRA_NODE_BYTES_PER_S = 400e9
-INTER_NODE_BYTES_PER_S = 50e9  # per GPU (one 400 Gb/s NIC each)
 AC_MODES = ("none", "full")
 MAX_PP_FOR_PLAN = 16
 
@@ -37,6 +27,10 @@ class PlanRequest:
     overhead_bytes: float = 0.0
     """Per-GPU additions beyond allocations (context, workspaces, NCCL)."""
     reserved_margin: float = 0.15
+    reduce_bytes: int = 4
+    compile: bool = False
+    gpu: GpuKind = GPU_KINDS["H100"]
+    network_bytes_per_s: float = 50e9
 
 
 @dataclass
@@ -46,8 +40,11 @@ class PlanEntry:
     grad_accum: int
     peak_bytes: int
     need_bytes: int
-    step_seconds: float
-    tokens_per_second_per_gpu: float
+    time: StepTime
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.time.tokens_per_second_per_gpu
 
 
 class PlanError(ValueError):
@@ -98,71 +95,31 @@ def _best_batch(req: PlanRequest, lay: Layout) -> PlanEntry | None:
         )
         peak = estimate_peak(req.geometry, lay, run).peak_bytes
         if _need(req, peak) <= req.device_memory_gib * GiB:
-            seconds = step_seconds(req, lay, local, per_dp // local)
-            tokens = req.global_batch * req.seq_len
-            return PlanEntry(
-                lay,
-                local,
-                per_dp // local,
-                peak,
-                _need(req, peak),
-                seconds,
-                tokens / seconds / req.world_size,
-            )
+            time = step_seconds(req, lay, local, per_dp // local)
+            return PlanEntry(lay, local, per_dp // local, peak, _need(req, peak), time)
     return None
 
 
-def _bandwidth(req: PlanRequest, span: int) -> float:
-    return INTRA_NODE_BYTES_PER_S if span <= req.gpus_per_node else INTER_NODE_BYTES_PER_S
-
-
-def _params(g: Geometry) -> tuple[int, int]:
-    """(all parameters, non-embedding parameters)."""
-    q, kv = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
-    layer = g.dim * (2 * q + 2 * kv) + 3 * g.dim * g.ffn_dim + 2 * g.dim
-    embed = g.vocab_size * g.dim
-    return g.n_layers * layer + 2 * embed + g.dim, g.n_layers * layer + embed + g.dim
-
-
-def step_seconds(req: PlanRequest, lay: Layout, local_batch: int, accum: int) -> float:
-    g, a = req.geometry, req.param_bytes
-    total, non_embed = _params(g)
-    tokens = req.global_batch * req.seq_len
-    attention = 12 * g.n_layers * g.n_heads * g.head_dim * req.seq_len
-    flops = tokens * (6 * non_embed + attention)
-    if lay.ac == "full":
-        flops *= 4 / 3  # the forward runs twice
-    compute = flops / (req.world_size * EFFECTIVE_FLOPS)
-
-    tp, cp, pp = lay.tp, lay.cp, lay.pp
-    shards = lay.dp_shard * cp
-    params_local = total / (tp * pp)
-    fsdp = 0.0
-    if shards > 1:
-        volume = (2 * a + 4) * params_local * (shards - 1) / shards * accum
-        fsdp += volume / _bandwidth(req, shards * tp)
-    if lay.dp_replicate > 1:
-        grads = 4 * params_local / shards
-        volume = 2 * grads * (lay.dp_replicate - 1) / lay.dp_replicate * accum
-        fsdp += volume / _bandwidth(req, lay.dp_replicate * shards * tp)
-    exposed = max(0.0, fsdp - compute)
-
-    layers_local = math.ceil(g.n_layers / pp)
-    tokens_local = local_batch * req.seq_len / cp * accum
-    passes = 3 if lay.ac == "full" else 2
-    tp_comm = 0.0
-    if tp > 1:
-        per_layer = 4 * a * tokens_local * g.dim * (tp - 1) / tp
-        tp_comm = passes * layers_local * per_layer / _bandwidth(req, tp)
-    cp_comm = 0.0
-    if cp > 1:
-        kv_bytes = 2 * a * tokens_local * g.n_kv_heads * g.head_dim / tp
-        cp_comm = passes * layers_local * kv_bytes * (cp - 1) / _bandwidth(req, cp * tp)
-    bubble = 0.0
-    if pp > 1:
-        microbatches = local_batch * accum
-        bubble = (pp - 1) / (microbatches + pp - 1)
-    return compute / (1 - bubble) + exposed + tp_comm + cp_comm
+def step_seconds(req: PlanRequest, lay: Layout, local_batch: int, accum: int) -> StepTime:
+    """The step-time model's prediction for a layout at this batch (pipelines: micro-batches
+    of one sequence, 1F1B)."""
+    return step_time(
+        StepInputs(
+            geometry=req.geometry,
+            layout=lay,
+            seq_len=req.seq_len,
+            local_batch=local_batch,
+            grad_accum=accum,
+            param_bytes=req.param_bytes,
+            reduce_bytes=req.reduce_bytes,
+            compile=req.compile,
+            reshard_after_forward=lay.pp == 1,
+            pp_microbatches=local_batch,
+            gpu=req.gpu,
+            gpus_per_node=req.gpus_per_node,
+            network_bytes_per_s=req.network_bytes_per_s,
+        )
+    )
 
 
 def candidate_layouts(req: PlanRequest) -> list[Layout]:

@@ -15,6 +15,7 @@ from torchtitan.config.checks import check_job_config
 from torchtitan.estimate import layout_search, report
 from torchtitan.estimate.build import TrainingBuild
 from torchtitan.estimate.coverage import activation_checkpoint_gap, coverage_gap, resolve_world_size
+from torchtitan.estimate.step_time import GPU_KINDS
 from torchtitan.estimate.trace import trace_training_memory
 from torchtitan.protocols.geometry import Geometry
 
@@ -47,6 +48,14 @@ def run_plan(job_config: JobConfig) -> int:
         return 1
     for line in plan_lines(build, request, entries, enumerated, me.plan_traced_layouts):
         print(line, flush=True)
+    if me.time:
+        best = entries[0]
+        print(
+            f"\n  predicted step of #1 ({best.layout.describe()}, local batch "
+            f"{best.local_batch} x {best.grad_accum}): {best.time.total:.3f} s, MFU "
+            f"{best.time.mfu:.1%}"
+        )
+        print("\n".join(best.time.lines()))
     return 0
 
 
@@ -75,6 +84,10 @@ def plan_request(
         param_bytes=4 if training.mixed_precision_param == "float32" else 2,
         overhead_bytes=overhead,
         reserved_margin=me.reserved_margin,
+        reduce_bytes=4 if training.mixed_precision_reduce == "float32" else 2,
+        compile=build.config.compile.enable,
+        gpu=GPU_KINDS[me.gpu],
+        network_bytes_per_s=me.network_gbps_per_gpu * 1e9 / 8,
     )
 
 
@@ -150,11 +163,12 @@ def plan_lines(
     others = [
         (i, e, gap) for i, (e, gap) in enumerate(zip(entries, gaps), start=1) if gap is not None
     ]
+    kernels = "compiled" if request.compile else "eager"
     yield (
         f"  {len(entries)} of {enumerated} layouts fit "
         "(need = analytic peak x (1 + reserved_margin) + context, workspaces, NCCL), "
-        "ranked by a throughput model (compute at 400 TFLOP/s per GPU, FSDP overlapped, "
-        "TP/CP exposed, pipeline bubble; NVLink 400 GB/s, network 50 GB/s per GPU)"
+        f"ranked by the step-time model on {request.gpu.name} ({kernels}; "
+        "benchmarks/step_time_calibration.md; --time: the breakdown of #1)"
     )
     yield ""
     yield "  layouts the trainer runs and the estimator traces:"
@@ -169,7 +183,7 @@ def plan_lines(
 def _plan_header() -> str:
     return (
         f"  {'#':>4}  {'layout':<50}{'batch x accum':>14}{'peak GiB':>10}{'need GiB':>10}"
-        f"{'tok/s/GPU':>11}"
+        f"{'tok/s/GPU':>11}{'MFU':>7}"
     )
 
 
@@ -178,6 +192,7 @@ def _plan_row(rank: int, entry: layout_search.PlanEntry) -> str:
     return (
         f"  {rank:>4}  {entry.layout.describe():<50}{batch:>14}{report.gib(entry.peak_bytes):>10}"
         f"{report.gib(entry.need_bytes):>10}{entry.tokens_per_second_per_gpu:>11,.0f}"
+        f"{entry.time.mfu:>7.1%}"
     )
 
 

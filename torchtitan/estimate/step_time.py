@@ -1,0 +1,323 @@
+"""Step time of a dense decoder's training step on a GPU kind, per parallel layout: the
+compute of each phase (forward, backward, the recompute of activation checkpointing) at an
+achievable share of the GPU's data-sheet peak, each layout's collectives as bytes over the
+links they cross, what of them hides behind compute, and the pipeline's bubble.
+
+No library models this (the planners of the field estimate memory only), so it is written
+here. The shares of peak (``Efficiency``) are fitted once on published runs and checked on
+the others (``scripts/estimate/calibrate_step_time.py``, ``benchmarks/step_time_calibration.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torchtitan.estimate.closed_form.inputs import Layout
+from torchtitan.protocols.geometry import Geometry
+from torchtitan.tools.peaks import gpu_peak_flops
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    """Data-sheet figures of one GPU (dense FLOP/s; NVLink bytes/s per direction)."""
+
+    name: str
+    bf16_flops: float
+    fp8_flops: float | None
+    nvlink_bytes_per_s: float
+
+
+# bf16 peaks from the table MFU divides by; float8 twice that where the GPU has it
+GPU_KINDS = {
+    "H100": GpuKind("H100 SXM", gpu_peak_flops("H100"), 2 * gpu_peak_flops("H100"), 450e9),
+    "H200": GpuKind("H200 SXM", gpu_peak_flops("H200"), 2 * gpu_peak_flops("H200"), 450e9),
+    "B200": GpuKind("B200", gpu_peak_flops("B200"), 2 * gpu_peak_flops("B200"), 900e9),
+    "A100": GpuKind("A100 SXM", gpu_peak_flops("A100"), None, 300e9),
+}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved shares of the data-sheet peaks (see the module docstring for their origin)."""
+
+    matmul: float  # compiled bf16 matmuls, of the bf16 peak
+    float8_matmul: float  # compiled float8 linears, of the float8 peak
+    attention: float  # flash attention, of the bf16 peak, on the FLOPs a causal kernel runs
+    eager_slowdown: float  # eager compute time / compiled (the kernels compile fuses)
+    collective: float  # achieved NCCL bus bandwidth / link bandwidth
+    async_tp_hidden: float  # share of tensor-parallel traffic async TP hides behind matmuls
+
+
+# Fitted on the published Llama 3.1 8B rows on 8 H100s (matmul, eager_slowdown, float8_matmul:
+# one row each), the 32k-token row of the CP table (attention) and the async-TP row of the
+# 70B table; collective is NCCL's typical ring bus bandwidth on NVLink and 400 Gb/s NICs.
+CALIBRATED = Efficiency(
+    matmul=0.4381,
+    float8_matmul=0.3085,
+    attention=0.2196,
+    eager_slowdown=1.157,
+    collective=0.8,
+    async_tp_hidden=0.8641,
+)
+
+INTERLEAVED = ("Interleaved1F1B", "LoopedBFS")
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One training step of a dense decoder as the step-time model sees it."""
+
+    geometry: Geometry
+    layout: Layout
+    seq_len: int
+    local_batch: int
+    grad_accum: int = 1
+    param_bytes: int = 2  # the dtype of the matmuls and of FSDP's all-gathers
+    reduce_bytes: int = 4  # FSDP's reduce-scatter dtype
+    compile: bool = False
+    float8: bool = False  # the blocks' linears in float8 (the output layer stays bf16)
+    float8_all_gather: bool = False
+    async_tp: bool = False
+    reshard_after_forward: bool = True
+    cp_ring: bool = False  # alltoall rotation: K/V passed around a ring behind the attention
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 1
+    stages_per_rank: int = 1
+    gpu: GpuKind = GPU_KINDS["H100"]
+    gpus_per_node: int = 8
+    network_bytes_per_s: float = 50e9  # per GPU between nodes (one 400 Gb/s NIC each)
+    efficiency: Efficiency = CALIBRATED
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step per phase (compute includes recompute), and the rates."""
+
+    compute: float
+    recompute: float
+    fsdp_exposed: float
+    tensor_parallel: float
+    context_parallel: float
+    pipeline_p2p: float
+    bubble: float
+    total: float
+    tokens_per_second_per_gpu: float
+    mfu: float  # model FLOPs (the trainer's count) / bf16 peak
+
+    def lines(self) -> list[str]:
+        parts = (
+            ("compute", self.compute - self.recompute),
+            ("recompute (activation checkpointing)", self.recompute),
+            ("exposed FSDP/HSDP communication", self.fsdp_exposed),
+            ("tensor-parallel communication", self.tensor_parallel),
+            ("context-parallel communication", self.context_parallel),
+            ("pipeline send/receive", self.pipeline_p2p),
+            ("pipeline bubble", self.bubble),
+        )
+        return [
+            f"  {name:<40}{seconds:9.3f} s  {seconds / self.total:6.1%}"
+            for name, seconds in parts
+            if seconds > 0
+        ]
+
+
+def block_linear_params(g: Geometry) -> int:
+    """Weights of one block's linears (the query projection doubled with an output gate)."""
+    q = g.n_heads * g.head_dim * (2 if g.output_gate else 1)
+    kv = g.n_kv_heads * g.head_dim
+    return g.dim * (q + 2 * kv) + g.v_dim * g.dim + 3 * g.dim * g.ffn_dim
+
+
+def all_params(g: Geometry) -> int:
+    """Every weight FSDP moves: blocks, embedding, output (norms are below 0.1 %)."""
+    embeddings = 1 if g.tied_embeddings else 2
+    return g.n_layers * block_linear_params(g) + embeddings * g.vocab_size * g.dim
+
+
+def model_flops_per_token(g: Geometry, seq_len: int) -> float:
+    """Training FLOPs per token as the trainer counts them for MFU: 6 per matmul weight
+    and the attention scores over the whole sequence, ``12 * layers * heads * head_dim * seq``."""
+    linear = g.n_layers * block_linear_params(g) + g.vocab_size * g.dim
+    return 6 * linear + 12 * g.n_layers * g.n_heads * g.head_dim * seq_len
+
+
+def recompute_share(ac: str) -> tuple[float, float]:
+    """(share of the blocks' linear forward, share of their attention forward) that
+    activation checkpointing runs again in backward."""
+    if ac == "full":
+        return 1.0, 1.0
+    if ac == "selective:op":
+        return 0.5, 0.0  # every second matmul output is recomputed; attention is kept
+    if ac.startswith("selective:"):
+        every = int(ac.split(":")[1])
+        return 1 / every, 1 / every
+    return 0.0, 0.0
+
+
+def _span_bandwidth(x: StepInputs, span: int) -> float:
+    """Bus bandwidth of a collective over ``span`` consecutive ranks."""
+    link = x.gpu.nvlink_bytes_per_s if span <= x.gpus_per_node else x.network_bytes_per_s
+    return link * x.efficiency.collective
+
+
+def ring_bytes(size: float, group: int) -> float:
+    """Bytes each rank sends in a ring all-gather or reduce-scatter of ``size`` bytes."""
+    return size * (group - 1) / group
+
+
+def fsdp_bytes(x: StepInputs) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) bytes each rank sends in one step of FSDP over
+    dp_shard x cp: weights gathered for forward and (resharded) again for backward, in
+    float8 where the linears all-gather in float8; gradients reduce-scattered. Per
+    micro-batch, except that a pipeline round gathers and reduces once for all of its
+    micro-batches."""
+    lay, g = x.layout, x.geometry
+    group = lay.dp_shard * lay.cp
+    if group == 1:
+        return 0.0, 0.0
+    per_rank = 1 / (lay.tp * lay.pp)
+    blocks = g.n_layers * block_linear_params(g) * per_rank
+    others = (all_params(g) - g.n_layers * block_linear_params(g)) * per_rank
+    gather_bytes = 1 if x.float8 and x.float8_all_gather else x.param_bytes
+    gathered = blocks * gather_bytes + others * x.param_bytes
+    gathers = 2 if x.reshard_after_forward else 1
+    rounds = x.grad_accum  # a pipeline round gathers once for all its micro-batches
+    all_gather = ring_bytes(gathered, group) * gathers * rounds
+    reduce_scatter = ring_bytes((blocks + others) * x.reduce_bytes, group) * rounds
+    return all_gather, reduce_scatter
+
+
+def hsdp_bytes(x: StepInputs) -> float:
+    """Bytes each rank sends in HSDP's all-reduce of its gradient shard over dp_replicate
+    (a ring all-reduce sends twice a reduce-scatter's)."""
+    lay = x.layout
+    if lay.dp_replicate == 1:
+        return 0.0
+    shard = all_params(x.geometry) / (lay.tp * lay.pp * lay.dp_shard * lay.cp)
+    return 2 * ring_bytes(shard * x.reduce_bytes, lay.dp_replicate)
+
+
+def microbatch_tokens(x: StepInputs) -> float:
+    """Tokens of one micro-batch on one rank of the context-parallel group."""
+    per_microbatch = x.local_batch / (x.pp_microbatches if x.layout.pp > 1 else 1)
+    return per_microbatch * x.seq_len / x.layout.cp
+
+
+def tp_bytes_per_layer(x: StepInputs) -> float:
+    """Bytes each rank sends per block and micro-batch under tensor + sequence parallel:
+    the attention and the feed-forward each all-gather their input and reduce-scatter their
+    output in forward, the mirror in backward, and forward's again where it is recomputed.
+    The all-gathers move float8 where the linears are float8."""
+    lay = x.layout
+    if lay.tp == 1:
+        return 0.0
+    activation = microbatch_tokens(x) * x.geometry.dim
+    gather = 1 if x.float8 else x.param_bytes
+    forward = 2 * ring_bytes(activation * gather, lay.tp) + 2 * ring_bytes(
+        activation * x.param_bytes, lay.tp
+    )
+    linear_share, _ = recompute_share(lay.ac)
+    return forward * (2 + linear_share)
+
+
+def cp_bytes_per_layer(x: StepInputs) -> float:
+    """Bytes each rank receives per block and micro-batch under context parallel: the
+    other ranks' keys and values in forward, again with their gradients in backward, and
+    forward's again where attention is recomputed."""
+    lay, g = x.layout, x.geometry
+    if lay.cp == 1:
+        return 0.0
+    kv_heads = max(1, g.n_kv_heads // lay.tp)
+    local_kv = 2 * microbatch_tokens(x) * kv_heads * g.head_dim * x.param_bytes
+    forward = local_kv * (lay.cp - 1)
+    _, attention_share = recompute_share(lay.ac)
+    return forward * (3 + attention_share)
+
+
+def pp_bytes(x: StepInputs) -> float:
+    """Bytes each rank sends per step between pipeline stages: each of its stages' outputs
+    forward and input gradients backward, per micro-batch (sequence-sharded under TP)."""
+    lay = x.layout
+    if lay.pp == 1:
+        return 0.0
+    activation = microbatch_tokens(x) * x.geometry.dim * x.param_bytes / lay.tp
+    return 2 * activation * x.stages_per_rank * x.pp_microbatches * x.grad_accum
+
+
+def bubble_share(x: StepInputs) -> float:
+    """Idle time of a pipeline rank relative to its compute: (pp - 1) micro-batch slots over
+    m micro-batches, divided by the stages per rank for interleaved schedules, and by three
+    for the zero-bubble ones (which fill the bubble with weight gradients)."""
+    lay = x.layout
+    if lay.pp == 1:
+        return 0.0
+    share = (lay.pp - 1) / x.pp_microbatches
+    if x.pp_schedule in INTERLEAVED or x.pp_schedule in ZERO_BUBBLE:
+        share /= x.stages_per_rank
+    if x.pp_schedule in ZERO_BUBBLE:
+        share /= 3
+    return share
+
+
+@dataclass(frozen=True)
+class _Compute:
+    seconds: float  # the whole step's compute on one rank, recompute included
+    recompute: float
+    attention: float  # the attention kernels' part
+
+
+def _compute(x: StepInputs) -> _Compute:
+    g, lay, e = x.geometry, x.layout, x.efficiency
+    tokens = x.local_batch * x.grad_accum * x.seq_len / lay.cp
+    shards = lay.tp * lay.pp
+    block_linear = 2 * g.n_layers * block_linear_params(g) * tokens / shards  # one forward
+    output = 2 * g.vocab_size * g.dim * tokens / shards
+    # a causal kernel's forward: the scores and their application over half the sequence
+    attention = 2 * g.n_layers * g.n_heads * g.head_dim * x.seq_len * tokens / shards
+    bf16_rate = x.gpu.bf16_flops * e.matmul
+    block_rate = bf16_rate
+    if x.float8:
+        if x.gpu.fp8_flops is None:
+            raise ValueError(f"{x.gpu.name} has no float8 matmuls")
+        block_rate = x.gpu.fp8_flops * e.float8_matmul
+    attention_seconds = attention / (x.gpu.bf16_flops * e.attention)
+    linear_share, attention_share = recompute_share(lay.ac)
+    slowdown = 1.0 if x.compile else e.eager_slowdown
+    train = 3 * (block_linear / block_rate + output / bf16_rate + attention_seconds)
+    again = linear_share * block_linear / block_rate + attention_share * attention_seconds
+    return _Compute(
+        (train + again) * slowdown,
+        again * slowdown,
+        (3 + attention_share) * attention_seconds * slowdown,
+    )
+
+
+def step_time(x: StepInputs) -> StepTime:
+    """The predicted step: compute (with recompute), plus what communication does not hide,
+    plus the pipeline's bubble."""
+    lay, g = x.layout, x.geometry
+    work = _compute(x)
+    compute = work.seconds
+    layers = math.ceil(g.n_layers / lay.pp)
+    microbatches = (x.pp_microbatches if lay.pp > 1 else 1) * x.grad_accum
+    tp = tp_bytes_per_layer(x) * layers * microbatches / _span_bandwidth(x, lay.tp)
+    if x.async_tp:
+        tp *= 1 - x.efficiency.async_tp_hidden
+    cp = cp_bytes_per_layer(x) * layers * microbatches / _span_bandwidth(x, lay.cp * lay.tp)
+    if x.cp_ring:  # passed around behind each ring step's attention
+        cp = max(0.0, cp - work.attention)
+    bubble = (compute + tp + cp) * bubble_share(x)
+    gather, scatter = fsdp_bytes(x)
+    shard_span = lay.dp_shard * lay.cp * lay.tp
+    fsdp = (gather + scatter) / _span_bandwidth(x, shard_span)
+    fsdp += hsdp_bytes(x) / _span_bandwidth(x, lay.dp_replicate * shard_span)
+    # one block's gathers and reductions start and end the step; the rest hides behind compute
+    fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, layers)
+    p2p = pp_bytes(x) / _span_bandwidth(x, lay.world_size)
+    total = compute + tp + cp + bubble + fsdp_exposed + p2p
+    tokens = x.local_batch * x.grad_accum * x.seq_len * lay.dp_replicate * lay.dp_shard
+    per_gpu = tokens / total / lay.world_size
+    mfu = model_flops_per_token(g, x.seq_len) * per_gpu / x.gpu.bf16_flops
+    return StepTime(compute, work.recompute, fsdp_exposed, tp, cp, p2p, bubble, total, per_gpu, mfu)
