@@ -20,6 +20,7 @@ from torchtitan.estimate.step_time import (
     hsdp_bytes,
     pp_bytes,
     step_time,
+    tp_bytes_outside_blocks,
     tp_bytes_per_layer,
 )
 from torchtitan.protocols.geometry import Geometry
@@ -63,6 +64,14 @@ def test_tensor_parallel_moves_each_block_input_and_output():
     assert tp_bytes_per_layer(inputs(Layout(tp=2, ac="selective:op"))) == 1280
     # float8 linears gather their inputs in float8
     assert tp_bytes_per_layer(inputs(Layout(tp=2), float8=True)) == 2 * (2 * 64 + 2 * 128)
+
+
+def test_tensor_parallel_moves_the_embedding_output_and_the_output_input():
+    # 256 bytes of activation, half per ring step: the embedding's reduce-scatter and its
+    # gradient's all-gather, the output's all-gather and its gradient's reduce-scatter
+    assert tp_bytes_outside_blocks(inputs(Layout(tp=2))) == 4 * 128
+    assert tp_bytes_outside_blocks(inputs(Layout(tp=2, pp=2), pp_microbatches=1)) == 2 * 128
+    assert tp_bytes_outside_blocks(inputs(Layout())) == 0
 
 
 def test_context_parallel_gathers_the_other_ranks_keys_and_values():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torchtitan.estimate.closed_form.inputs import Layout, Run
 from torchtitan.estimate.closed_form.peak import estimate_peak
 from torchtitan.estimate.report import GiB
-from torchtitan.estimate.step_time import GPU_KINDS, GpuKind, StepInputs, StepTime, step_time
+from torchtitan.estimate.step_time import GPU_KINDS, DeviceKind, StepInputs, StepTime, step_time
 from torchtitan.protocols.geometry import Geometry
 
 AC_MODES = ("none", "full")
@@ -29,7 +29,7 @@ class PlanRequest:
     reserved_margin: float = 0.15
     reduce_bytes: int = 4
     compile: bool = False
-    gpu: GpuKind = GPU_KINDS["H100"]
+    gpu: DeviceKind = GPU_KINDS["H100"]
     network_bytes_per_s: float = 50e9
 
 
@@ -115,7 +115,7 @@ def step_seconds(req: PlanRequest, lay: Layout, local_batch: int, accum: int) ->
             compile=req.compile,
             reshard_after_forward=lay.pp == 1,
             pp_microbatches=local_batch,
-            gpu=req.gpu,
+            device=req.gpu,
             gpus_per_node=req.gpus_per_node,
             network_bytes_per_s=req.network_bytes_per_s,
         )

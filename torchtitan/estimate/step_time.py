@@ -19,21 +19,32 @@ from torchtitan.tools.peaks import gpu_peak_flops
 
 
 @dataclass(frozen=True)
-class GpuKind:
-    """Data-sheet figures of one GPU (dense FLOP/s; NVLink bytes/s per direction)."""
+class DeviceKind:
+    """What the model needs of a device: its dense matmul peak in the training dtype (bf16 on
+    GPUs), its float8 peak, the bytes/s per direction of the links within a node (NVLink; on
+    one CPU host, what gloo achieves), a collective's fixed latency, and whether
+    communication runs beside compute (GPUs: copy engines and spare SMs) or takes the cores
+    that compute (a CPU)."""
 
     name: str
-    bf16_flops: float
+    flops: float
     fp8_flops: float | None
-    nvlink_bytes_per_s: float
+    link_bytes_per_s: float
+    collective_latency_s: float = 20e-6  # NCCL's small-message latency, order of magnitude
+    overlaps_communication: bool = True
 
 
-# bf16 peaks from the table MFU divides by; float8 twice that where the GPU has it
+def _gpu(name: str, sheet_name: str, nvlink: float, float8: bool = True) -> DeviceKind:
+    """A GPU of the bf16 table MFU divides by, with float8 at twice that where it has it."""
+    bf16 = gpu_peak_flops(sheet_name)
+    return DeviceKind(name, bf16, 2 * bf16 if float8 else None, nvlink)
+
+
 GPU_KINDS = {
-    "H100": GpuKind("H100 SXM", gpu_peak_flops("H100"), 2 * gpu_peak_flops("H100"), 450e9),
-    "H200": GpuKind("H200 SXM", gpu_peak_flops("H200"), 2 * gpu_peak_flops("H200"), 450e9),
-    "B200": GpuKind("B200", gpu_peak_flops("B200"), 2 * gpu_peak_flops("B200"), 900e9),
-    "A100": GpuKind("A100 SXM", gpu_peak_flops("A100"), None, 300e9),
+    "H100": _gpu("H100 SXM", "H100", 450e9),
+    "H200": _gpu("H200 SXM", "H200", 450e9),
+    "B200": _gpu("B200", "B200", 900e9),
+    "A100": _gpu("A100 SXM", "A100", 300e9, float8=False),
 }
 
 
@@ -54,11 +65,11 @@ class Efficiency:
 # 70B table; collective is NCCL's typical ring bus bandwidth on NVLink and 400 Gb/s NICs.
 CALIBRATED = Efficiency(
     matmul=0.4381,
-    float8_matmul=0.3085,
+    float8_matmul=0.3086,
     attention=0.2196,
     eager_slowdown=1.157,
     collective=0.8,
-    async_tp_hidden=0.8641,
+    async_tp_hidden=0.8657,
 )
 
 INTERLEAVED = ("Interleaved1F1B", "LoopedBFS")
@@ -85,7 +96,7 @@ class StepInputs:
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 1
     stages_per_rank: int = 1
-    gpu: GpuKind = GPU_KINDS["H100"]
+    device: DeviceKind = GPU_KINDS["H100"]
     gpus_per_node: int = 8
     network_bytes_per_s: float = 50e9  # per GPU between nodes (one 400 Gb/s NIC each)
     efficiency: Efficiency = CALIBRATED
@@ -156,10 +167,13 @@ def recompute_share(ac: str) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def _span_bandwidth(x: StepInputs, span: int) -> float:
-    """Bus bandwidth of a collective over ``span`` consecutive ranks."""
-    link = x.gpu.nvlink_bytes_per_s if span <= x.gpus_per_node else x.network_bytes_per_s
-    return link * x.efficiency.collective
+def _transfer_seconds(x: StepInputs, span: int, sent: float, collectives: float) -> float:
+    """Time of ``collectives`` collectives over ``span`` consecutive ranks in which each rank
+    sends ``sent`` bytes in all: a fixed latency each, and the bytes at the bus bandwidth."""
+    if collectives == 0:
+        return 0.0
+    link = x.device.link_bytes_per_s if span <= x.gpus_per_node else x.network_bytes_per_s
+    return collectives * x.device.collective_latency_s + sent / (link * x.efficiency.collective)
 
 
 def ring_bytes(size: float, group: int) -> float:
@@ -222,6 +236,18 @@ def tp_bytes_per_layer(x: StepInputs) -> float:
     return forward * (2 + linear_share)
 
 
+def tp_bytes_outside_blocks(x: StepInputs) -> float:
+    """Bytes each rank sends per micro-batch under tensor parallel outside the blocks: the
+    embedding reduce-scatters its output (all-gathers its gradient) and the output projection
+    all-gathers its input (reduce-scatters its gradient); a pipeline rank holds one of them."""
+    lay = x.layout
+    if lay.tp == 1:
+        return 0.0
+    ends = 2 if lay.pp == 1 else 1
+    activation = microbatch_tokens(x) * x.geometry.dim * x.param_bytes
+    return ends * 2 * ring_bytes(activation, lay.tp)
+
+
 def cp_bytes_per_layer(x: StepInputs) -> float:
     """Bytes each rank receives per block and micro-batch under context parallel: the
     other ranks' keys and values in forward, again with their gradients in backward, and
@@ -276,13 +302,13 @@ def _compute(x: StepInputs) -> _Compute:
     output = 2 * g.vocab_size * g.dim * tokens / shards
     # a causal kernel's forward: the scores and their application over half the sequence
     attention = 2 * g.n_layers * g.n_heads * g.head_dim * x.seq_len * tokens / shards
-    bf16_rate = x.gpu.bf16_flops * e.matmul
+    bf16_rate = x.device.flops * e.matmul
     block_rate = bf16_rate
     if x.float8:
-        if x.gpu.fp8_flops is None:
-            raise ValueError(f"{x.gpu.name} has no float8 matmuls")
-        block_rate = x.gpu.fp8_flops * e.float8_matmul
-    attention_seconds = attention / (x.gpu.bf16_flops * e.attention)
+        if x.device.fp8_flops is None:
+            raise ValueError(f"{x.device.name} has no float8 matmuls")
+        block_rate = x.device.fp8_flops * e.float8_matmul
+    attention_seconds = attention / (x.device.flops * e.attention)
     linear_share, attention_share = recompute_share(lay.ac)
     slowdown = 1.0 if x.compile else e.eager_slowdown
     train = 3 * (block_linear / block_rate + output / bf16_rate + attention_seconds)
@@ -302,22 +328,49 @@ def step_time(x: StepInputs) -> StepTime:
     compute = work.seconds
     layers = math.ceil(g.n_layers / lay.pp)
     microbatches = (x.pp_microbatches if lay.pp > 1 else 1) * x.grad_accum
-    tp = tp_bytes_per_layer(x) * layers * microbatches / _span_bandwidth(x, lay.tp)
-    if x.async_tp:
+    linear_share, attention_share = recompute_share(lay.ac)
+    overlaps = x.device.overlaps_communication
+    tp_collectives = 4 * (2 + linear_share) * layers + 2 * (2 if lay.pp == 1 else 1)
+    tp = _transfer_seconds(
+        x,
+        lay.tp,
+        (tp_bytes_per_layer(x) * layers + tp_bytes_outside_blocks(x)) * microbatches,
+        (tp_collectives if lay.tp > 1 else 0) * microbatches,
+    )
+    if x.async_tp and overlaps:
         tp *= 1 - x.efficiency.async_tp_hidden
-    cp = cp_bytes_per_layer(x) * layers * microbatches / _span_bandwidth(x, lay.cp * lay.tp)
-    if x.cp_ring:  # passed around behind each ring step's attention
+    cp = _transfer_seconds(
+        x,
+        lay.cp * lay.tp,
+        cp_bytes_per_layer(x) * layers * microbatches,
+        (3 + attention_share if lay.cp > 1 else 0) * layers * microbatches,
+    )
+    if x.cp_ring and overlaps:  # passed around behind each ring step's attention
         cp = max(0.0, cp - work.attention)
     bubble = (compute + tp + cp) * bubble_share(x)
-    gather, scatter = fsdp_bytes(x)
-    shard_span = lay.dp_shard * lay.cp * lay.tp
-    fsdp = (gather + scatter) / _span_bandwidth(x, shard_span)
-    fsdp += hsdp_bytes(x) / _span_bandwidth(x, lay.dp_replicate * shard_span)
+    fsdp = _fsdp_seconds(x, layers)
     # one block's gathers and reductions start and end the step; the rest hides behind compute
-    fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, layers)
-    p2p = pp_bytes(x) / _span_bandwidth(x, lay.world_size)
+    fsdp_exposed = max(0.0, fsdp - compute) + fsdp / (layers + 1) if overlaps else fsdp
+    sends = 2 * x.stages_per_rank * microbatches if lay.pp > 1 else 0
+    p2p = _transfer_seconds(x, lay.world_size, pp_bytes(x), sends)
     total = compute + tp + cp + bubble + fsdp_exposed + p2p
     tokens = x.local_batch * x.grad_accum * x.seq_len * lay.dp_replicate * lay.dp_shard
-    per_gpu = tokens / total / lay.world_size
-    mfu = model_flops_per_token(g, x.seq_len) * per_gpu / x.gpu.bf16_flops
-    return StepTime(compute, work.recompute, fsdp_exposed, tp, cp, p2p, bubble, total, per_gpu, mfu)
+    per_device = tokens / total / lay.world_size
+    mfu = model_flops_per_token(g, x.seq_len) * per_device / x.device.flops
+    return StepTime(
+        compute, work.recompute, fsdp_exposed, tp, cp, p2p, bubble, total, per_device, mfu
+    )
+
+
+def _fsdp_seconds(x: StepInputs, layers: int) -> float:
+    """FSDP's and HSDP's traffic of a step: per round, each block and the root gather
+    (once or twice) and reduce; HSDP all-reduces each once per step."""
+    lay = x.layout
+    gather, scatter = fsdp_bytes(x)
+    units = layers + 1
+    shard_span = lay.dp_shard * lay.cp * lay.tp
+    gathers = 2 if x.reshard_after_forward else 1
+    fsdp_collectives = (gathers + 1) * units * x.grad_accum if gather else 0
+    seconds = _transfer_seconds(x, shard_span, gather + scatter, fsdp_collectives)
+    replicas = units if lay.dp_replicate > 1 else 0
+    return seconds + _transfer_seconds(x, lay.dp_replicate * shard_span, hsdp_bytes(x), replicas)

@@ -11,13 +11,22 @@ from torchtitan.distributed.data_parallel import reshard_after_forward_policy
 from torchtitan.distributed.pipeline import microbatches, plan_stages
 from torchtitan.estimate.build import TrainingBuild
 from torchtitan.estimate.closed_form.from_config import closed_form_inputs
-from torchtitan.estimate.step_time import GPU_KINDS, StepInputs, StepTime, step_time
+from torchtitan.estimate.step_time import (
+    GPU_KINDS,
+    DeviceKind,
+    StepInputs,
+    StepTime,
+    step_time,
+)
 from torchtitan.protocols.geometry import Geometry
 from torchtitan.recipe import grad_accumulation_steps
 
 
-def step_inputs(build: TrainingBuild, parallel_dims: ParallelDims) -> StepInputs:
-    """The step-time model's view of the configured run (checked as the trainer checks it)."""
+def step_inputs(
+    build: TrainingBuild, parallel_dims: ParallelDims, device: DeviceKind | None = None
+) -> StepInputs:
+    """The step-time model's view of the configured run (checked as the trainer checks it),
+    on ``memory_estimation.gpu`` GPUs unless ``device`` is given."""
     config = build.config
     me, p, t = config.memory_estimation, config.parallelism, config.training
     accum = grad_accumulation_steps(t, parallel_dims)
@@ -25,7 +34,7 @@ def step_inputs(build: TrainingBuild, parallel_dims: ParallelDims) -> StepInputs
         build.model_args(),
         parallel_dims,
         accum,
-        "cuda",
+        build.target,
         training=t,
         optimizer=config.optimizer,
         parallelism=p,
@@ -59,7 +68,7 @@ def step_inputs(build: TrainingBuild, parallel_dims: ParallelDims) -> StepInputs
         pp_schedule=p.pipeline_parallel_schedule,
         pp_microbatches=pp_microbatches,
         stages_per_rank=stages_per_rank,
-        gpu=GPU_KINDS[me.gpu],
+        device=device or GPU_KINDS[me.gpu],
         gpus_per_node=me.gpus_per_node,
         network_bytes_per_s=me.network_gbps_per_gpu * 1e9 / 8,
     )
@@ -96,7 +105,7 @@ def time_lines(build: TrainingBuild, parallel_dims: ParallelDims) -> list[str]:
     inputs = step_inputs(build, parallel_dims)
     predicted = step_time(inputs)
     return [
-        f"step time on {inputs.gpu.name} ({inputs.gpus_per_node} per node, "
+        f"step time on {inputs.device.name} ({inputs.gpus_per_node} per node, "
         f"{build.config.memory_estimation.network_gbps_per_gpu:g} Gb/s per GPU between nodes; "
         "model calibrated on published H100 runs, benchmarks/step_time_calibration.md):",
         f"  {predicted.total:.3f} s per step, {predicted.tokens_per_second_per_gpu:,.0f} tokens/s "
