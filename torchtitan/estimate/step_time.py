@@ -243,9 +243,13 @@ def tp_bytes_outside_blocks(x: StepInputs) -> float:
     lay = x.layout
     if lay.tp == 1:
         return 0.0
-    ends = 2 if lay.pp == 1 else 1
     activation = microbatch_tokens(x) * x.geometry.dim * x.param_bytes
-    return ends * 2 * ring_bytes(activation, lay.tp)
+    return _tp_ends(lay) * 2 * ring_bytes(activation, lay.tp)
+
+
+def _tp_ends(lay: Layout) -> int:
+    """The embedding and the output projection a rank holds: both, or one per pipeline end."""
+    return 2 if lay.pp == 1 else 1
 
 
 def cp_bytes_per_layer(x: StepInputs) -> float:
@@ -330,7 +334,7 @@ def step_time(x: StepInputs) -> StepTime:
     microbatches = (x.pp_microbatches if lay.pp > 1 else 1) * x.grad_accum
     linear_share, attention_share = recompute_share(lay.ac)
     overlaps = x.device.overlaps_communication
-    tp_collectives = 4 * (2 + linear_share) * layers + 2 * (2 if lay.pp == 1 else 1)
+    tp_collectives = 4 * (2 + linear_share) * layers + 2 * _tp_ends(lay)
     tp = _transfer_seconds(
         x,
         lay.tp,
