@@ -195,6 +195,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each layout")
     parser.add_argument("--output", type=Path, help="write the report (markdown) here too")
     args = parser.parse_args()
+    if args.steps < 7:
+        parser.error("--steps: at least 7 (steps 1-5 warm up and are not timed)")
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     peaks = {nproc: matmul_peak(nproc) for nproc in (1, 2)}
     bandwidth, latency = gloo_link()
 
