@@ -7,23 +7,29 @@ import importlib.util
 import sys
 
 import pytest
+import torch
 
 from tests.launcher import REPO_ROOT
 from torchtitan.estimate.cli import main
 from torchtitan.estimate.closed_form.inputs import Layout
+from torchtitan.estimate.layout_search import PlanRequest, candidate_layouts
 from torchtitan.estimate.step_time import (
     CALIBRATED,
     StepInputs,
     bubble_share,
     cp_bytes_per_layer,
+    ep_bytes_per_layer,
     fsdp_bytes,
     hsdp_bytes,
+    model_flops_per_token,
     pp_bytes,
     step_time,
     tp_bytes_outside_blocks,
     tp_bytes_per_layer,
 )
-from torchtitan.protocols.geometry import Geometry
+from torchtitan.models.qwen3.flavors import qwen3_flavors
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.protocols.geometry import Experts, Geometry
 
 # One block: 8 wide, 2 query heads and 1 key/value head of 4, feed-forward 16, vocabulary 32.
 # Block linears: wq 8x8 + wk, wv 8x4 each + wo 8x8 + 3 x 8x16 = 576; embedding and output
@@ -33,9 +39,15 @@ ONE_BLOCK = Geometry(
 )
 
 
-def inputs(layout: Layout, **settings) -> StepInputs:
+# The same block with a MoE feed-forward: a router 8x4 and 4 routed experts of 3 x 8x4 each
+# (384 weights), 2 of them per token. Weights but the routed experts: attention 192 + router
+# 32 = 224, embedding and output 512.
+ONE_MOE_BLOCK = dataclasses.replace(ONE_BLOCK, experts=Experts(4, 2, 4, 0, 0))
+
+
+def inputs(layout: Layout, geometry: Geometry = ONE_BLOCK, **settings) -> StepInputs:
     settings.setdefault("local_batch", 1)
-    return StepInputs(geometry=ONE_BLOCK, layout=layout, seq_len=16, **settings)
+    return StepInputs(geometry=geometry, layout=layout, seq_len=16, **settings)
 
 
 def test_fsdp_gathers_forward_and_backward_and_reduces_in_fp32():
@@ -49,6 +61,17 @@ def test_fsdp_gathers_forward_and_backward_and_reduces_in_fp32():
     assert fsdp_bytes(inputs(Layout(dp_shard=4), reshard_after_forward=False))[0] == 1632
     assert fsdp_bytes(inputs(Layout(dp_shard=4), grad_accum=3)) == (3 * 3264, 3 * 3264)
     assert fsdp_bytes(inputs(Layout(dp_replicate=4))) == (0, 0)
+
+
+def test_fsdp_shards_routed_experts_over_what_expert_parallel_leaves():
+    # the 736 other weights over 4 ranks as before: 736 x 2 bytes x 3/4; each rank's 2 of the
+    # 4 experts (192 weights) over the 2 ranks left to them: 192 x 2 bytes x 1/2; gathered
+    # twice, reduced once in fp32
+    x = inputs(Layout(dp_shard=4, ep=2), ONE_MOE_BLOCK)
+    assert fsdp_bytes(x) == (2 * (1104 + 192), 2208 + 384)
+    # expert parallel over all four: the experts are not gathered at all
+    x = inputs(Layout(dp_shard=4, ep=4), ONE_MOE_BLOCK)
+    assert fsdp_bytes(x) == (2 * 1104, 2208)
 
 
 def test_hsdp_all_reduces_its_gradient_shard():
@@ -79,6 +102,45 @@ def test_context_parallel_gathers_the_other_ranks_keys_and_values():
     # forward, then keys/values and their gradients backward
     assert cp_bytes_per_layer(inputs(Layout(cp=2))) == 3 * 128
     assert cp_bytes_per_layer(inputs(Layout(cp=2, ac="full"))) == 4 * 128
+
+
+def test_hsdp_all_reduces_the_expert_shard_too():
+    # per rank: 736 / 2 other weights and 384 / 2 expert weights (its 2 experts, unsharded
+    # by FSDP since ep takes both dp_shard ranks) in fp32, all-reduced over 2 replicas
+    x = inputs(Layout(dp_replicate=2, dp_shard=2, ep=2), ONE_MOE_BLOCK)
+    assert hsdp_bytes(x) == 2 * (368 + 192) * 4 / 2
+
+
+def test_expert_parallel_dispatches_and_combines_each_routed_copy():
+    # 16 tokens x top 2 = 32 copies of 8 wide in bf16 = 512 bytes, half of them to the other
+    # rank: dispatched and combined in forward (512), the same backward
+    assert ep_bytes_per_layer(inputs(Layout(dp_shard=2, ep=2), ONE_MOE_BLOCK)) == 1024
+    assert ep_bytes_per_layer(inputs(Layout(dp_shard=2, ep=2, ac="full"), ONE_MOE_BLOCK)) == 1536
+    # a tensor-parallel rank routes its half of the sequence; under expert tensor parallel all
+    x = inputs(Layout(dp_shard=2, tp=2, ep=2), ONE_MOE_BLOCK)
+    assert ep_bytes_per_layer(x) == 512
+    x = inputs(Layout(dp_shard=2, tp=2, ep=2, etp=2), ONE_MOE_BLOCK)
+    assert ep_bytes_per_layer(x) == 1024
+    assert ep_bytes_per_layer(inputs(Layout(dp_shard=2), ONE_MOE_BLOCK)) == 0
+
+
+def test_moe_flops_count_the_experts_a_token_reaches_as_the_trainer_does():
+    # attention 192 + router 32 + 2 experts x 96 = 416 block weights, output 256: 6 FLOPs
+    # each, attention scores 12 x 2 heads x 4 x 16
+    assert model_flops_per_token(ONE_MOE_BLOCK, 16) == 6 * (416 + 256) + 12 * 2 * 4 * 16
+    args = qwen3_flavors["debugmodel_moe"]
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    _, trainer_flops = args.get_nparams_and_flops(model, 256)
+    assert model_flops_per_token(args.geometry(), 256) == pytest.approx(trainer_flops, rel=2e-3)
+
+
+def test_expert_parallel_traffic_is_exposed():
+    predicted = step_time(inputs(Layout(dp_shard=2, ep=2), ONE_MOE_BLOCK))
+    assert predicted.expert_parallel > 0
+    assert predicted.total == pytest.approx(
+        predicted.compute + predicted.expert_parallel + predicted.fsdp_exposed
+    )
 
 
 def test_pipeline_sends_activations_and_their_gradients():
@@ -162,6 +224,28 @@ def test_plan_ranks_by_the_step_time_model_and_explains_the_best(capsys):
     out = capsys.readouterr().out
     assert "ranked by the step-time model on H100 SXM" in out
     assert "predicted step of #1 (" in out and "recompute (activation checkpointing)" in out
+
+
+def test_moe_configs_are_timed_and_planned_with_expert_parallel(capsys):
+    toml = str(REPO_ROOT / "train_configs" / "qwen3_30b_a3b.toml")  # FSDP 16 x EP 8
+    assert main(["--job.config_file", toml, "--memory_estimation.mode", "analytic", "--time"]) == 0
+    assert "expert-parallel all-to-all" in capsys.readouterr().out
+    args = ["--job.config_file", toml, "--memory_estimation.mode", "plan"]
+    assert main(args + ["--memory_estimation.plan_traced_layouts", "0"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if ", AC " in line]
+    assert any(" ep=" in row for row in rows)
+
+
+def test_plan_enumerates_expert_parallel_as_the_trainer_allows_it():
+    geometry = qwen3_flavors["30B-A3B"].geometry()  # 128 experts
+    request = PlanRequest(geometry, 4096, 64, 16, 80, 8)
+    layouts = candidate_layouts(request)
+    assert {(lay.ep, lay.etp) for lay in layouts if lay.tp == 2} == {
+        (ep, etp) for ep in (1, 2, 4, 8) for etp in (1, 2) if ep > 1 or etp == 1
+    }
+    for lay in layouts:  # ep borrows all of cp and divides dp_shard x cp
+        assert lay.ep % lay.cp == 0 or lay.ep == 1
+        assert (lay.dp_shard * lay.cp) % lay.ep == 0
 
 
 @pytest.mark.parametrize(

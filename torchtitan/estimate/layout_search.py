@@ -69,9 +69,20 @@ def _layouts(req: PlanRequest) -> list[Layout]:
                     continue
                 dp = n // (tp * cp * pp)
                 for shard in _divisors(dp):
-                    for ac in AC_MODES:
-                        out.append(Layout(dp // shard, shard, cp, tp, pp, ac))
+                    for ep, etp in _expert_layouts(g, shard * cp, cp, tp):
+                        for ac in AC_MODES:
+                            out.append(Layout(dp // shard, shard, cp, tp, pp, ac, ep, etp))
     return out
+
+
+def _expert_layouts(g: Geometry, shard_cp: int, cp: int, tp: int) -> list[tuple[int, int]]:
+    """(ep, etp) pairs of a MoE model: expert parallel over a multiple of cp dividing
+    dp_shard x cp and the experts, with or without expert tensor parallel over tp."""
+    if g.experts is None:
+        return [(1, 1)]
+    eps = [ep for ep in _divisors(shard_cp) if ep % cp == 0 and g.experts.num_experts % ep == 0]
+    tensor_parallel = (1, tp) if tp > 1 else (1,)
+    return [(1, 1)] + [(ep, etp) for ep in eps if ep > 1 for etp in tensor_parallel]
 
 
 def _need(req: PlanRequest, peak: int) -> int:

@@ -111,13 +111,13 @@ def _check_plannable(me: MemoryEstimationConfig, converters: list[str]) -> None:
 
 
 def _planned_geometry(build: TrainingBuild) -> Geometry:
-    """The geometry of a dense attention decoder, the planner's models."""
+    """The geometry of an attention decoder, dense or MoE, the planner's models."""
     model = build.config.model
     geometry = build.model_args().geometry()
-    if geometry is None or geometry.experts is not None or geometry.delta_rule is not None:
+    if geometry is None or geometry.mla is not None or geometry.delta_rule is not None:
         raise ConfigError(
-            f"model.name: the planner covers dense attention decoders (no expert-parallel "
-            f"layouts, no Gated DeltaNet layers); {model.name!r} {model.flavor!r} "
+            f"model.name: the planner covers attention decoders, dense or MoE (no latent "
+            f"attention, no Gated DeltaNet layers); {model.name!r} {model.flavor!r} "
             "is not one; use mode analytic or estimate"
         )
     return geometry
@@ -248,6 +248,7 @@ def layout_build(
         lay.tp,
         lay.pp,
     )
+    p.expert_parallel_degree, p.expert_tensor_parallel_degree = lay.ep, lay.etp
     config.activation_checkpoint.mode = lay.ac
     config.training.local_batch_size = entry.local_batch
     config.training.global_batch_size = request.global_batch

@@ -1,7 +1,9 @@
-"""Step time of a dense decoder's training step on a GPU kind, per parallel layout: the
-compute of each phase (forward, backward, the recompute of activation checkpointing) at an
-achievable share of the GPU's data-sheet peak, each layout's collectives as bytes over the
-links they cross, what of them hides behind compute, and the pipeline's bubble.
+"""Step time of a decoder's training step (dense or MoE) on a GPU kind, per parallel layout:
+the compute of each phase (forward, backward, the recompute of activation checkpointing) at
+an achievable share of the GPU's data-sheet peak, each layout's collectives as bytes over the
+links they cross, what of them hides behind compute, and the pipeline's bubble. A MoE layer
+computes the ``top_k`` experts each token reaches, routing assumed balanced over the experts
+(and so over the expert-parallel ranks).
 
 No library models this (the planners of the field estimate memory only), so it is written
 here. The shares of peak (``Efficiency``) are fitted once on published runs and checked on
@@ -78,7 +80,7 @@ ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 @dataclass(frozen=True)
 class StepInputs:
-    """One training step of a dense decoder as the step-time model sees it."""
+    """One training step of a decoder as the step-time model sees it."""
 
     geometry: Geometry
     layout: Layout
@@ -111,6 +113,7 @@ class StepTime:
     fsdp_exposed: float
     tensor_parallel: float
     context_parallel: float
+    expert_parallel: float
     pipeline_p2p: float
     bubble: float
     total: float
@@ -124,6 +127,7 @@ class StepTime:
             ("exposed FSDP/HSDP communication", self.fsdp_exposed),
             ("tensor-parallel communication", self.tensor_parallel),
             ("context-parallel communication", self.context_parallel),
+            ("expert-parallel all-to-all", self.expert_parallel),
             ("pipeline send/receive", self.pipeline_p2p),
             ("pipeline bubble", self.bubble),
         )
@@ -134,23 +138,61 @@ class StepTime:
         ]
 
 
-def block_linear_params(g: Geometry) -> int:
-    """Weights of one block's linears (the query projection doubled with an output gate)."""
+def attention_params(g: Geometry) -> int:
+    """Weights of one block's attention projections (the query doubled with an output gate)."""
     q = g.n_heads * g.head_dim * (2 if g.output_gate else 1)
     kv = g.n_kv_heads * g.head_dim
-    return g.dim * (q + 2 * kv) + g.v_dim * g.dim + 3 * g.dim * g.ffn_dim
+    return g.dim * (q + 2 * kv) + g.v_dim * g.dim
 
 
-def all_params(g: Geometry) -> int:
-    """Every weight FSDP moves: blocks, embedding, output (norms are below 0.1 %)."""
-    embeddings = 1 if g.tied_embeddings else 2
-    return g.n_layers * block_linear_params(g) + embeddings * g.vocab_size * g.dim
+def feed_forward_params(g: Geometry, moe: bool, routed_experts: int) -> int:
+    """Weights of one block's feed-forward: a dense SwiGLU, or a MoE layer's router, shared
+    experts (and their gate) and ``routed_experts`` of its routed SwiGLU experts."""
+    if not moe:
+        return 3 * g.dim * g.ffn_dim
+    e = g.experts
+    gate = g.dim if e.shared_gate else 0
+    return (
+        g.dim * e.num_experts
+        + 3 * g.dim * e.shared_hidden_dim
+        + gate
+        + routed_experts * 3 * g.dim * e.hidden_dim
+    )
+
+
+def active_block_params(g: Geometry) -> int:
+    """Weights of all blocks that one token multiplies: every attention projection, the
+    dense feed-forwards, and of each MoE layer its router, shared experts and ``top_k``
+    routed experts."""
+    dense = g.n_layers - g.moe_layers
+    moe = g.moe_layers and g.moe_layers * feed_forward_params(g, True, g.experts.top_k)
+    return g.n_layers * attention_params(g) + dense * feed_forward_params(g, False, 0) + moe
+
+
+def routed_expert_params(g: Geometry) -> int:
+    """Weights of every routed expert of every MoE layer (what expert parallel splits)."""
+    if g.experts is None:
+        return 0
+    return g.moe_layers * g.experts.num_experts * 3 * g.dim * g.experts.hidden_dim
+
+
+def block_params(g: Geometry) -> int:
+    """Weights of all blocks but the routed experts (norms are below 0.1 %)."""
+    dense = g.n_layers - g.moe_layers
+    moe = g.moe_layers and g.moe_layers * feed_forward_params(g, True, 0)
+    return g.n_layers * attention_params(g) + dense * feed_forward_params(g, False, 0) + moe
+
+
+def embedding_params(g: Geometry) -> int:
+    """The embedding and the output layer (one matrix when tied)."""
+    return (1 if g.tied_embeddings else 2) * g.vocab_size * g.dim
 
 
 def model_flops_per_token(g: Geometry, seq_len: int) -> float:
-    """Training FLOPs per token as the trainer counts them for MFU: 6 per matmul weight
-    and the attention scores over the whole sequence, ``12 * layers * heads * head_dim * seq``."""
-    linear = g.n_layers * block_linear_params(g) + g.vocab_size * g.dim
+    """Training FLOPs per token as the trainer counts them for MFU: 6 per matmul weight a
+    token reaches and the attention scores over the whole sequence,
+    ``12 * layers * heads * head_dim * seq``."""
+    linear = active_block_params(g) + g.vocab_size * g.dim
     return 6 * linear + 12 * g.n_layers * g.n_heads * g.head_dim * seq_len
 
 
@@ -192,15 +234,18 @@ def fsdp_bytes(x: StepInputs) -> tuple[float, float]:
     if group == 1:
         return 0.0, 0.0
     per_rank = 1 / (lay.tp * lay.pp)
-    blocks = g.n_layers * block_linear_params(g) * per_rank
-    others = (all_params(g) - g.n_layers * block_linear_params(g)) * per_rank
+    blocks = block_params(g) * per_rank
+    others = embedding_params(g) * per_rank
+    experts = routed_expert_params(g) / (lay.ep * lay.etp * lay.pp)
+    expert_group = group // lay.ep  # expert parallel takes the rest of dp_shard x cp
     gather_bytes = 1 if x.float8 and x.float8_all_gather else x.param_bytes
-    gathered = blocks * gather_bytes + others * x.param_bytes
+    gathered = ring_bytes(blocks * gather_bytes + others * x.param_bytes, group)
+    gathered += ring_bytes(experts * x.param_bytes, expert_group)
+    reduced = ring_bytes((blocks + others) * x.reduce_bytes, group)
+    reduced += ring_bytes(experts * x.reduce_bytes, expert_group)
     gathers = 2 if x.reshard_after_forward else 1
     rounds = x.grad_accum  # a pipeline round gathers once for all its micro-batches
-    all_gather = ring_bytes(gathered, group) * gathers * rounds
-    reduce_scatter = ring_bytes((blocks + others) * x.reduce_bytes, group) * rounds
-    return all_gather, reduce_scatter
+    return gathered * gathers * rounds, reduced * rounds
 
 
 def hsdp_bytes(x: StepInputs) -> float:
@@ -209,7 +254,9 @@ def hsdp_bytes(x: StepInputs) -> float:
     lay = x.layout
     if lay.dp_replicate == 1:
         return 0.0
-    shard = all_params(x.geometry) / (lay.tp * lay.pp * lay.dp_shard * lay.cp)
+    g, shards = x.geometry, lay.pp * lay.dp_shard * lay.cp
+    shard = (block_params(g) + embedding_params(g)) / (lay.tp * shards)
+    shard += routed_expert_params(g) / (lay.etp * shards)
     return 2 * ring_bytes(shard * x.reduce_bytes, lay.dp_replicate)
 
 
@@ -266,6 +313,22 @@ def cp_bytes_per_layer(x: StepInputs) -> float:
     return forward * (3 + attention_share)
 
 
+def ep_bytes_per_layer(x: StepInputs) -> float:
+    """Bytes each rank sends per MoE block and micro-batch under expert parallel: each of
+    its tokens' ``top_k`` copies that routes to another rank's experts (``(ep - 1) / ep`` of
+    them when routing is balanced) is dispatched there and its output combined back, in
+    forward, the mirror in backward, and forward's again where the block is recomputed. A
+    rank routes its share of the sequence under tensor parallel, all of it under expert
+    tensor parallel (the expert's shards need every token)."""
+    lay, g = x.layout, x.geometry
+    if lay.ep == 1:
+        return 0.0
+    tokens = microbatch_tokens(x) / (lay.tp if lay.etp == 1 else 1)
+    dispatch = ring_bytes(tokens * g.experts.top_k * g.dim * x.param_bytes, lay.ep)
+    linear_share, _ = recompute_share(lay.ac)
+    return 2 * dispatch * (2 + linear_share)
+
+
 def pp_bytes(x: StepInputs) -> float:
     """Bytes each rank sends per step between pipeline stages: each of its stages' outputs
     forward and input gradients backward, per micro-batch (sequence-sharded under TP)."""
@@ -302,7 +365,7 @@ def _compute(x: StepInputs) -> _Compute:
     g, lay, e = x.geometry, x.layout, x.efficiency
     tokens = x.local_batch * x.grad_accum * x.seq_len / lay.cp
     shards = lay.tp * lay.pp
-    block_linear = 2 * g.n_layers * block_linear_params(g) * tokens / shards  # one forward
+    block_linear = 2 * active_block_params(g) * tokens / shards  # one forward
     output = 2 * g.vocab_size * g.dim * tokens / shards
     # a causal kernel's forward: the scores and their application over half the sequence
     attention = 2 * g.n_layers * g.n_heads * g.head_dim * x.seq_len * tokens / shards
@@ -351,18 +414,26 @@ def step_time(x: StepInputs) -> StepTime:
     )
     if x.cp_ring and overlaps:  # passed around behind each ring step's attention
         cp = max(0.0, cp - work.attention)
-    bubble = (compute + tp + cp) * bubble_share(x)
+    moe_layers = math.ceil(g.moe_layers / lay.pp)
+    all_to_alls = 2 * (2 + linear_share) * moe_layers if lay.ep > 1 else 0
+    ep = _transfer_seconds(  # not overlapped: the experts wait for their tokens
+        x,
+        lay.ep * lay.tp,
+        ep_bytes_per_layer(x) * moe_layers * microbatches,
+        all_to_alls * microbatches,
+    )
+    bubble = (compute + tp + cp + ep) * bubble_share(x)
     fsdp = _fsdp_seconds(x, layers)
     # one block's gathers and reductions start and end the step; the rest hides behind compute
     fsdp_exposed = max(0.0, fsdp - compute) + fsdp / (layers + 1) if overlaps else fsdp
     sends = 2 * x.stages_per_rank * microbatches if lay.pp > 1 else 0
     p2p = _transfer_seconds(x, lay.world_size, pp_bytes(x), sends)
-    total = compute + tp + cp + bubble + fsdp_exposed + p2p
+    total = compute + tp + cp + ep + bubble + fsdp_exposed + p2p
     tokens = x.local_batch * x.grad_accum * x.seq_len * lay.dp_replicate * lay.dp_shard
     per_device = tokens / total / lay.world_size
     mfu = model_flops_per_token(g, x.seq_len) * per_device / x.device.flops
     return StepTime(
-        compute, work.recompute, fsdp_exposed, tp, cp, p2p, bubble, total, per_device, mfu
+        compute, work.recompute, fsdp_exposed, tp, cp, ep, p2p, bubble, total, per_device, mfu
     )
 
 

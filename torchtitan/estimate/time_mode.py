@@ -76,13 +76,11 @@ def step_inputs(
 
 def _check_timeable(geometry: Geometry | None, config: JobConfig) -> None:
     model = config.model
-    if geometry is None or any(
-        part is not None for part in (geometry.experts, geometry.mla, geometry.delta_rule)
-    ):
+    if geometry is None or geometry.mla is not None or geometry.delta_rule is not None:
         raise ConfigError(
-            f"model.name: the step-time model covers dense attention decoders (no MoE, latent "
-            f"attention or Gated DeltaNet yet); {model.name!r} {model.flavor!r} is not one; "
-            "drop --time"
+            f"model.name: the step-time model covers attention decoders, dense or MoE (no "
+            f"latent attention or Gated DeltaNet yet); {model.name!r} {model.flavor!r} is not "
+            "one; drop --time"
         )
     check_gpu_kind(config.memory_estimation, model.converters)
 

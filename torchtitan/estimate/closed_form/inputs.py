@@ -35,6 +35,7 @@ class Layout:
                 ("tp", self.tp),
                 ("pp", self.pp),
                 ("ep", self.ep),
+                ("etp", self.etp),
             )
             if v > 1
         ]
