@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import weakref
 from collections.abc import Iterator
@@ -159,13 +160,19 @@ def balanced_host_counts(counts: torch.Tensor, rows: int) -> list:
 def _fake_grouped_mm_accepts(device: torch.device, dtype: torch.dtype) -> bool:
     """torch's meta kernel for ``_grouped_mm`` takes bf16 only, while the CPU kernel also
     runs fp32: a trace in fp32 then counts the expert loop instead, whose saved tensors are
-    the same per token."""
+    the same per token. (torch logs the meta kernel's refusal with its whole traceback before
+    raising it; the question is expected to fail, so that log is silenced.)"""
     x = torch.zeros(4, 8, device=device, dtype=dtype)
     w = torch.zeros(2, 8, 8, device=device, dtype=dtype)
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     try:
         torch._grouped_mm(x, w, offs=torch.tensor([2, 4], device=device, dtype=torch.int32))
     except RuntimeError:
         return False
+    finally:
+        fake_log.setLevel(level)
     return True
 
 
