@@ -64,6 +64,8 @@ CASES = {
     "lora_tp2": ("lora", 2, 1, TP2),
     "lora_fsdp2_tp2": ("lora", 4, 2, TP2),
     "moe_fsdp2": ("moe", 2, 2, []),
+    "moe_tp2": ("moe", 2, 1, TP2),
+    "moe_cp2": ("moe", 2, 1, CP2),
     "moe_pp2": ("moe", 2, 1, PP2),
     "moe_fsdp2_tp2": ("moe", 4, 2, TP2),
     "moe_ep2": ("moe", 2, 2, EP2),
@@ -115,6 +117,7 @@ COVERED_BY = {
     "lora_fsdp2": "lora_fsdp2_tp2",
     "lora_tp2": "lora_fsdp2_tp2",
     "moe_fsdp2": "moe_fsdp2_tp2",
+    "moe_tp2": "moe_fsdp2_tp2",
     "moe_pp2": "moe_pp2_ep2",
     "moe_ep2": "moe_pp2_ep2",
 }
