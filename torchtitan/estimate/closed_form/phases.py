@@ -30,7 +30,7 @@ def stage_phases(
         "optimizer step": _optimizer_step(st, g, lay, run, ddp_buckets),
         # the output weight's gradient exists from the loss backward on (the embedding's
         # comes after the blocks)
-        "layer backward": _layer_backward(st, g, lay, a, base)
+        "layer backward": _layer_backward(st, g, lay, a, base, run.grad_accum > 1)
         + (a * g.vocab_size * g.dim / lay.tp if last and run.lora is None else 0),
     }
     log_probs = 0.0
@@ -116,9 +116,12 @@ def _muon_step_bytes(g: Geometry, lay: Layout, run: Run) -> float:
     return 4 * held * whole + run.muon_ns_bytes * (2 * whole + 2 * gram)
 
 
-def _layer_backward(st: Stage, g: Geometry, lay: Layout, a: int, base: float) -> float:
+def _layer_backward(
+    st: Stage, g: Geometry, lay: Layout, a: int, base: float, accumulating: bool
+) -> float:
     """Backward of one block: the blocks below keep their activations, the blocks above hold
-    their sharded fp32 gradients; plus this block's gathered parameters and the next one's
+    their sharded fp32 gradients (every block's, from the earlier micro-batches, under
+    gradient accumulation); plus this block's gathered parameters and the next one's
     (prefetch), its recomputed activations under AC, gradient temporaries, its low-precision
     gradients and fp32 reduce-scatter input. It changes by the same amount from one block to
     the next, so the maximum is at the first or the last block; with blocks of different
@@ -126,16 +129,21 @@ def _layer_backward(st: Stage, g: Geometry, lay: Layout, a: int, base: float) ->
     mlp_temps = st.tokens * a * (2 * ffn_width(g, lay) + 2 * g.dim)
     delta_rule_temps = delta_rule_backward_bytes(g, lay, st.tokens)
     temps = max(mlp_temps, st.ring_backward, delta_rule_temps) + (a + 4) * st.trained_layer_local
+    held = st.grads if accumulating else 0.0
+
+    def gradients_above(blocks: int) -> float:
+        return max(held, blocks * 4 * st.trained_layer_sharded)
+
     if st.blocks is not None:
         peak, below = 0.0, 0.0
         for i, (kept, recompute) in enumerate(st.blocks):
-            above = (st.layers - 1 - i) * 4 * st.trained_layer_sharded
+            above = gradients_above(st.layers - 1 - i)
             peak = max(peak, base + 2 * st.u_layer + below + kept + recompute + temps + above)
             below += kept
         return peak
     current = base + 2 * st.u_layer + st.kept + st.recompute + temps
-    top_block = current + (st.layers - 1) * st.kept
-    bottom_block = current + (st.layers - 1) * 4 * st.trained_layer_sharded
+    top_block = current + (st.layers - 1) * st.kept + gradients_above(0)
+    bottom_block = current + gradients_above(st.layers - 1)
     return max(top_block, bottom_block)
 
 
