@@ -209,6 +209,29 @@ def test_analytic_counts_kept_attention_outputs_like_the_trace(ac):
     assert abs(closed_form / traced - 1) < 0.1, (closed_form, traced)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_analytic_counts_gradients_held_under_accumulation_like_the_trace():
+    """Under gradient accumulation every block's gradients from the earlier micro-batches
+    exist through the whole backward, at its top block too (FSDP 2, the blocks' backward the
+    peak): the closed form's increase over one micro-batch within 10 % of the trace's."""
+    (traced_accum, closed_accum), (traced_one, closed_one) = (
+        _traced_and_closed_form(
+            ConfigManager().parse_args(
+                TINY[:-4]
+                + ["--training.seq_len", "256", "--training.local_batch_size", "8"]
+                + ["--training.global_batch_size", str(global_batch)]
+            ),
+            2,
+            "cuda",
+        )
+        for global_batch in (32, 16)
+    )
+    traced, closed_form = traced_accum - traced_one, closed_accum - closed_one
+    assert traced > 0
+    assert abs(closed_form / traced - 1) < 0.1, (closed_form, traced)
+
+
 def _traced_and_closed_form(config, world_size: int, target: str) -> tuple[int, int]:
     """The traced peak and the closed form's."""
     outcome = trace_training_memory(TrainingBuild(config, world_size, target))
@@ -419,6 +442,23 @@ def test_plan_lists_layouts_for_70b_on_64_gpus(capsys):
     out = capsys.readouterr().out
     assert "layouts the trainer runs and the estimator traces:" in out
     assert "dp_shard=64, AC full" in out
+
+
+def test_plan_rows_are_the_closed_form_of_the_configured_run(capsys):
+    """A plan row's peak is mode analytic's for that layout: the planner keeps the config's
+    settings (here the chunked loss and gradient accumulation), not the closed form's
+    defaults (the full logits: 10 GiB more)."""
+    world = ["--memory_estimation.world_size", "64", "--memory_estimation.device_memory_gib", "80"]
+    assert main(PLAN_70B[:-2] + world + ["--training.global_batch_size", "512"]) == 0
+    row = next(
+        line for line in capsys.readouterr().out.splitlines() if " dp_shard=64, AC full " in line
+    )
+    batch, accum, planned = row.split()[4], row.split()[6], row.split()[7]
+    analytic = PLAN_70B[:4] + world + ["--memory_estimation.mode", "analytic"]
+    analytic += ["--parallelism.data_parallel_shard_degree", "64", "--activation_checkpoint.mode"]
+    analytic += ["full", "--training.local_batch_size", batch, "--training.global_batch_size"]
+    assert main(analytic + [str(64 * int(batch) * int(accum))]) == 0
+    assert f"analytic allocated peak per rank: {planned} GiB" in capsys.readouterr().out
 
 
 def test_plan_says_when_nothing_fits(capsys):

@@ -3,6 +3,7 @@ analytic per-GPU memory fits, and rank them by the step-time model (``step_time`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torchtitan.estimate.closed_form.inputs import Layout, Run
@@ -31,6 +32,19 @@ class PlanRequest:
     compile: bool = False
     gpu: DeviceKind = GPU_KINDS["H100"]
     network_bytes_per_s: float = 50e9
+    run_settings: Run | None = None
+    """The configured run's settings that no layout changes (the loss chunk, the optimizer's
+    kernels and state dtype, the CP rotation); None: ``Run``'s defaults."""
+
+    def run(self, local_batch: int, grad_accum: int = 1) -> Run:
+        """The closed form's run of one layout at this batch."""
+        return dataclasses.replace(
+            self.run_settings or Run(self.seq_len, local_batch),
+            seq_len=self.seq_len,
+            local_batch=local_batch,
+            grad_accum=grad_accum,
+            param_bytes=self.param_bytes,
+        )
 
 
 @dataclass
@@ -98,13 +112,7 @@ def _best_batch(req: PlanRequest, lay: Layout) -> PlanEntry | None:
     for local in sorted(_divisors(per_dp), reverse=True):
         if lay.pp > 1 and local < lay.pp:
             continue
-        run = Run(
-            seq_len=req.seq_len,
-            local_batch=local,
-            grad_accum=per_dp // local,
-            param_bytes=req.param_bytes,
-        )
-        peak = estimate_peak(req.geometry, lay, run).peak_bytes
+        peak = estimate_peak(req.geometry, lay, req.run(local, per_dp // local)).peak_bytes
         if _need(req, peak) <= req.device_memory_gib * GiB:
             time = step_seconds(req, lay, local, per_dp // local)
             return PlanEntry(lay, local, per_dp // local, peak, _need(req, peak), time)
@@ -168,8 +176,7 @@ def smallest_need(req: PlanRequest) -> tuple[int, Layout] | None:
     """The least per-GPU memory over all layouts at local batch 1 (for the 'nothing fits' line)."""
     best = None
     for lay in _layouts(req):
-        run = Run(seq_len=req.seq_len, local_batch=1, param_bytes=req.param_bytes)
-        need = _need(req, estimate_peak(req.geometry, lay, run).peak_bytes)
+        need = _need(req, estimate_peak(req.geometry, lay, req.run(1)).peak_bytes)
         if best is None or need < best[0]:
             best = (need, lay)
     return best

@@ -4,6 +4,7 @@ the planner's throughput model, the best traceable ones traced."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 import time
 from collections.abc import Iterator
@@ -12,8 +13,11 @@ from torchtitan.components.adapters.lora import LORA
 from torchtitan.components.quantization import FLOAT8_LINEAR
 from torchtitan.config import ConfigError, JobConfig, MemoryEstimationConfig, TrainingConfig
 from torchtitan.config.checks import check_job_config
+from torchtitan.distributed import ParallelDims
 from torchtitan.estimate import layout_search, report
 from torchtitan.estimate.build import TrainingBuild
+from torchtitan.estimate.closed_form.from_config import closed_form_inputs
+from torchtitan.estimate.closed_form.inputs import Run
 from torchtitan.estimate.coverage import activation_checkpoint_gap, coverage_gap, resolve_world_size
 from torchtitan.estimate.step_time import GPU_KINDS
 from torchtitan.estimate.trace import trace_training_memory
@@ -88,7 +92,35 @@ def plan_request(
         compile=build.config.compile.enable,
         gpu=GPU_KINDS[me.gpu],
         network_bytes_per_s=me.network_gbps_per_gpu * 1e9 / 8,
+        run_settings=_run_settings(build),
     )
+
+
+def _run_settings(build: TrainingBuild) -> Run:
+    """What the configured run sets that no layout changes (the loss chunk, the optimizer's
+    kernels and state dtype, CP's rotation and load balancing), as the closed form reads it,
+    and what the planner's layouts run: AC none or full (full keeps attention outputs only
+    with ``save_attention_output = "always"``), 1F1B over one-sequence micro-batches."""
+    config = build.config
+    p = config.parallelism
+    one_rank = ParallelDims(
+        1, 1, 1, 1, 1, 1, 1,
+        cp_rotate_method=p.context_parallel_rotate_method,
+        cp_load_balancer=p.context_parallel_load_balancer,
+    )  # fmt: skip
+    _, _, run = closed_form_inputs(
+        build.model_args(),
+        one_rank,
+        1,
+        build.target,
+        training=config.training,
+        optimizer=config.optimizer,
+        parallelism=p,
+        activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode="full"),
+        model=config.model,
+        lora=config.lora,
+    )
+    return dataclasses.replace(run, pp_microbatch=1, pp_all_in_flight=False)
 
 
 def _check_plannable(me: MemoryEstimationConfig, converters: list[str]) -> None:
