@@ -4,8 +4,9 @@ under FSDP 2, TP 2 (transformers' own plan), FSDP 2 x TP 2, FSDP 2 with full act
 checkpointing, CP 2 (alltoall) on packed documents (block_causal), PP 2 (1F1B), LoRA (adapters on
 column-wise, row-wise and the replicated lm_head) under FSDP 2, TP 2 and FSDP 2 x TP 2, QLoRA
 (NF4 base) under FSDP 2, and a tiny Mixtral under FSDP 2, PP 2, FSDP 2 x TP 2 (experts
-replicated), EP 2 and PP 2 x EP 2 (transformers' router and experts, the experts split over the
-ep ranks). Hugging Face weights load through the hardened loader and export back bit for bit, in
+replicated), TP 2, CP 2, EP 2 and PP 2 x EP 2 (transformers' router and experts, the experts
+split over the ep ranks), and a tiny DeepSeek-V3 (multi-head latent attention) under TP 2.
+Hugging Face weights load through the hardened loader and export back bit for bit, in
 a folder transformers loads; a checkpoint saved under FSDP 2 resumes under TP 2; Llama 3 trains
 alike natively and through the backend (1e-5)."""
 
@@ -23,7 +24,7 @@ from tests.parity import assert_loss_falls, assert_parity, ci_subset, train, tra
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
-DENSE, MOE = "gemma3_text", "mixtral"
+DENSE, MOE, MLA = "gemma3_text", "mixtral", "deepseek_v3"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
@@ -46,6 +47,7 @@ REFERENCES = {
     "packed": (DENSE, PACKED),
     "lora": (DENSE, LORA),
     "moe": (MOE, []),
+    "mla": (MLA, []),
 }
 # name: (reference, processes, data-parallel degree, overrides beside the reference's)
 CASES = {
@@ -70,6 +72,8 @@ CASES = {
     "moe_fsdp2_tp2": ("moe", 4, 2, TP2),
     "moe_ep2": ("moe", 2, 2, EP2),
     "moe_pp2_ep2": ("moe", 4, 2, PP2 + EP2),
+    # the shared rotary key's gradient is summed over the tp ranks (transformers' mla_kv_a_proj)
+    "mla_tp2": ("mla", 2, 1, TP2),
 }
 
 
@@ -88,6 +92,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
             layer_types=["sliding_attention", "full_attention"],
         ),
         MOE: write_folder(root, MOE),
+        MLA: write_folder(root, MLA),
     }
 
 

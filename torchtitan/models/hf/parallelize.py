@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -48,22 +54,45 @@ if TYPE_CHECKING:
         TrainingConfig,
     )
 
-STYLES: dict[str, Callable[[], ParallelStyle]] = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_rowwise": lambda: RowwiseParallel(
+
+class MlaKvAProjection(ParallelStyle):
+    """Multi-head latent attention's ``kv_a_proj_with_mqa`` (transformers' style
+    ``mla_kv_a_proj``): a replicated linear whose output is the key/value latent and, in its
+    last ``rope_dim`` channels, the rotary key every head shares. The latent reaches the
+    colwise ``kv_b_proj``, whose replicated input gets its whole gradient back; the rotary
+    key goes straight into attention, where each rank applies it to its own heads only, so
+    its gradient is summed over the tp ranks."""
+
+    def __init__(self, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def outputs(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            latent, rope = out.split([out.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            return torch.cat([latent.to_local(), rope.to_local(grad_placements=[Partial()])], -1)
+
+        _replicated(module, device_mesh, outputs)
+        return module
+
+
+STYLES: dict[str, Callable[[Any], ParallelStyle]] = {
+    "colwise": lambda text: ColwiseParallel(),
+    "rowwise": lambda text: RowwiseParallel(),
+    "colwise_gather_output": lambda text: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda text: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda text: RowwiseParallel(
         input_layouts=Replicate(), output_layouts=Replicate()
     ),
     # a norm over the last dim of local heads: its input is declared sharded on a non-normalised
     # dim, so the replicated weight's gradient is summed over the tp ranks
-    "replicated_with_grad_allreduce": lambda: SequenceParallel(
+    "replicated_with_grad_allreduce": lambda text: SequenceParallel(
         sequence_dim=1, use_local_output=True
     ),
+    "mla_kv_a_proj": lambda text: MlaKvAProjection(text.qk_rope_head_dim),
 }
-"""transformers' plan styles as DTensor styles; a plan naming another style on a module the
-model has refuses tensor parallel for the model."""
+"""transformers' plan styles as DTensor styles, each made from the text config; a plan
+naming another style on a module the model has refuses tensor parallel for the model."""
 
 
 PROJECTIONS = {
@@ -109,7 +138,8 @@ def tp_plan(model: HFCausalLM) -> dict[str, ParallelStyle]:
     modules' FQNs (under the base model), refused in one line where it names a style we do
     not apply. A tied model keeps its input embedding whole (replicated): the same weight is
     also ``lm_head``, which the plan does not split alike."""
-    plan = model.model_args.hf_config.get_text_config().base_model_tp_plan or derived_plan(model)
+    text = model.model_args.hf_config.get_text_config()
+    plan = text.base_model_tp_plan or derived_plan(model)
     modules = dict(model.base.named_modules())
     if model.tied:
         modules = {n: m for n, m in modules.items() if not isinstance(m, nn.Embedding)}
@@ -125,7 +155,7 @@ def tp_plan(model: HFCausalLM) -> dict[str, ParallelStyle]:
                 f"{style!r}, which the hf backend does not apply (it applies "
                 f"{', '.join(STYLES)}); leave the degree at 1"
             )
-        styles.update({name: STYLES[style]() for name in matched})
+        styles.update({name: STYLES[style](text) for name in matched})
     return styles
 
 
@@ -144,10 +174,15 @@ def _local_head_counts(model: HFCausalLM, tp: int) -> None:
                     setattr(module, name, getattr(module, name) // tp)
 
 
-def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
+def _replicated(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    local_outputs: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
+) -> None:
     """Make the module's own plain parameters replicated DTensors (the optimizer's fused and
     foreach steps need one tensor type); its inputs enter as replicated DTensors and its
-    outputs leave as local tensors, so the code around it sees plain tensors."""
+    outputs leave as local tensors (``local_outputs`` where a part of them needs its
+    gradient summed), so the code around it sees plain tensors."""
 
     def replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for param_name, param in list(module.named_parameters(recurse=False)):
@@ -168,13 +203,17 @@ def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
             return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
         return out.to_local() if isinstance(out, DTensor) else out
 
-    distribute_module(module, mesh, replicate_parameters, inputs, outputs)
+    distribute_module(module, mesh, replicate_parameters, inputs, local_outputs or outputs)
 
 
-def _replicable(module: nn.Module) -> bool:
+def _replicable(name: str, module: nn.Module) -> bool:
     """Modules whose parameters become replicated DTensors under tensor parallel: embeddings,
-    linears and norms. Others (a MoE router, stacked experts) keep plain parameters, which
-    every tp rank updates alike from the same replicated inputs."""
+    linears and norms, but for a MoE router's (LongCat's router reads its classifier's weight
+    in its own forward, past the hooks that would bring its input in as a DTensor). Others
+    (a router, stacked experts) keep plain parameters, which every tp rank updates alike from
+    the same replicated inputs."""
+    if "router" in name.split("."):
+        return False
     return isinstance(module, (nn.Embedding, nn.Linear)) or "Norm" in type(module).__name__
 
 
@@ -192,9 +231,9 @@ def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model.base, tp_mesh, with_lora_styles(model.base, tp_plan(model)))
     if not text.base_model_tp_plan:
         _local_head_counts(model, tp_mesh.size())
-    for module in model.modules():
+    for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
-        if own and _replicable(module) and not any(isinstance(p, DTensor) for p in own):
+        if own and _replicable(name, module) and not any(isinstance(p, DTensor) for p in own):
             _replicated(module, tp_mesh)
     model.tie_embeddings()
     logger.info(f"applied transformers' tensor parallel plan over {tp_mesh.size()} ranks")
