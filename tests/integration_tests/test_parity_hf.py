@@ -5,7 +5,8 @@ checkpointing, CP 2 (alltoall) on packed documents (block_causal), PP 2 (1F1B), 
 column-wise, row-wise and the replicated lm_head) under FSDP 2, TP 2 and FSDP 2 x TP 2, QLoRA
 (NF4 base) under FSDP 2, and a tiny Mixtral under FSDP 2, PP 2, FSDP 2 x TP 2 (experts
 replicated), TP 2, CP 2, EP 2 and PP 2 x EP 2 (transformers' router and experts, the experts
-split over the ep ranks), and a tiny DeepSeek-V3 (multi-head latent attention) under TP 2.
+split over the ep ranks), a tiny DeepSeek-V3 (multi-head latent attention) and a tiny Granite
+SWA (attention sinks, split by heads) under TP 2.
 Hugging Face weights load through the hardened loader and export back bit for bit, in
 a folder transformers loads; a checkpoint saved under FSDP 2 resumes under TP 2; Llama 3 trains
 alike natively and through the backend (1e-5)."""
@@ -24,7 +25,7 @@ from tests.parity import assert_loss_falls, assert_parity, ci_subset, train, tra
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
-DENSE, MOE, MLA = "gemma3_text", "mixtral", "deepseek_v3"
+DENSE, MOE, MLA, SINKS = "gemma3_text", "mixtral", "deepseek_v3", "granite_swa"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
@@ -48,6 +49,7 @@ REFERENCES = {
     "lora": (DENSE, LORA),
     "moe": (MOE, []),
     "mla": (MLA, []),
+    "sinks": (SINKS, []),
 }
 # name: (reference, processes, data-parallel degree, overrides beside the reference's)
 CASES = {
@@ -74,6 +76,8 @@ CASES = {
     "moe_pp2_ep2": ("moe", 4, 2, PP2 + EP2),
     # the shared rotary key's gradient is summed over the tp ranks (transformers' mla_kv_a_proj)
     "mla_tp2": ("mla", 2, 1, TP2),
+    # the sinks split by heads, seen as local pieces in the attention's forward (local_params)
+    "sinks_tp2": ("sinks", 2, 1, TP2),
 }
 
 
@@ -93,6 +97,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
         ),
         MOE: write_folder(root, MOE),
         MLA: write_folder(root, MLA),
+        SINKS: write_folder(root, SINKS),
     }
 
 

@@ -246,6 +246,20 @@ def test_a_model_without_a_plan_gets_one_from_its_projection_names_or_one_line(t
         derived_plan(build(write_folder(tmp_path, "bitnet")))
 
 
+def test_bare_parameters_split_by_heads_or_are_refused_in_one_line(tmp_path, monkeypatch):
+    """Granite SWA's plan splits each attention's sinks (one per head) by name; a style
+    other than colwise on a bare parameter is refused in one line."""
+    from torchtitan.models.hf.parallelize import bare_parameters
+
+    model = build(write_folder(tmp_path, "granite_swa"))
+    found = bare_parameters(model)
+    assert [name for _, name in found] == ["sinks"] * len(model.layers)
+    text = model.model_args.hf_config.get_text_config()
+    monkeypatch.setitem(text.base_model_tp_plan, "layers.*.self_attn.sinks", "rowwise")
+    with pytest.raises(ConfigError, match=r"^parallelism.tensor_parallel_degree: .*sinks as 'row"):
+        bare_parameters(model)
+
+
 def test_a_config_asking_for_the_router_loss_is_told_it_is_not_added(tmp_path, caplog):
     from torchtitan.models.hf.args import load_hf_config
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor import (
     DTensor,
     Partial,
     Replicate,
+    Shard,
     distribute_module,
     distribute_tensor,
 )
@@ -76,6 +77,28 @@ class MlaKvAProjection(ParallelStyle):
         return module
 
 
+class LocalParameters(ParallelStyle):
+    """transformers' ``local_params``: the module's own parameters that the plan splits by
+    name (attention sinks, a per-head gate bias: bare parameters no module hook reaches) are
+    seen by its forward as this rank's pieces. The split DTensor stays the parameter (for the
+    optimizer and checkpoints); autograd flows from each piece back to it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def local_pieces(module: nn.Module, args: tuple) -> None:
+            module._split_parameters = {
+                name: p for name, p in module._parameters.items() if isinstance(p, DTensor)
+            }
+            for name, param in module._split_parameters.items():
+                module._parameters[name] = param.to_local()
+
+        def split_again(module: nn.Module, args: tuple, output: Any) -> None:
+            module._parameters.update(module._split_parameters)
+
+        module.register_forward_pre_hook(local_pieces)
+        module.register_forward_hook(split_again)
+        return module
+
+
 STYLES: dict[str, Callable[[Any], ParallelStyle]] = {
     "colwise": lambda text: ColwiseParallel(),
     "rowwise": lambda text: RowwiseParallel(),
@@ -90,6 +113,7 @@ STYLES: dict[str, Callable[[Any], ParallelStyle]] = {
         sequence_dim=1, use_local_output=True
     ),
     "mla_kv_a_proj": lambda text: MlaKvAProjection(text.qk_rope_head_dim),
+    "local_params": lambda text: LocalParameters(),
 }
 """transformers' plan styles as DTensor styles, each made from the text config; a plan
 naming another style on a module the model has refuses tensor parallel for the model."""
@@ -148,7 +172,7 @@ def tp_plan(model: HFCausalLM) -> dict[str, ParallelStyle]:
     for pattern, style in plan.items():
         matched = fnmatch.filter(names, pattern.replace(".*.", ".*[0-9].")) or []
         if not matched:
-            continue
+            continue  # or a bare parameter (bare_parameters)
         if style not in STYLES:
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree: transformers' plan for {pattern} is "
@@ -157,6 +181,36 @@ def tp_plan(model: HFCausalLM) -> dict[str, ParallelStyle]:
             )
         styles.update({name: STYLES[style](text) for name in matched})
     return styles
+
+
+def bare_parameters(model: HFCausalLM) -> list[tuple[nn.Module, str]]:
+    """(owner, name) of the parameters the plan splits by name rather than through a module
+    (``layers.*.self_attn.sinks``: one value per head): split by heads like a colwise output,
+    seen as local pieces in the owner's forward (its ``local_params`` style). Another style
+    on a bare parameter is refused in one line."""
+    text = model.model_args.hf_config.get_text_config()
+    plan = text.base_model_tp_plan or {}
+    modules = dict(model.base.named_modules())
+    found = []
+    for pattern, style in plan.items():
+        owner_pattern, _, name = pattern.rpartition(".")
+        owners = fnmatch.filter(modules, owner_pattern.replace(".*.", ".*[0-9]."))
+        held = [modules[o] for o in owners if name in modules[o]._parameters]
+        if held and style != "colwise":
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree: transformers' plan splits the parameter "
+                f"{pattern} as {style!r}, which the hf backend does not apply to a bare "
+                "parameter (it splits them by heads, colwise); leave the degree at 1"
+            )
+        found += [(module, name) for module in held]
+    return found
+
+
+def _split_bare_parameters(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
+    for owner, name in bare_parameters(model):
+        param = owner._parameters[name]
+        split = distribute_tensor(param, tp_mesh, [Shard(0)], src_data_rank=None)
+        owner.register_parameter(name, nn.Parameter(split, param.requires_grad))
 
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "hidden_size")
@@ -228,6 +282,7 @@ def apply_tp(model: HFCausalLM, tp_mesh: DeviceMesh) -> None:
         num_attention_heads=text.num_attention_heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
     )
+    _split_bare_parameters(model, tp_mesh)
     parallelize_module(model.base, tp_mesh, with_lora_styles(model.base, tp_plan(model)))
     if not text.base_model_tp_plan:
         _local_head_counts(model, tp_mesh.size())
