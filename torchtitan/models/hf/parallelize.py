@@ -114,6 +114,9 @@ STYLES: dict[str, Callable[[Any], ParallelStyle]] = {
     ),
     "mla_kv_a_proj": lambda text: MlaKvAProjection(text.qk_rope_head_dim),
     "local_params": lambda text: LocalParameters(),
+    # transformers replicates heads over the ranks when they are fewer; the tp degree here
+    # divides the key/value heads (check_tp_divides_heads), so each rank splits whole heads
+    "unit_colwise": lambda text: ColwiseParallel(),
 }
 """transformers' plan styles as DTensor styles, each made from the text config; a plan
 naming another style on a module the model has refuses tensor parallel for the model."""
