@@ -160,13 +160,24 @@ def feed_forward_params(g: Geometry, moe: bool, routed_experts: int) -> int:
     )
 
 
+def _blocks_params(g: Geometry, routed_experts: int) -> int:
+    """Weights of all blocks with ``routed_experts`` of each MoE layer's routed experts
+    (norms are below 0.1 %)."""
+    dense = g.n_layers - g.moe_layers
+    moe = g.moe_layers * feed_forward_params(g, True, routed_experts) if g.moe_layers else 0
+    return g.n_layers * attention_params(g) + dense * feed_forward_params(g, False, 0) + moe
+
+
 def active_block_params(g: Geometry) -> int:
     """Weights of all blocks that one token multiplies: every attention projection, the
     dense feed-forwards, and of each MoE layer its router, shared experts and ``top_k``
     routed experts."""
-    dense = g.n_layers - g.moe_layers
-    moe = g.moe_layers and g.moe_layers * feed_forward_params(g, True, g.experts.top_k)
-    return g.n_layers * attention_params(g) + dense * feed_forward_params(g, False, 0) + moe
+    return _blocks_params(g, g.experts.top_k if g.experts else 0)
+
+
+def block_params(g: Geometry) -> int:
+    """Weights of all blocks but the routed experts."""
+    return _blocks_params(g, 0)
 
 
 def routed_expert_params(g: Geometry) -> int:
@@ -174,13 +185,6 @@ def routed_expert_params(g: Geometry) -> int:
     if g.experts is None:
         return 0
     return g.moe_layers * g.experts.num_experts * 3 * g.dim * g.experts.hidden_dim
-
-
-def block_params(g: Geometry) -> int:
-    """Weights of all blocks but the routed experts (norms are below 0.1 %)."""
-    dense = g.n_layers - g.moe_layers
-    moe = g.moe_layers and g.moe_layers * feed_forward_params(g, True, 0)
-    return g.n_layers * attention_params(g) + dense * feed_forward_params(g, False, 0) + moe
 
 
 def embedding_params(g: Geometry) -> int:
