@@ -21,6 +21,7 @@ _SUFFIXES = {
     "parquet": (".parquet",),
     "txt": (".txt",),
     "sft": (".jsonl",),
+    "preference": (".jsonl",),
 }
 
 

@@ -247,7 +247,7 @@ def build_text_dataloader(
             "batches are not pinned"
         )
     config, documents = load_documents(dataset, dataset_path, section, hf)
-    encode, pad_id = encoding(config, tokenizer, section)
+    encode, pad_id = encoding(config, tokenizer, section, seq_len)
     text_dataset = ShardedTextDataset(
         name=dataset,
         documents=documents,

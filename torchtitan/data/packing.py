@@ -68,10 +68,14 @@ state past the sample (a text dataset's record: position, shard, the shard's cur
 
 @dataclass(frozen=True)
 class EncodedDocument:
-    """A document's tokens and, per token, whether it is trained (``targets``; None: all are)."""
+    """A document's tokens and, per token, whether it is trained (``targets``; None: all are).
+
+    ``inner_starts``: offsets where another document of the same unit starts (a preference
+    pair's rejected sequence after its chosen one): packed whole together, masked apart."""
 
     tokens: list[int]
     targets: list[bool] | None = None
+    inner_starts: tuple[int, ...] = ()
 
 
 Encoder = Callable[[Any], EncodedDocument]
@@ -88,8 +92,12 @@ class Window:
     )  # positions where a document (or its rest) begins
     truncated: bool = False  # a whole document lost its tail to fit
 
-    def add(self, tokens: list[int], targets: list[bool] | None) -> None:
-        self.starts.append(len(self.tokens))
+    def add(
+        self, tokens: list[int], targets: list[bool] | None, inner_starts: tuple[int, ...] = ()
+    ) -> None:
+        start = len(self.tokens)
+        self.starts.append(start)
+        self.starts.extend(start + offset for offset in inner_starts if offset < len(tokens))
         self.tokens.extend(tokens)
         self.targets.extend([True] * len(tokens) if targets is None else targets)
 
@@ -150,7 +158,11 @@ class ShardReader:
                 self._take(out, document, room)
             elif len(document.tokens) <= room or not out.tokens:
                 out.truncated |= len(document.tokens) > room
-                out.add(document.tokens[:room], document.targets and document.targets[:room])
+                out.add(
+                    document.tokens[:room],
+                    document.targets and document.targets[:room],
+                    document.inner_starts,
+                )
                 self._next_document()
             else:
                 out.add([self._pad_id] * room, [False] * room)

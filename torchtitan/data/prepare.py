@@ -144,9 +144,10 @@ def dataset_texts(name: str, path: str | None, hf: Any = None) -> Iterator[str]:
         config, documents = load_documents(name, path, section="prepare", hf=hf)
     except (ValueError, FileNotFoundError, ConnectionError) as e:
         raise ConfigError(str(e)) from None
-    if config.chat:
+    if config.chat or config.preference:
+        kind = "chat" if config.chat else "preference"
         raise ConfigError(
-            f"--dataset {name!r}: chat data is packed whole with its labels; train on it directly"
+            f"--dataset {name!r}: {kind} data is packed whole with its labels; train on it directly"
         )
     return (config.text_processor(document) for document in documents)
 

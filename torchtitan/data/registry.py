@@ -35,6 +35,8 @@ class DatasetConfig:
     do not use it reject a set path rather than silently ignore it.
     ``chat``: the documents are chat samples (``torchtitan.data.sft.ChatSample``): only
     their assistant turns are trained, and each is packed whole into a sequence.
+    ``preference``: the documents are preference rows (``torchtitan.data.preference``), each
+    packed whole as two documents (prompt + chosen, prompt + rejected) for DPO.
     ``hf_options``: the loader also takes the section's ``HFDatasetConfig`` and section name
     (``loader(path, options, section)``), and the documents say whether they are chat.
     """
@@ -44,6 +46,7 @@ class DatasetConfig:
     text_processor: Callable[[Any], str] = _identity
     uses_path: bool = False
     chat: bool = False
+    preference: bool = False
     hf_options: bool = False
 
 

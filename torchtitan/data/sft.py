@@ -40,6 +40,13 @@ def load_sft_files(path: str | None) -> list[ChatSample]:
 
 
 def _read_file(file: str) -> Iterator[ChatSample]:
+    for row, source in json_lines(file):
+        yield ChatSample(_messages(row, source), source)
+
+
+def json_lines(file: str) -> Iterator[tuple[Any, str]]:
+    """Each non-blank line of a ``.jsonl`` file parsed, with its source ("<file> line <n>");
+    a line that is not UTF-8 JSON raises ValueError naming it."""
     with open(file, "rb") as f:
         for number, raw in enumerate(f, 1):
             source = f"{file} line {number}"
@@ -48,7 +55,7 @@ def _read_file(file: str) -> Iterator[ChatSample]:
             except UnicodeDecodeError:
                 raise ValueError(f"{source}: not UTF-8 text") from None
             if line.strip():
-                yield ChatSample(_messages(_parse(line.rstrip(), source), source), source)
+                yield _parse(line.rstrip(), source), source
 
 
 def _parse(line: str, source: str) -> Any:

@@ -98,7 +98,7 @@ def _source(
     dataset_config, documents = load_documents(
         config.dataset, config.dataset_path, section, config.hf
     )
-    encode, pad_id = encoding(dataset_config, tokenizer, section)
+    encode, pad_id = encoding(dataset_config, tokenizer, section, data.seq_len)
     stream = ShardedTextDataset(
         name=config.dataset,
         documents=documents,
