@@ -44,6 +44,24 @@ BASE_OVERRIDES = [
 ]
 
 FULL_LOGITS = ["--training.loss_chunk_size", "0"]
+
+
+def dpo_args(dataset_path: str) -> list[str]:
+    """DPO on the preference pairs at ``dataset_path``, with the mask and positions it needs."""
+    return [
+        "--training.dataset",
+        "preference",
+        "--training.dataset_path",
+        dataset_path,
+        "--dpo.enable",
+        "--model.attn_type",
+        "flex",
+        "--model.attn_mask_type",
+        "block_causal",
+        "--training.reset_position_ids_per_document",
+    ]
+
+
 """The loss on the whole logits: the references run it, every layout the chunked default."""
 
 

@@ -35,7 +35,11 @@ from torchtitan.config import (
     ValidationConfig,
 )
 from torchtitan.config.entry import config_errors_exit
-from torchtitan.data.registry import check_dataset_fields
+from torchtitan.data.registry import (
+    check_dataset_fields,
+    get_dataset_config,
+    registered_datasets,
+)
 from torchtitan.data.token_loaders import (
     MIXTURE,
     TOKENS,
@@ -91,6 +95,7 @@ def preflight(
     )
     _check_hf_export(job_config.checkpoint, spec, model_args)
     _check_lora(model.converters, job_config.lora, spec, model_args, parallel_dims)
+    _check_dpo(job_config, parallel_dims)
     _check_world_size(job_config.checkpoint, job_config.debug, world_size)
     _check_device_options(training, parallelism, parallel_dims, device_type)
     return parallel_dims
@@ -119,6 +124,54 @@ def _check_lora(
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     check_qlora(lora, converters, parallel_dims, select_targets(model, lora.target_modules))
+
+
+def _check_dpo(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """DPO trains on preference pairs and only on them; the layouts it does not run yet are
+    refused in one line."""
+    training, dpo = job_config.training, job_config.dpo
+    preference = (
+        training.dataset in registered_datasets()
+        and get_dataset_config(training.dataset).preference
+    )
+    if preference and not dpo.enable:
+        raise ConfigError(
+            f"training.dataset={training.dataset!r} holds preference pairs, which train with "
+            "the DPO loss: set dpo.enable = true"
+        )
+    if not dpo.enable:
+        return
+    if not preference:
+        raise ConfigError(
+            f"dpo.enable: training.dataset={training.dataset!r} has no preference pairs; use "
+            "dataset 'preference' (jsonl rows with prompt, chosen, rejected)"
+        )
+    if job_config.model.attn_mask_type != "block_causal":
+        raise ConfigError(
+            "dpo.enable: a packed sequence holds several pairs, each completion must see only "
+            "its own prompt; set model.attn_type = 'flex' and model.attn_mask_type = "
+            "'block_causal'"
+        )
+    if not training.reset_position_ids_per_document:
+        raise ConfigError(
+            "dpo.enable: each sequence of a pair starts at position 0 (as TRL and inference "
+            "see it); set training.reset_position_ids_per_document = true"
+        )
+    for name, degree in (("pipeline", parallel_dims.pp), ("context", parallel_dims.cp)):
+        if degree > 1:
+            raise ConfigError(
+                f"dpo.enable: {name} parallel is not supported with DPO yet; use FSDP/HSDP, "
+                "DDP or tensor parallel"
+            )
+    if job_config.validation.enable:
+        raise ConfigError(
+            "dpo.enable: validation has no DPO loss yet; set validation.enable = false"
+        )
+    if job_config.fault_tolerance.enable:
+        raise ConfigError(
+            "dpo.enable: fault tolerance is not supported with DPO yet; unset "
+            "fault_tolerance.enable"
+        )
 
 
 def _check_layout(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -31,12 +31,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan.components.adapters.lora import LORA
+from torchtitan.components.adapters.lora_linear import adapters_off
 from torchtitan.components.adapters.qlora import PendingBase, uses_nf4
 from torchtitan.components.optimizers.builder import (
     OptimizersContainer,
     resolve_optimizer_for_device,
 )
 from torchtitan.components.optimizers.lr_schedule import LRSchedulersContainer
+from torchtitan.components.preference_loss import (
+    DPOSettings,
+    PairLogps,
+    PreferenceLoss,
+    count_pairs,
+    pair_logps,
+    token_logps,
+)
 from torchtitan.components.training_loss import bind_output, build_loss_fn
 from torchtitan.config import (
     ConfigError,
@@ -187,6 +197,10 @@ class Recipe:
     nparams: int
     flops_per_token: int
     pending_base: PendingBase | None = None  # QLoRA: base weights made NF4 after the load
+    preference: PreferenceLoss | None = None  # DPO: the loss on preference pairs
+    reference_parts: list[nn.Module] | None = None
+    """DPO's frozen reference (the starting weights, laid out as the policy); None under
+    LoRA, whose reference is the policy with its adapters off."""
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -215,7 +229,13 @@ def build_meta_model(
     accum = grad_accumulation_steps(job_config.training, parallel_dims)
     set_moe_aux_loss_scale(model, accum)
     loss_fn = build_loss_fn(
-        job_config.training, job_config.compile, spec, model, device.type, parallel_dims.tp
+        job_config.training,
+        job_config.compile,
+        spec,
+        model,
+        device.type,
+        parallel_dims.tp,
+        logits_for="DPO" if job_config.dpo.enable else None,
     )
     settings = parallelize_settings(job_config)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
@@ -283,10 +303,7 @@ def materialize(
             pending.materialize_except(part)
         else:
             part.to_empty(device=target)
-        if seed is not None:
-            with torch.no_grad():
-                part.init_weights(seed=seed, buffer_device=device)
-        part.train()
+        initialise(part, seed, device)
     optimizers = meta.spec.build_optimizers_fn(
         meta.model_parts, job_config.optimizer, parallel_dims
     )
@@ -317,6 +334,14 @@ def materialize(
     )
 
 
+def initialise(part: nn.Module, seed: int | None, buffer_device: torch.device) -> None:
+    """Per-FQN seeded weights (None: left unset, as a fake-tensor trace does), train mode."""
+    if seed is not None:
+        with torch.no_grad():
+            part.init_weights(seed=seed, buffer_device=buffer_device)
+    part.train()
+
+
 def build_recipe(
     job_config: JobConfig,
     parallel_dims: ParallelDims,
@@ -327,9 +352,44 @@ def build_recipe(
     seed: int | None,
     init_device: torch.device | None = None,
 ) -> Recipe:
-    """The whole build sequence on real tensors."""
+    """The whole build sequence on real tensors; under DPO also the reference (see
+    ``build_reference``)."""
     meta = build_meta_model(job_config, parallel_dims, spec, model_args, device)
-    return materialize(meta, job_config, parallel_dims, device, seed=seed, init_device=init_device)
+    recipe = materialize(
+        meta, job_config, parallel_dims, device, seed=seed, init_device=init_device
+    )
+    if not job_config.dpo.enable:
+        return recipe
+    dpo = job_config.dpo
+    return replace(
+        recipe,
+        preference=PreferenceLoss(DPOSettings(dpo.beta, dpo.loss_type, dpo.label_smoothing)),
+        reference_parts=build_reference(
+            job_config, parallel_dims, spec, model_args, device, seed, init_device
+        ),
+    )
+
+
+def build_reference(
+    job_config: JobConfig,
+    parallel_dims: ParallelDims,
+    spec: TrainSpec,
+    model_args: BaseModelArgs,
+    device: torch.device,
+    seed: int | None,
+    init_device: torch.device | None,
+) -> list[nn.Module] | None:
+    """DPO's reference: the model built and initialised as the policy is (the same seeded
+    weights per FQN, the same layout), frozen; the trainer then loads the configured initial
+    weights into it. None under LoRA (the policy with its adapters off is the reference)."""
+    if LORA in job_config.model.converters:
+        return None
+    meta = build_meta_model(job_config, parallel_dims, spec, model_args, device)
+    for part in meta.model_parts:
+        part.to_empty(device=init_device or device)
+        initialise(part, seed, device)
+        part.requires_grad_(False)
+    return meta.model_parts
 
 
 # ---------------------------------------------------------------------------- train context
@@ -400,6 +460,43 @@ def forward_backward(recipe: Recipe, batch: MicroBatch, observer: StepObserver) 
     return loss.detach()
 
 
+def preference_forward_backward(
+    recipe: Recipe, batch: MicroBatch, observer: StepObserver
+) -> torch.Tensor:
+    """DPO: the reference's log-probabilities of the micro-batch's completions (no
+    gradient), then the policy's forward, the loss against them and the backward."""
+    inputs, labels, kwargs = model_inputs(
+        batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document
+    )
+    document_ids = kwargs["document_ids"]
+    observer.start_microbatch()
+    with recipe.train_context():
+        observer.set_phase("reference forward")
+        with torch.no_grad():
+            reference = reference_logps(recipe, inputs, labels, kwargs)
+        observer.set_phase("forward")
+        logits = recipe.model_parts[0](inputs, **kwargs)
+        observer.set_phase("loss")
+        loss = recipe.preference(logits, reference, labels, document_ids)
+        del logits
+        observer.set_phase("backward")
+        loss.backward()
+    return loss.detach()
+
+
+def reference_logps(
+    recipe: Recipe, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]
+) -> PairLogps:
+    """The completions' log-probabilities under the reference: the frozen copy, or the
+    policy with its LoRA adapters off."""
+    if recipe.reference_parts is not None:
+        logits = recipe.reference_parts[0](inputs, **kwargs)
+    else:
+        with adapters_off(recipe.model_parts):
+            logits = recipe.model_parts[0](inputs, **kwargs)
+    return pair_logps(token_logps(logits, labels), labels, kwargs["document_ids"])
+
+
 def pipeline_forward_backward(
     recipe: Recipe, batch: MicroBatch, observer: StepObserver
 ) -> torch.Tensor:
@@ -423,19 +520,31 @@ def pipeline_forward_backward(
     return torch.sum(torch.stack([loss.detach() for loss in losses]))
 
 
+def default_forward_backward(recipe: Recipe) -> ForwardBackward:
+    if recipe.preference is not None:
+        return preference_forward_backward
+    return pipeline_forward_backward if recipe.pipeline is not None else forward_backward
+
+
 def data_ranks(parallel_dims: ParallelDims) -> int:
     """Ranks holding different tokens of a global batch: gradients are averaged over them."""
     return parallel_dims.dp_degree * parallel_dims.cp
 
 
-def global_valid_tokens(recipe: Recipe, batches: list[MicroBatch]) -> torch.Tensor:
-    """Valid labels of the whole global batch: this rank's micro-batches, summed over the
-    data-parallel ranks (cp ranks share their sequences). An all-reduce of one scalar with
-    no host sync."""
-    tokens = torch.stack([valid_tokens(batch.labels) for batch in batches]).sum()
+def global_counts(recipe: Recipe, batches: list[MicroBatch]) -> tuple[torch.Tensor, ...]:
+    """Valid labels of the whole global batch (and under DPO its preference pairs): this
+    rank's micro-batches, summed over the data-parallel ranks (cp ranks share their
+    sequences). One all-reduce, no host sync."""
+    counts = [valid_tokens(batch.labels) for batch in batches]
+    if recipe.preference is not None:
+        pairs = [count_pairs(batch.labels, batch.document_ids) for batch in batches]
+        counts = [torch.stack(counts).sum(), torch.stack(pairs).sum().to(counts[0].dtype)]
+    else:
+        counts = [torch.stack(counts).sum()]
+    totals = torch.stack(counts)
     if recipe.parallel_dims.dp_enabled:
-        dist.all_reduce(tokens, group=recipe.parallel_dims.world_mesh["dp"].get_group())
-    return tokens
+        dist.all_reduce(totals, group=recipe.parallel_dims.world_mesh["dp"].get_group())
+    return tuple(totals)
 
 
 @dataclass
@@ -478,21 +587,21 @@ def compute_gradients(
     quorum comes first, token counts and gradients are summed / averaged over the live
     replica groups, and ``committed`` says whether the step may apply."""
     if run_microbatch is None:
-        run_microbatch = (
-            pipeline_forward_backward if recipe.pipeline is not None else forward_backward
-        )
+        run_microbatch = default_forward_backward(recipe)
     replicas = replica_groups if replica_groups is not None and replica_groups.per_step else None
     observer.set_phase("zero_grad")
     recipe.optimizers.zero_grad()
     if replicas is not None:
         replicas.start_step()
     batches = [next_batch() for _ in range(micro_batches or recipe.grad_accum_steps)]
-    tokens = global_valid_tokens(recipe, batches)
+    tokens, *pairs = global_counts(recipe, batches)
     ranks = data_ranks(recipe.parallel_dims)
     if replicas is not None:
         tokens = replicas.sum_tokens(tokens)
         ranks *= replicas.live_groups
     recipe.loss_fn.set_global_tokens(tokens, ranks)
+    if recipe.preference is not None:
+        recipe.preference.set_global_pairs(pairs[0], ranks)
     losses = []
     while batches:
         losses.append(run_microbatch(recipe, batches.pop(0), observer))

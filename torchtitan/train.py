@@ -24,6 +24,7 @@ from torchtitan.components.adapters.lora import LORA
 from torchtitan.components.checkpointing.manager import CheckpointManager
 from torchtitan.components.checkpointing.safe_loading import load_plain_state
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.preference_loss import metrics_from_sums
 from torchtitan.components.rank_timeline import build_rank_timeline, build_straggler_plant
 from torchtitan.components.validate import PipelineEval, Validator
 from torchtitan.config import ConfigManager, JobConfig, save_config_file
@@ -304,6 +305,8 @@ class Trainer:
         """The newest checkpoint (or the seeded QLoRA base), the data position of a replica
         group that lost its peers, the replica groups' step; the data from there on."""
         self.checkpointer.load(step=self.job_config.checkpoint.load_step)
+        if self.recipe.reference_parts is not None:
+            self.checkpointer.load_initial_weights(self.recipe.reference_parts)
         if self.recipe.pending_base is not None:  # QLoRA without a base to load: seeded
             self.recipe.pending_base.fill(None)
         if self.data_position is not None:
@@ -393,11 +396,22 @@ class Trainer:
             extra={
                 "valid_tokens": int(result.tokens.item()),
                 **moe_load_metrics(self.model_parts),  # no MoE metrics for dense models
+                **self._preference_metrics(),
                 **self._data_metrics(),
                 **(self.replicas.metrics(step) if self.replicas is not None else {}),
                 **self.timeline.gather_metrics(),
             },
         )
+
+    def _preference_metrics(self) -> dict[str, float]:
+        """DPO's rewards, margins and accuracy over the global batch (one all-reduce at
+        logging steps)."""
+        if self.recipe.preference is None:
+            return {}
+        sums = self.recipe.preference.step_metric_sums()
+        if self.parallel_dims.dp_enabled:
+            dist.all_reduce(sums, group=self.parallel_dims.world_mesh["dp"].get_group())
+        return metrics_from_sums(sums)
 
     def close_step(self, step: int) -> bool:
         """Validation and the checkpoint of a committed step; True when a stop was requested

@@ -37,6 +37,7 @@ def test_the_debug_configs_are_marked():
     assert {p.stem for p in MARKED} >= {
         "debug_model",
         "debug_sft",
+        "debug_dpo",
         "qwen3_debug",
         "qwen3_moe_debug",
         "deepseek_v3_debug",

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.launcher import REPO_ROOT, run_command
+from tests.parity import dpo_args
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.parsing import _field_types
 from torchtitan.distributed.launch import lowest_rank_error
@@ -48,6 +49,7 @@ BEFORE_LAUNCH = {
         ["--model.converters", "lora", "--lora.target_modules", "wz"],
         "lora.target_modules",
     ),
+    "dpo beta": (["--dpo.beta", "0"], "dpo.beta: must be > 0"),
     "no lighthouse": (
         ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"],
         "fault_tolerance.enable",
@@ -56,6 +58,14 @@ BEFORE_LAUNCH = {
         ["--parallelism.fsdp_reshard_after_forward", "maybe"],
         "--parallelism.fsdp_reshard_after_forward: invalid choice 'maybe'; valid: "
         "'default', 'always', 'never'",
+    ),
+}
+# case -> (CLI overrides, the error line): found by the ranks when they read the data
+IN_RANKS = {
+    "preference row": (
+        dpo_args("tests/assets/preference_without_rejected.jsonl"),
+        "training.dataset_path: tests/assets/preference_without_rejected.jsonl line 2: no "
+        "'rejected' field",
     ),
 }
 RANK_LOCAL = [
@@ -106,6 +116,10 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         )
         for case, (args, _) in BEFORE_LAUNCH.items()
     }
+    for case, (args, _) in IN_RANKS.items():
+        jobs[case] = lambda args=args: run_command(
+            ["./run_train.sh", *TINY, *dump, *args], env={"NGPU": "1"}, timeout=300
+        )
     jobs["rank-local"] = lambda: run_command(
         ["./run_train.sh", *TINY, *dump, *RANK_LOCAL], env={"NGPU": "2"}, timeout=300
     )
@@ -129,6 +143,16 @@ def test_bad_input_is_the_only_output_line(runs, case):
     assert result.returncode == 2, result.stdout
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}"), result.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", IN_RANKS)
+def test_bad_data_is_one_error_line_without_tracebacks(runs, case):
+    result, line = runs[case], IN_RANKS[case][1]
+    assert result.returncode == 2, result.stdout
+    errors = _error_lines(result.stdout)
+    assert len(errors) == 1 and errors[0].startswith(f"error: {line}"), result.stdout
+    assert "Traceback" not in result.stdout
 
 
 @pytest.mark.multiprocess

@@ -51,6 +51,7 @@ _DEVICE_PHASES = ("forward_backward", "clip_grad_norm", "sync", "optimizer")
 """Timed with CUDA events on CUDA (the host only launches their kernels)."""
 _RECIPE_PHASES = {
     "zero_grad": "optimizer",
+    "reference forward": "forward_backward",
     "forward": "forward_backward",
     "loss": "forward_backward",
     "backward": "forward_backward",

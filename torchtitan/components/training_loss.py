@@ -39,12 +39,31 @@ def _why_not_plain(model: nn.Module, output: nn.Module) -> str | None:
     return None if reason is None else f"the model {reason}"
 
 
+def _full_logits(chunk: int, reason: str) -> None:
+    """The full logits because of ``reason``: refused where the chunked loss was asked for."""
+    if chunk > 0:
+        raise ConfigError(
+            f"training.loss_chunk_size={chunk}: {reason} (set training.loss_chunk_size = 0)"
+        )
+    logger.info(f"loss: on the full logits: {reason}")
+
+
 def chunked_loss_for(
-    training: TrainingConfig, spec: TrainSpec, model: nn.Module, device_type: str, tp: int
+    training: TrainingConfig,
+    spec: TrainSpec,
+    model: nn.Module,
+    device_type: str,
+    tp: int,
+    logits_for: str | None = None,
 ) -> LinearCrossEntropy | None:
     """The chunked loss when ``training.loss_chunk_size`` asks for it and the model allows it
-    (then ``model.hidden_output`` is set); None for the full logits. Says which in one line."""
+    (then ``model.hidden_output`` is set); None for the full logits, which ``logits_for``
+    (a loss that reads them, e.g. "DPO") always gets. Says which in one line."""
     chunk = training.loss_chunk_size
+    if logits_for is not None:
+        return _full_logits(
+            chunk, f"{logits_for} reads each token's log-probability from the whole logits"
+        )
     output = getattr(model, "output", None)
     if chunk == 0 or output is None or not hasattr(model, "hidden_output"):
         logger.info("loss: cross-entropy on the full logits (training.loss_chunk_size = 0)")
@@ -54,13 +73,7 @@ def chunked_loss_for(
         return None
     reason = _why_not_plain(model, output)
     if reason is not None:
-        if chunk > 0:
-            raise ConfigError(
-                f"training.loss_chunk_size={chunk}: {reason}; the chunked loss needs a plain "
-                "linear output (set training.loss_chunk_size = 0)"
-            )
-        logger.info(f"loss: cross-entropy on the full logits: {reason}")
-        return None
+        return _full_logits(chunk, f"{reason}; the chunked loss needs a plain linear output")
     if training.loss_kernel == "liger" and device_type != "cuda":
         raise ConfigError(
             f"training.loss_kernel='liger': Liger Kernel runs on CUDA, this run is on "
@@ -88,11 +101,13 @@ def build_loss_fn(
     model: nn.Module,
     device_type: str,
     tp: int,
+    logits_for: str | None = None,
 ) -> GlobalTokenMeanLoss:
     """The run's summed loss (the spec's compiled if asked; the chunked loss runs eager),
     divided per step by the global batch's valid tokens (``train_step`` sets the divisor).
-    Call :func:`bind_output` once the model is parallelized or split into stages."""
-    chunked = chunked_loss_for(training, spec, model, device_type, tp)
+    ``logits_for``: see ``chunked_loss_for``. Call :func:`bind_output` once the model is
+    parallelized or split into stages."""
+    chunked = chunked_loss_for(training, spec, model, device_type, tp, logits_for)
     if chunked is not None:
         return GlobalTokenMeanLoss(chunked)
     loss_fn = spec.build_loss_fn()

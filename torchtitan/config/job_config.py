@@ -1158,6 +1158,39 @@ class LoRAConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct preference optimisation on preference pairs (``training.dataset =
+    "preference"``): the loss compares the policy's log-probabilities of each pair's chosen
+    and rejected completions with a frozen reference's (the starting weights; under LoRA the
+    base with the adapters off, no second copy). Names and formulas follow TRL's DPOConfig."""
+
+    enable: bool = False
+    """Train with the DPO loss instead of cross-entropy."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference (the DPO temperature)."""
+
+    loss_type: Literal["sigmoid", "robust", "ipo"] = "sigmoid"
+    """sigmoid: the DPO loss; robust: rDPO, robust to a rate ``label_smoothing`` of flipped
+    preferences; ipo: IPO's squared loss on per-token log-ratios."""
+
+    label_smoothing: float = 0.0
+    """The assumed rate of flipped preference labels (loss_type robust only), in [0, 0.5)."""
+
+    def check(self, path: str) -> None:
+        check_values(self, path, beta=POSITIVE)
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(
+                f"{path}.label_smoothing: must be in [0, 0.5), got {self.label_smoothing!r}"
+            )
+        if self.label_smoothing and self.loss_type != "robust":
+            raise ConfigError(
+                f"{path}.label_smoothing: applies to loss_type 'robust' (rDPO), not "
+                f"{self.loss_type!r}; set it to 0 or use loss_type robust"
+            )
+
+
+@dataclass
 class CommConfig:
     init_timeout_seconds: int = 300
     """Collective timeout during initialisation and the first step."""
@@ -1558,6 +1591,8 @@ class JobConfig:
     """Low-precision training."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapter fine-tuning (with model.converters = ["lora"])."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Direct preference optimisation (preference pairs, a frozen reference)."""
     comm: CommConfig = field(default_factory=CommConfig)
     """Communication timeouts and tracing."""
     memory_estimation: MemoryEstimationConfig = field(default_factory=MemoryEstimationConfig)

@@ -301,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     if TIME_FLAG in args:
         args = [a for a in args if a != TIME_FLAG] + ["--memory_estimation.time"]
     job_config = ConfigManager().parse_args(args)
+    if job_config.dpo.enable:
+        raise ConfigError(
+            "dpo.enable: the estimator does not model DPO's reference yet (a second copy of "
+            "the weights without LoRA, and its forward); estimate the run without dpo.enable "
+            "and add one model's parameters per rank"
+        )
     _check_time_request(job_config)
     if job_config.memory_estimation.plot is not None:
         plot.require_matplotlib()  # before tracing

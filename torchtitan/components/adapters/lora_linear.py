@@ -11,7 +11,9 @@ move the base weight to a new FQN and hide the layer's type from every plan that
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +39,8 @@ def lora_b_init(t: torch.Tensor, g: torch.Generator) -> None:
 
 
 def _lora_forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor):
+    if not module.lora_enabled:
+        return None
     x = args[0]
     if module.lora_dropout > 0:
         x = F.dropout(x, module.lora_dropout, module.training)
@@ -54,6 +58,7 @@ def add_lora(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None
     linear.lora_b = nn.Parameter(torch.empty(out_features, rank, **kwargs))
     linear.lora_scaling = alpha / rank
     linear.lora_dropout = dropout
+    linear.lora_enabled = True
     linear.param_init_fns: dict[str, InitFn] = {"lora_a": lora_a_init, "lora_b": lora_b_init}
     linear.register_forward_hook(_lora_forward_hook)
 
@@ -79,6 +84,20 @@ def has_lora(module: nn.Module) -> bool:
 
 def is_lora_param(fqn: str) -> bool:
     return fqn.rsplit(".", 1)[-1] in LORA_PARAMS
+
+
+@contextlib.contextmanager
+def adapters_off(model_parts: list[nn.Module]) -> Iterator[None]:
+    """Inside, every adapter is skipped: the parts compute as the base model (DPO's
+    reference under LoRA, without a second copy of the weights)."""
+    linears = [m for part in model_parts for m in part.modules() if has_lora(m)]
+    for linear in linears:
+        linear.lora_enabled = False
+    try:
+        yield
+    finally:
+        for linear in linears:
+            linear.lora_enabled = True
 
 
 def adapted_linears(model_parts: list[nn.Module]) -> dict[str, nn.Module]:

@@ -394,6 +394,28 @@ class CheckpointManager:
             return True
         return choice.path is not None
 
+    def load_initial_weights(self, parts: list[nn.Module]) -> bool:
+        """The configured initial weights (checkpoint.initial_load_path, Hugging Face or DCP)
+        into ``parts``, a second model laid out as this run's (DPO's frozen reference, which
+        starts where the policy started whether or not this run resumes); False where none
+        is configured (the seeded initialisation stands) or checkpointing is off."""
+        if not self.enable:
+            return False
+        choice = self._decided(lambda: choose_initial_weights(self.config, self._hf_assets_path()))
+        if choice.path is None:
+            return False
+        policy, pending = self.model_parts, self.pending_base
+        self.model_parts, self.pending_base = parts, None
+        try:
+            if choice.hf:
+                self._load_choice(choice)
+            else:
+                path = storage_path(choice.path, "checkpoint.initial_load_path")
+                self._load(path, choice.manifest, model_only=True, keys="all")
+        finally:
+            self.model_parts, self.pending_base = policy, pending
+        return True
+
     def _decided(self, choose: Callable[[], LoadChoice]) -> LoadChoice:
         """Rank 0's choice on every rank; its error raised on every rank."""
         objects = [choose() if self.rank == 0 else None]
