@@ -51,6 +51,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=None)
+    parser.add_argument(
+        "--top_p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens "
+        "whose probability reaches top_p (1: all)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--batch_size", type=int, default=1, help="samples of the same prompt")
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
@@ -133,8 +140,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
+        top_p=args.top_p,
         seed=args.seed,
-        eos_id=tokenizer.eos_id,
+        stop_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,),
         use_kv_cache=not args.no_kv_cache,
     )
     seconds = time.perf_counter() - start
@@ -145,6 +153,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         "seed": args.seed,
         "temperature": args.temperature,
         "top_k": args.top_k,
+        "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens,
         "kv_cache": not args.no_kv_cache,
         "samples": samples,

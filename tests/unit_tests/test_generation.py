@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.launcher import REPO_ROOT
 from torchtitan.generation import CheckpointError, generate, kv_cache, load_model_weights
+from torchtitan.generation.generate import filtered_logits
 from torchtitan.layers.attention import ScaledDotProductAttention
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
@@ -85,10 +86,41 @@ def test_top_k_1_is_greedy(model, prompt) -> None:
 
 def test_generation_stops_once_every_row_ended(model, prompt) -> None:
     first = generate(model, prompt, max_new_tokens=1, temperature=0.0)[:, -1]
-    out = generate(model, prompt, max_new_tokens=10, temperature=0.0, eos_id=int(first[0]))
+    out = generate(model, prompt, max_new_tokens=10, temperature=0.0, stop_ids=(int(first[0]),))
     if first[1] == first[0]:
         assert out.shape[1] == prompt.shape[1] + 1
     assert (out[0, prompt.shape[1] :] == first[0]).all(), "a finished row is padded with EOS"
+
+
+@pytest.mark.parametrize("top_k, top_p", [(None, 0.9), (50, 0.5), (5, 1.0), (None, 0.01)])
+def test_sampling_filters_equal_transformers_logits_warpers(top_k, top_p) -> None:
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    theirs = TemperatureLogitsWarper(0.7)(None, logits.clone())
+    if top_k is not None:
+        theirs = TopKLogitsWarper(top_k)(None, theirs)
+    if top_p < 1.0:
+        theirs = TopPLogitsWarper(top_p)(None, theirs)
+    ours = filtered_logits(logits, 0.7, top_k, top_p)
+    assert torch.equal(ours.isinf(), theirs.isinf())
+    torch.testing.assert_close(ours.softmax(-1), theirs.softmax(-1))
+
+
+def test_each_row_stops_at_any_stop_token_and_repeats_it(model, prompt) -> None:
+    """Rows stop at whichever stop id they produce first; a row that never does runs on."""
+    free = generate(model, prompt, max_new_tokens=10, temperature=0.0)[:, prompt.shape[1] :]
+    stops = (int(free[0, 2]), int(free[1, 4]))
+    out = generate(model, prompt, max_new_tokens=10, temperature=0.0, stop_ids=stops)
+    for row, new in zip(free, out[:, prompt.shape[1] :]):
+        hits = [k for k, t in enumerate(row.tolist()) if t in stops]
+        end = hits[0] + 1 if hits else len(row)
+        assert torch.equal(new[:end], row[:end])
+        assert (new[end:] == row[end - 1]).all()
 
 
 @pytest.mark.parametrize("layout", ["nested", "flat"])

@@ -35,7 +35,7 @@ SUBROOMS: dict[str, list[tuple[str, ...]]] = {
     "torchtitan.components": [
         ("adapters",),
         ("optimizers", "metrics", "quantization", "rank_timeline"),
-        ("checkpointing", "training_loss", "preference_loss", "validate"),
+        ("checkpointing", "training_loss", "preference_loss", "policy_loss", "validate"),
     ],
     "torchtitan.components.checkpointing": [
         ("safe_loading", "mxfp4"),

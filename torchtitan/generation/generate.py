@@ -1,8 +1,12 @@
-"""Autoregressive sampling: greedy (temperature 0) or temperature / top-k sampling from a
-seeded generator, with or without a KV cache (both give the same tokens; the cache context
-also carries Gated DeltaNet layers' recurrent state, ``kv_cache.RecurrentStateCache``)."""
+"""Autoregressive sampling: greedy (temperature 0) or temperature / top-k / top-p sampling
+from a seeded generator, with or without a KV cache (both give the same tokens; the cache
+context also carries Gated DeltaNet layers' recurrent state, ``kv_cache.RecurrentStateCache``).
+The filters follow transformers' logits warpers, in their order: temperature, top-k, top-p."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -11,17 +15,35 @@ from torchtitan.generation.kv_cache import kv_cache
 
 
 def sample_next_token(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+    top_p: float = 1.0,
 ) -> torch.Tensor:
     """``[batch, vocab]`` logits -> ``[batch]`` token ids."""
     if temperature == 0:
         return logits.argmax(dim=-1)
+    probs = torch.softmax(filtered_logits(logits, temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def filtered_logits(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float
+) -> torch.Tensor:
+    """``logits`` (fp32) divided by ``temperature``, then -inf outside the ``top_k`` largest
+    and outside the smallest set of tokens whose probability reaches ``top_p`` (the most
+    likely token always stays)."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    if top_p < 1.0:
+        ascending, order = logits.sort(dim=-1)
+        below = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        below[:, -1] = False
+        logits = logits.masked_fill(below.scatter(1, order, below), float("-inf"))
+    return logits
 
 
 @torch.no_grad()
@@ -32,42 +54,51 @@ def generate(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float = 1.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    stop_ids: Collection[int] = (),
     use_kv_cache: bool = True,
 ) -> torch.Tensor:
     """Extend ``prompt`` (``[batch, seq]`` token ids) by up to ``max_new_tokens`` tokens.
 
-    Returns ``[batch, seq + n]``; generation stops early once every row has produced
-    ``eos_id`` (rows that finished earlier are padded with it). Without a KV cache each step
-    re-runs the whole sequence through the model's training forward.
+    Returns ``[batch, seq + n]``; a row stops at the first of ``stop_ids`` it produces (EOS,
+    an end-of-turn token; the rest of the row repeats it) and generation ends once every row
+    has. Without a KV cache each step re-runs the whole sequence through the model's training
+    forward.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     generator = torch.Generator(device=prompt.device).manual_seed(seed)
+    sampling = Sampling(temperature, top_k, top_p, generator, tuple(stop_ids))
     if not use_kv_cache:
-        return _decode(
-            model, prompt, max_new_tokens, temperature, top_k, generator, eos_id, cached=False
-        )
+        return _decode(model, prompt, max_new_tokens, sampling, cached=False)
     with kv_cache(model, max_len=prompt.shape[1] + max_new_tokens):
-        return _decode(
-            model, prompt, max_new_tokens, temperature, top_k, generator, eos_id, cached=True
-        )
+        return _decode(model, prompt, max_new_tokens, sampling, cached=True)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int | None
+    top_p: float
+    generator: torch.Generator
+    stop_ids: tuple[int, ...]
 
 
 def _decode(
     model: nn.Module,
     tokens: torch.Tensor,
     max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    generator: torch.Generator,
-    eos_id: int | None,
+    sampling: Sampling,
     cached: bool,
 ) -> torch.Tensor:
+    stops = torch.tensor(sampling.stop_ids, dtype=tokens.dtype, device=tokens.device)
     finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    repeat = torch.zeros_like(tokens[:, 0])
     cached_len = 0
     for _ in range(max_new_tokens):
         if cached:
@@ -76,10 +107,14 @@ def _decode(
             cached_len = tokens.shape[1]
         else:
             logits = model(tokens)[:, -1]
-        next_token = sample_next_token(logits, temperature, top_k, generator)
-        if eos_id is not None:
-            next_token = next_token.masked_fill(finished, eos_id)
-            finished |= next_token == eos_id
+        next_token = sample_next_token(
+            logits, sampling.temperature, sampling.top_k, sampling.generator, sampling.top_p
+        )
+        if sampling.stop_ids:
+            next_token = torch.where(finished, repeat, next_token)
+            stopped = torch.isin(next_token, stops) & ~finished
+            repeat = torch.where(stopped, next_token, repeat)
+            finished |= stopped
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         if finished.all():
             break
