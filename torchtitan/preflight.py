@@ -20,6 +20,7 @@ from torchtitan.components.adapters.qlora import FIELD as QLORA_FIELD
 from torchtitan.components.adapters.qlora import LOW_PRECISION_CONVERTERS, check_qlora, uses_nf4
 from torchtitan.components.checkpointing.folders import check_checkpoint_inputs
 from torchtitan.components.quantization import check_quantization
+from torchtitan.components.rewards import get_reward
 from torchtitan.config import (
     CheckpointConfig,
     CompileConfig,
@@ -96,6 +97,7 @@ def preflight(
     _check_hf_export(job_config.checkpoint, spec, model_args)
     _check_lora(model.converters, job_config.lora, spec, model_args, parallel_dims)
     _check_dpo(job_config, parallel_dims)
+    _check_grpo(job_config, parallel_dims)
     _check_world_size(job_config.checkpoint, job_config.debug, world_size)
     _check_device_options(training, parallelism, parallel_dims, device_type)
     return parallel_dims
@@ -171,6 +173,58 @@ def _check_dpo(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
         raise ConfigError(
             "dpo.enable: fault tolerance is not supported with DPO yet; unset "
             "fault_tolerance.enable"
+        )
+
+
+def _check_grpo(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """GRPO samples its rollouts from prompts and only from them; what it does not run yet is
+    refused in one line."""
+    training, grpo = job_config.training, job_config.grpo
+    prompts = (
+        training.dataset in registered_datasets() and get_dataset_config(training.dataset).prompts
+    )
+    if prompts and not grpo.enable:
+        raise ConfigError(
+            f"training.dataset={training.dataset!r} holds prompts for rollouts: set "
+            "grpo.enable = true"
+        )
+    if not grpo.enable:
+        return
+    if not prompts:
+        raise ConfigError(
+            f"grpo.enable: training.dataset={training.dataset!r} has no prompts; use dataset "
+            "'prompts' (jsonl rows with a prompt and the columns the rewards read)"
+        )
+    if job_config.dpo.enable:
+        raise ConfigError("grpo.enable: dpo.enable is set too; choose one")
+    for name in grpo.reward_funcs:
+        try:
+            get_reward(name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    unsupported = {
+        "pipeline parallel": parallel_dims.pp > 1,
+        "context parallel": parallel_dims.cp > 1,
+        "tensor parallel": parallel_dims.tp > 1,
+        "expert parallel": parallel_dims.ep > 1,
+        "compile": job_config.compile.enable,
+        "validation": job_config.validation.enable,
+        "fault tolerance": job_config.fault_tolerance.enable,
+    }
+    for name, asked in unsupported.items():
+        if asked:
+            raise ConfigError(
+                f"grpo.enable: {name} is not supported with GRPO yet (its rollouts decode "
+                "through the sharded model); use FSDP/HSDP or DDP"
+            )
+    per_pass = training.local_batch_size * parallel_dims.dp_degree
+    global_batch = grad_accumulation_steps(training, parallel_dims) * per_pass
+    groups = grpo.num_generations * parallel_dims.dp_degree
+    if global_batch % groups:
+        raise ConfigError(
+            f"training.global_batch_size={global_batch}: counts completions, a multiple of "
+            f"grpo.num_generations ({grpo.num_generations}) x the data-parallel degree "
+            f"({parallel_dims.dp_degree}), so every rank samples whole groups"
         )
 
 

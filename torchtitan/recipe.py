@@ -39,13 +39,13 @@ from torchtitan.components.optimizers.builder import (
     resolve_optimizer_for_device,
 )
 from torchtitan.components.optimizers.lr_schedule import LRSchedulersContainer
+from torchtitan.components.policy_loss import GRPOSettings, PolicyLoss, count_completions
 from torchtitan.components.preference_loss import (
     DPOSettings,
     PairLogps,
     PreferenceLoss,
     count_pairs,
     pair_logps,
-    token_logps,
 )
 from torchtitan.components.training_loss import bind_output, build_loss_fn
 from torchtitan.config import (
@@ -61,7 +61,7 @@ from torchtitan.distributed.fault_tolerance import ReplicaGroups
 from torchtitan.distributed.pipeline import BuiltPipeline
 from torchtitan.distributed.process import clip_grad_norm_
 from torchtitan.layers.init import clean_fqn
-from torchtitan.layers.loss import GlobalTokenMeanLoss, valid_tokens
+from torchtitan.layers.loss import GlobalTokenMeanLoss, token_logps, valid_tokens
 from torchtitan.layers.moe import moe_layers
 from torchtitan.protocols import ModelConvertersContainer, TrainSpec
 from torchtitan.protocols.model import BaseModelArgs
@@ -198,9 +198,10 @@ class Recipe:
     flops_per_token: int
     pending_base: PendingBase | None = None  # QLoRA: base weights made NF4 after the load
     preference: PreferenceLoss | None = None  # DPO: the loss on preference pairs
+    policy: PolicyLoss | None = None  # GRPO: the policy-gradient loss on rollouts
     reference_parts: list[nn.Module] | None = None
-    """DPO's frozen reference (the starting weights, laid out as the policy); None under
-    LoRA, whose reference is the policy with its adapters off."""
+    """DPO's and GRPO's (with a KL term) frozen reference (the starting weights, laid out as
+    the policy); None under LoRA, whose reference is the policy with its adapters off."""
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -235,7 +236,7 @@ def build_meta_model(
         model,
         device.type,
         parallel_dims.tp,
-        logits_for="DPO" if job_config.dpo.enable else None,
+        logits_for=logits_reader(job_config),
     )
     settings = parallelize_settings(job_config)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
@@ -258,6 +259,13 @@ def build_meta_model(
     return MetaModel(
         spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token
     )
+
+
+def logits_reader(job_config: JobConfig) -> str | None:
+    """The loss that reads the whole logits (DPO's, GRPO's and its rollouts'), if any."""
+    if job_config.dpo.enable:
+        return "DPO"
+    return "GRPO" if job_config.grpo.enable else None
 
 
 def keep_frozen(parts: list[nn.Module], frozen: set[str]) -> None:
@@ -352,22 +360,34 @@ def build_recipe(
     seed: int | None,
     init_device: torch.device | None = None,
 ) -> Recipe:
-    """The whole build sequence on real tensors; under DPO also the reference (see
-    ``build_reference``)."""
+    """The whole build sequence on real tensors; under DPO and GRPO (with a KL term) also the
+    reference (see ``build_reference``)."""
     meta = build_meta_model(job_config, parallel_dims, spec, model_args, device)
     recipe = materialize(
         meta, job_config, parallel_dims, device, seed=seed, init_device=init_device
     )
-    if not job_config.dpo.enable:
+    dpo, grpo = job_config.dpo, job_config.grpo
+    if not (dpo.enable or grpo.enable):
         return recipe
-    dpo = job_config.dpo
-    return replace(
-        recipe,
-        preference=PreferenceLoss(DPOSettings(dpo.beta, dpo.loss_type, dpo.label_smoothing)),
-        reference_parts=build_reference(
+    reference = None
+    if dpo.enable or grpo.beta != 0.0:
+        reference = build_reference(
             job_config, parallel_dims, spec, model_args, device, seed, init_device
-        ),
+        )
+    if dpo.enable:
+        settings = DPOSettings(dpo.beta, dpo.loss_type, dpo.label_smoothing)
+        return replace(recipe, preference=PreferenceLoss(settings), reference_parts=reference)
+    settings = GRPOSettings(
+        beta=grpo.beta,
+        epsilon=grpo.epsilon,
+        epsilon_high=grpo.epsilon_high,
+        loss_type=grpo.loss_type,
+        scale_rewards=grpo.scale_rewards,
+        max_completion_length=grpo.max_completion_length,
+        use_bias_correction_kl=grpo.use_bias_correction_kl,
     )
+    policy = PolicyLoss(settings, grpo.temperature)
+    return replace(recipe, policy=policy, reference_parts=reference)
 
 
 def build_reference(
@@ -379,9 +399,10 @@ def build_reference(
     seed: int | None,
     init_device: torch.device | None,
 ) -> list[nn.Module] | None:
-    """DPO's reference: the model built and initialised as the policy is (the same seeded
-    weights per FQN, the same layout), frozen; the trainer then loads the configured initial
-    weights into it. None under LoRA (the policy with its adapters off is the reference)."""
+    """The reference of DPO and GRPO: the model built and initialised as the policy is (the
+    same seeded weights per FQN, the same layout), frozen; the trainer then loads the
+    configured initial weights into it. None under LoRA (the policy with its adapters off is
+    the reference)."""
     if LORA in job_config.model.converters:
         return None
     meta = build_meta_model(job_config, parallel_dims, spec, model_args, device)
@@ -487,14 +508,42 @@ def preference_forward_backward(
 def reference_logps(
     recipe: Recipe, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]
 ) -> PairLogps:
-    """The completions' log-probabilities under the reference: the frozen copy, or the
-    policy with its LoRA adapters off."""
-    if recipe.reference_parts is not None:
-        logits = recipe.reference_parts[0](inputs, **kwargs)
-    else:
-        with adapters_off(recipe.model_parts):
-            logits = recipe.model_parts[0](inputs, **kwargs)
+    """The completions' log-probabilities under the reference."""
+    logits = reference_logits(recipe, inputs, kwargs)
     return pair_logps(token_logps(logits, labels), labels, kwargs["document_ids"])
+
+
+def reference_logits(
+    recipe: Recipe, inputs: torch.Tensor, kwargs: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """The reference's logits: the frozen copy, or the policy with its LoRA adapters off."""
+    if recipe.reference_parts is not None:
+        return recipe.reference_parts[0](inputs, **kwargs)
+    with adapters_off(recipe.model_parts):
+        return recipe.model_parts[0](inputs, **kwargs)
+
+
+def policy_forward_backward(
+    recipe: Recipe, batch: MicroBatch, observer: StepObserver
+) -> torch.Tensor:
+    """GRPO on a micro-batch of rollout rows: the reference's log-probabilities where the
+    loss has a KL term (no gradient), then the policy's forward, loss and backward."""
+    policy = recipe.policy
+    observer.start_microbatch()
+    with recipe.train_context():
+        reference = None
+        if policy.settings.beta != 0.0:
+            observer.set_phase("reference forward")
+            with torch.no_grad():
+                reference = policy.logps(reference_logits(recipe, batch.inputs, {}), batch.labels)
+        observer.set_phase("forward")
+        logits = recipe.model_parts[0](batch.inputs)
+        observer.set_phase("loss")
+        loss = policy(logits, batch.labels, batch.advantages, reference)
+        del logits
+        observer.set_phase("backward")
+        loss.backward()
+    return loss.detach()
 
 
 def pipeline_forward_backward(
@@ -523,6 +572,8 @@ def pipeline_forward_backward(
 def default_forward_backward(recipe: Recipe) -> ForwardBackward:
     if recipe.preference is not None:
         return preference_forward_backward
+    if recipe.policy is not None:
+        return policy_forward_backward
     return pipeline_forward_backward if recipe.pipeline is not None else forward_backward
 
 
@@ -532,16 +583,16 @@ def data_ranks(parallel_dims: ParallelDims) -> int:
 
 
 def global_counts(recipe: Recipe, batches: list[MicroBatch]) -> tuple[torch.Tensor, ...]:
-    """Valid labels of the whole global batch (and under DPO its preference pairs): this
+    """Valid labels of the whole global batch (and its preference pairs under DPO, its
+    completions under GRPO): this
     rank's micro-batches, summed over the data-parallel ranks (cp ranks share their
     sequences). One all-reduce, no host sync."""
-    counts = [valid_tokens(batch.labels) for batch in batches]
+    counts = [torch.stack([valid_tokens(batch.labels) for batch in batches]).sum()]
     if recipe.preference is not None:
-        pairs = [count_pairs(batch.labels, batch.document_ids) for batch in batches]
-        counts = [torch.stack(counts).sum(), torch.stack(pairs).sum().to(counts[0].dtype)]
-    else:
-        counts = [torch.stack(counts).sum()]
-    totals = torch.stack(counts)
+        counts.append(sum(count_pairs(batch.labels, batch.document_ids) for batch in batches))
+    if recipe.policy is not None:
+        counts.append(sum(count_completions(batch.labels) for batch in batches))
+    totals = torch.stack([count.to(counts[0].dtype) for count in counts])
     if recipe.parallel_dims.dp_enabled:
         dist.all_reduce(totals, group=recipe.parallel_dims.world_mesh["dp"].get_group())
     return tuple(totals)
@@ -594,7 +645,7 @@ def compute_gradients(
     if replicas is not None:
         replicas.start_step()
     batches = [next_batch() for _ in range(micro_batches or recipe.grad_accum_steps)]
-    tokens, *pairs = global_counts(recipe, batches)
+    tokens, *pairs = global_counts(recipe, batches)  # pairs: DPO's pairs or GRPO's completions
     ranks = data_ranks(recipe.parallel_dims)
     if replicas is not None:
         tokens = replicas.sum_tokens(tokens)
@@ -602,6 +653,8 @@ def compute_gradients(
     recipe.loss_fn.set_global_tokens(tokens, ranks)
     if recipe.preference is not None:
         recipe.preference.set_global_pairs(pairs[0], ranks)
+    if recipe.policy is not None:
+        recipe.policy.set_global_counts(tokens, pairs[0], ranks)
     losses = []
     while batches:
         losses.append(run_microbatch(recipe, batches.pop(0), observer))

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,10 +28,11 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.preference_loss import metrics_from_sums
 from torchtitan.components.rank_timeline import build_rank_timeline, build_straggler_plant
 from torchtitan.components.validate import PipelineEval, Validator
-from torchtitan.config import ConfigManager, JobConfig, save_config_file
+from torchtitan.config import ConfigError, ConfigManager, JobConfig, save_config_file
 from torchtitan.config.entry import config_errors_exit, exit_on_user_error
 from torchtitan.config.errors import UserInputError
-from torchtitan.data.micro_batch import DeviceBatches
+from torchtitan.data.micro_batch import DeviceBatches, PreparedBatches
+from torchtitan.data.registry import load_documents
 from torchtitan.distributed.fault_tolerance import (
     DataPositionFile,
     DataPositionSaves,
@@ -39,7 +41,7 @@ from torchtitan.distributed.fault_tolerance import (
     replica_dump_folder,
 )
 from torchtitan.distributed.hang_watchdog import build_hang_plant, build_hang_watchdog
-from torchtitan.distributed.parallel_dims import default_device_type
+from torchtitan.distributed.parallel_dims import ParallelDims, default_device_type
 from torchtitan.distributed.pipeline import loss_owner_rank
 from torchtitan.distributed.process import (
     TrainTimeouts,
@@ -50,6 +52,7 @@ from torchtitan.distributed.process import (
     set_determinism,
 )
 from torchtitan.distributed.restarts import build_failure_plants, stop_on_crash_loop
+from torchtitan.generation.rollouts import Rollouts, reduced_rollout_metrics
 from torchtitan.layers.moe import moe_load_metrics
 from torchtitan.preflight import load_tokenizer, local_gpu_capability, preflight
 from torchtitan.protocols import TrainSpec, get_train_spec
@@ -59,6 +62,7 @@ from torchtitan.recipe import (
     apply_step,
     build_recipe,
     compute_gradients,
+    grad_accumulation_steps,
     mixed_precision_summary,
     model_args_from_config,
     resolve_for_device,
@@ -111,8 +115,11 @@ class Trainer:
         )
         spec = get_train_spec(job_config.model.name)
         self.tokenizer = load_tokenizer(job_config.model)
-        self.dataloader = spec.build_dataloader_fn(
-            job_config.training, parallel_dims, self.tokenizer
+        self.rollouts = self._build_rollouts(parallel_dims)
+        self.dataloader = (
+            None
+            if self.rollouts is not None
+            else spec.build_dataloader_fn(job_config.training, parallel_dims, self.tokenizer)
         )
 
         model_args = model_args_from_config(spec, job_config, self.tokenizer)
@@ -150,6 +157,31 @@ class Trainer:
         self.hooks = self._build_step_hooks()
 
     # ------------------------------------------------------------------ set-up helpers
+    def _build_rollouts(self, parallel_dims: ParallelDims) -> Rollouts | None:
+        """GRPO: the prompts and the rollouts sampled from them each step (no data loader)."""
+        job_config = self.job_config
+        if not job_config.grpo.enable:
+            return None
+        training = job_config.training
+        try:
+            _, prompts = load_documents(training.dataset, training.dataset_path)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from None
+        return Rollouts(
+            job_config.grpo,
+            list(prompts),
+            self.tokenizer,
+            training.seq_len,
+            grad_accumulation_steps(training, parallel_dims)
+            * training.local_batch_size
+            * parallel_dims.dp_degree,
+            training.local_batch_size,
+            parallel_dims,
+            self.device,
+            self.seed,
+            Path(job_config.job.dump_folder) / "rollouts",
+        )
+
     def _build_checkpointer(self, spec: TrainSpec, model_args: BaseModelArgs) -> CheckpointManager:
         job_config = self.job_config
         return CheckpointManager(
@@ -313,7 +345,7 @@ class Trainer:
             self.data_position.load_newer(self.step, self.dataloader)
         if self.replicas is not None and self.replicas.per_step:
             self.replicas.align_step(self.step)
-        return iter(self.dataloader)
+        return iter(self.dataloader) if self.dataloader is not None else iter(())
 
     @contextlib.contextmanager
     def _training_hooks(self) -> Iterator[StepHooks]:
@@ -343,9 +375,12 @@ class Trainer:
         """Step ``step``: gradients, the step's flags, the optimizer (unless the flags say
         no) and the metrics line. None when the data ran out. A step the replica groups did
         not commit leaves ``self.step`` where it was: the next call runs it again."""
-        batches = DeviceBatches(
-            data_iterator, self.device, self.recipe.grad_accum_steps, self.timeline.mark
-        )
+        if self.rollouts is not None:
+            batches: DeviceBatches | PreparedBatches = self._rollout_batches(step)
+        else:
+            batches = DeviceBatches(
+                data_iterator, self.device, self.recipe.grad_accum_steps, self.timeline.mark
+            )
         try:
             result = compute_gradients(
                 self.recipe, batches, observer=self.timeline, replica_groups=self.replicas
@@ -366,6 +401,14 @@ class Trainer:
         if lr is not None and self.metrics.should_log(step):
             self._log(step, result, lr)
         return result
+
+    def _rollout_batches(self, step: int) -> PreparedBatches:
+        """GRPO: the step's rollouts, sampled now from the weights being trained, served as
+        its micro-batches (their sampling counts as the step's data time)."""
+        self.timeline.mark("data")
+        batches = self.rollouts.step_batches(self.model_parts[0], step)
+        self.timeline.mark("sync")
+        return PreparedBatches(batches, self.rollouts.stats.seconds)
 
     def _apply(self, step: int, result: StepResult) -> float | None:
         """The step's flags (non-finite, stop), then the optimizer step unless they say
@@ -397,6 +440,7 @@ class Trainer:
                 "valid_tokens": int(result.tokens.item()),
                 **moe_load_metrics(self.model_parts),  # no MoE metrics for dense models
                 **self._preference_metrics(),
+                **self._rollout_metrics(),
                 **self._data_metrics(),
                 **(self.replicas.metrics(step) if self.replicas is not None else {}),
                 **self.timeline.gather_metrics(),
@@ -412,6 +456,12 @@ class Trainer:
         if self.parallel_dims.dp_enabled:
             dist.all_reduce(sums, group=self.parallel_dims.world_mesh["dp"].get_group())
         return metrics_from_sums(sums)
+
+    def _rollout_metrics(self) -> dict[str, float]:
+        """GRPO's rewards, completion lengths and rollout speed over the global batch."""
+        if self.rollouts is None:
+            return {}
+        return reduced_rollout_metrics(self.rollouts.stats, self.parallel_dims, self.device)
 
     def close_step(self, step: int) -> bool:
         """Validation and the checkpoint of a committed step; True when a stop was requested

@@ -50,6 +50,19 @@ BEFORE_LAUNCH = {
         "lora.target_modules",
     ),
     "dpo beta": (["--dpo.beta", "0"], "dpo.beta: must be > 0"),
+    "grpo group": (["--grpo.num_generations", "1"], "grpo.num_generations: a group needs"),
+    "grpo reward": (
+        [
+            "--training.dataset",
+            "prompts",
+            "--training.dataset_path",
+            "tests/assets/prompts_tiny.jsonl",
+            "--grpo.enable",
+            "--grpo.reward_funcs",
+            "nosuch",
+        ],
+        "grpo.reward_funcs: unknown reward function 'nosuch'",
+    ),
     "no lighthouse": (
         ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"],
         "fault_tolerance.enable",

@@ -18,7 +18,6 @@ from torchtitan.components.preference_loss import (
     DPOSettings,
     pair_logps,
     preference_sums,
-    token_logps,
 )
 from torchtitan.data.packing import Window
 from torchtitan.data.preference import (
@@ -29,6 +28,7 @@ from torchtitan.data.preference import (
 )
 from torchtitan.data.tokenizers import HuggingFaceTokenizer
 from torchtitan.layers.attention import document_positions
+from torchtitan.layers.loss import token_logps
 
 pytestmark = pytest.mark.slow
 

@@ -13,13 +13,13 @@ import torch
 from scripts.hf_compat import build_model, transformers_model, write_folder
 from torchtitan.components.policy_loss import (
     GRPOSettings,
+    PolicyLoss,
     group_advantages,
     per_token_loss,
     reduced_loss,
     varied_groups,
 )
-from torchtitan.components.preference_loss import token_logps
-from torchtitan.layers.loss import IGNORE_INDEX
+from torchtitan.layers.loss import IGNORE_INDEX, token_logps
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,11 @@ def completion_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> to
     return token_logps(logits[:, :-1], labels)[:, PROMPT - 1 :]
 
 
-def trl_loss_and_grads(folder, model, batch, settings: GRPOSettings, tmp_path):
+def trl_loss_and_grads(
+    folder, model, batch, settings: GRPOSettings, tmp_path, temperature=1.0, old=True
+):
+    """TRL's loss on ``batch`` (``old``: with the shifted old log-probs, else TRL takes the
+    current ones detached, as one update per batch of rollouts does)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -85,6 +89,7 @@ def trl_loss_and_grads(folder, model, batch, settings: GRPOSettings, tmp_path):
         use_bias_correction_kl=settings.use_bias_correction_kl,
         num_generations=GROUP_SIZE,
         per_device_train_batch_size=GROUPS * GROUP_SIZE,
+        temperature=temperature,
         report_to="none",
         use_cpu=True,
         bf16=False,  # TRL defaults to bf16 autocast; the comparison is in fp32
@@ -103,17 +108,18 @@ def trl_loss_and_grads(folder, model, batch, settings: GRPOSettings, tmp_path):
     trainer.current_gradient_accumulation_steps = 1  # set by its training loop: one step
     with torch.no_grad():
         tokens = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        current = completion_logps(model(tokens).logits, batch)
+        current = completion_logps(model(tokens).logits / temperature, batch)
     inputs = {
         "prompt_ids": batch["prompt_ids"],
         "prompt_mask": torch.ones_like(batch["prompt_ids"]),
         "completion_ids": batch["completion_ids"],
         "completion_mask": batch["completion_mask"],
         "advantages": batch["advantages"],
-        "old_per_token_logps": current + batch["old_shift"],
         "ref_per_token_logps": current + batch["ref_shift"],
         "num_items_in_batch": batch["completion_mask"].sum(),
     }
+    if old:
+        inputs["old_per_token_logps"] = current + batch["old_shift"]
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
@@ -130,7 +136,8 @@ def our_loss_and_grads(model, batch, settings: GRPOSettings):
         settings,
         ref_logps=current + batch["ref_shift"],
     )
-    loss = reduced_loss(token_loss, batch["completion_mask"], settings)
+    mask = batch["completion_mask"]
+    loss = reduced_loss(token_loss, mask, settings, mask.sum(), mask.shape[0])
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -148,6 +155,33 @@ def test_loss_and_gradients_equal_trls(folder, settings, tmp_path):
     assert our_grads.keys() == their_grads.keys()
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=[s.loss_type for s in SETTINGS])
+def test_the_training_loss_on_rollout_rows_equals_trls(folder, settings, tmp_path):
+    """``PolicyLoss`` as a step uses it: rows of prompt + completion with labels on the
+    completion, the old log-probs the current ones, logits at the sampling temperature."""
+    ours_model = build_model(folder).train()
+    theirs_model = transformers_model(folder, ours_model).train()
+    batch = rollouts()
+    theirs, their_grads = trl_loss_and_grads(
+        folder, theirs_model, batch, settings, tmp_path, temperature=0.7, old=False
+    )
+    tokens = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    labels = tokens[:, 1:].clone()
+    labels[:, : PROMPT - 1] = IGNORE_INDEX
+    labels[:, PROMPT - 1 :][batch["completion_mask"] == 0] = IGNORE_INDEX
+    policy = PolicyLoss(settings, temperature=0.7)
+    policy.set_global_counts((labels != IGNORE_INDEX).sum(), torch.tensor(len(labels)), 1)
+    logits = ours_model(tokens)[:, :-1]
+    with torch.no_grad():
+        ref = policy.logps(logits, labels)
+    ref[:, PROMPT - 1 :] += batch["ref_shift"] * batch["completion_mask"]
+    ours = policy(logits, labels, batch["advantages"], ref)
+    ours.backward()
+    torch.testing.assert_close(ours.detach(), theirs, rtol=1e-6, atol=1e-7)
+    for name, param in ours_model.named_parameters():
+        torch.testing.assert_close(param.grad, their_grads[name], rtol=1e-4, atol=1e-6)
 
 
 def test_a_clip_on_the_wrong_side_fails_the_comparison(folder, tmp_path):

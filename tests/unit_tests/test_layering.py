@@ -34,7 +34,7 @@ peers: neither imports the other."""
 SUBROOMS: dict[str, list[tuple[str, ...]]] = {
     "torchtitan.components": [
         ("adapters",),
-        ("optimizers", "metrics", "quantization", "rank_timeline"),
+        ("optimizers", "metrics", "quantization", "rank_timeline", "rewards"),
         ("checkpointing", "training_loss", "preference_loss", "policy_loss", "validate"),
     ],
     "torchtitan.components.checkpointing": [

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan.layers.loss import IGNORE_INDEX, token_logps
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALES = ("group", "batch", "none")
 
@@ -90,15 +92,63 @@ def per_token_loss(
 
 
 def reduced_loss(
-    token_loss: torch.Tensor, mask: torch.Tensor, settings: GRPOSettings
+    token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    settings: GRPOSettings,
+    tokens: torch.Tensor | float,
+    completions: torch.Tensor | float,
 ) -> torch.Tensor:
-    """The batch's loss from its token losses and completion mask, as ``loss_type`` says."""
+    """The token losses reduced as ``loss_type`` says, divided by the batch's completion
+    ``tokens`` and ``completions`` (the global batch's over the data ranks in training)."""
     mask = mask.to(token_loss.dtype)
     masked = token_loss * mask
     if settings.loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / completions
     if settings.loss_type in ("bnpo", "dapo"):
-        return masked.sum() / mask.sum().clamp(min=1.0)
+        return masked.sum() / tokens
     if settings.loss_type == "dr_grpo":
-        return masked.sum() / (token_loss.shape[0] * settings.max_completion_length)
+        return masked.sum() / (completions * settings.max_completion_length)
     raise ValueError(f"unknown GRPO loss type {settings.loss_type!r}; one of {LOSS_TYPES}")
+
+
+class PolicyLoss:
+    """A micro-batch's share of the step's GRPO loss over rollout rows (prompt + completion,
+    labels on the completion only): ``loss_type``'s reduction with the global batch's
+    completion tokens and completions as divisors (set once per step, as
+    ``GlobalTokenMeanLoss`` does with tokens), so the averaged gradient is the whole batch's.
+    Old log-probabilities are the current ones detached (one update per batch of rollouts:
+    the ratio is 1, its gradient is not); logits are divided by the sampling temperature,
+    as the rollouts were sampled."""
+
+    def __init__(self, settings: GRPOSettings, temperature: float) -> None:
+        self.settings = settings
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.tokens: torch.Tensor | None = None
+        self.completions: torch.Tensor | None = None
+
+    def set_global_counts(
+        self, tokens: torch.Tensor, completions: torch.Tensor, data_ranks: int
+    ) -> None:
+        self.tokens = tokens.clamp(min=1) / data_ranks
+        self.completions = completions.clamp(min=1) / data_ranks
+
+    def logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probabilities at the sampling temperature (0 where ignored)."""
+        return token_logps(logits / self.temperature, labels)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        advantages: torch.Tensor,
+        ref_logps: torch.Tensor | None,
+    ) -> torch.Tensor:
+        logps = self.logps(logits, labels)
+        token_loss = per_token_loss(logps, logps.detach(), advantages, self.settings, ref_logps)
+        mask = labels != IGNORE_INDEX
+        return reduced_loss(token_loss, mask, self.settings, self.tokens, self.completions)
+
+
+def count_completions(labels: torch.Tensor) -> torch.Tensor:
+    """Rows with at least one trained label (a dropped group's rows have none)."""
+    return (labels != IGNORE_INDEX).any(dim=-1).sum()

@@ -22,24 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
-from torchtitan.layers.loss import IGNORE_INDEX
+from torchtitan.layers.loss import IGNORE_INDEX, token_logps
 
 LOSS_TYPES = ("sigmoid", "robust", "ipo")
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(label) per position ``[batch, seq]`` in fp32, 0 where the label is ignored."""
-    flat = F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        labels.flatten(0, 1),
-        reduction="none",
-        ignore_index=IGNORE_INDEX,
-    )
-    if isinstance(flat, DTensor):  # loss parallel: every tensor-parallel rank holds it whole
-        flat = flat.full_tensor()
-    return -flat.view(labels.shape)
 
 
 @dataclass

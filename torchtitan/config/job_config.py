@@ -1191,6 +1191,89 @@ class DPOConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """Reinforcement learning with verifiable rewards (``training.dataset = "prompts"``): each
+    step samples ``num_generations`` completions of every prompt from the policy being
+    trained, scores them with the reward functions, and takes a clipped policy-gradient step
+    on the group-relative advantages. Names, defaults and formulas follow TRL's GRPOConfig
+    (``training.global_batch_size`` counts completions, as TRL's batch does)."""
+
+    enable: bool = False
+    """Train with GRPO on prompts instead of cross-entropy on text."""
+
+    num_generations: int = 8
+    """Completions sampled per prompt (the group); at least 2."""
+
+    max_completion_length: int = 64
+    """Tokens generated per completion at most (a completion also ends at EOS)."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (0: greedy); the policy's log-probabilities are
+    taken at it too."""
+
+    top_p: float = 1.0
+    """Nucleus sampling of the rollouts: the smallest set of tokens reaching this probability."""
+
+    top_k: int | None = None
+    """Sample among the k most likely tokens only; unset = all."""
+
+    reward_funcs: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Registered reward functions (comma-separated); built in: exact_match, format."""
+
+    reward_weights: list[float] | None = None
+    """One weight per reward function (the reward is their weighted sum); unset = all 1."""
+
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide each advantage by the std of its group's rewards, of the batch's, or not at all."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """grpo: mean per completion, then over completions; bnpo and dapo: mean over all
+    completion tokens of the global batch (DAPO's token-level normalisation); dr_grpo: sum over
+    tokens / (completions x max_completion_length)."""
+
+    beta: float = 0.0
+    """Weight of the KL term to the reference (the starting weights; 0: no reference)."""
+
+    epsilon: float = 0.2
+    """Lower clip of the probability ratio: 1 - epsilon."""
+
+    epsilon_high: float | None = None
+    """Upper clip, 1 + epsilon_high (DAPO's asymmetric clipping uses 0.28); unset = epsilon."""
+
+    use_bias_correction_kl: bool = True
+    """Multiply the KL term by the probability ratio (TRL's default; DeepSeek-V3.2)."""
+
+    drop_uniform_groups: bool = False
+    """DAPO's dynamic sampling: leave out of the loss the groups whose rewards are all equal
+    (their advantages are 0; they would only dilute the mean)."""
+
+    def check(self, path: str) -> None:
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"{path}.num_generations: a group needs at least 2 completions to compare, "
+                f"got {self.num_generations}"
+            )
+        check_values(
+            self,
+            path,
+            max_completion_length=AT_LEAST_1,
+            temperature=AT_LEAST_0,
+            top_p=Rule(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+            top_k=unset_or(AT_LEAST_1),
+            beta=AT_LEAST_0,
+            epsilon=IN_0_1_OPEN,
+            epsilon_high=unset_or(POSITIVE),
+        )
+        if not self.reward_funcs:
+            raise ConfigError(f"{path}.reward_funcs: name at least one reward function")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(
+                f"{path}.reward_weights: {len(self.reward_weights)} weights for "
+                f"{len(self.reward_funcs)} reward functions; give one per function"
+            )
+
+
+@dataclass
 class CommConfig:
     init_timeout_seconds: int = 300
     """Collective timeout during initialisation and the first step."""
@@ -1593,6 +1676,8 @@ class JobConfig:
     """Low-rank adapter fine-tuning (with model.converters = ["lora"])."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Direct preference optimisation (preference pairs, a frozen reference)."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """GRPO with verifiable rewards (rollouts from the policy being trained)."""
     comm: CommConfig = field(default_factory=CommConfig)
     """Communication timeouts and tracing."""
     memory_estimation: MemoryEstimationConfig = field(default_factory=MemoryEstimationConfig)

@@ -12,7 +12,7 @@ files at ``dataset_path``), ``sft`` / ``chat`` (chat fine-tuning samples in loca
 from functools import partial
 
 from torchtitan.data import hf_datasets as hf
-from torchtitan.data import preference, sft, stdlib
+from torchtitan.data import preference, prompts, sft, stdlib
 from torchtitan.data.hf_source import load_hf_documents
 from torchtitan.data.packing import ShardCursor, ShardedTextDataset
 from torchtitan.data.registry import (
@@ -64,6 +64,9 @@ def _register_builtins() -> None:
     register_dataset("tokens", DatasetConfig("tokens", _read_as_a_store, uses_path=True))
     for name in ("sft", "chat"):
         register_dataset(name, DatasetConfig(name, sft.load_sft_files, uses_path=True, chat=True))
+    register_dataset(
+        "prompts", DatasetConfig("prompts", prompts.load_prompt_files, uses_path=True, prompts=True)
+    )
     register_dataset(
         "preference",
         DatasetConfig(

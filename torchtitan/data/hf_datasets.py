@@ -22,6 +22,7 @@ _SUFFIXES = {
     "txt": (".txt",),
     "sft": (".jsonl",),
     "preference": (".jsonl",),
+    "prompts": (".jsonl",),
 }
 
 

@@ -18,11 +18,12 @@ from torchtitan.layers.attention import document_positions
 class MicroBatch:
     """One micro-batch on the training device: token ids and labels ``[batch, seq]``
     (labels may hold IGNORE_INDEX) and which packed document each token belongs to (None:
-    one document per sequence)."""
+    one document per sequence); GRPO's rollouts carry one advantage per sequence."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
     document_ids: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
 
 
 class DeviceBatches:
@@ -61,6 +62,19 @@ class DeviceBatches:
         if self.calls == self.count:
             self.mark("sync")
         return MicroBatch(inputs, labels, document_ids)
+
+
+class PreparedBatches:
+    """A step's micro-batches made on the device beforehand (GRPO's rollouts), served in
+    order; ``tokens`` and ``seconds`` as ``DeviceBatches`` counts them."""
+
+    def __init__(self, batches: list[MicroBatch], seconds: float) -> None:
+        self._batches = list(batches)
+        self.tokens = sum(batch.labels.numel() for batch in batches)
+        self.seconds = seconds
+
+    def __call__(self) -> MicroBatch:
+        return self._batches.pop(0)
 
 
 def model_inputs(

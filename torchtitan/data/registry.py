@@ -37,6 +37,8 @@ class DatasetConfig:
     their assistant turns are trained, and each is packed whole into a sequence.
     ``preference``: the documents are preference rows (``torchtitan.data.preference``), each
     packed whole as two documents (prompt + chosen, prompt + rejected) for DPO.
+    ``prompts``: the documents are GRPO's prompts (``torchtitan.data.prompts``), never packed:
+    the rollouts are what trains.
     ``hf_options``: the loader also takes the section's ``HFDatasetConfig`` and section name
     (``loader(path, options, section)``), and the documents say whether they are chat.
     """
@@ -47,6 +49,7 @@ class DatasetConfig:
     uses_path: bool = False
     chat: bool = False
     preference: bool = False
+    prompts: bool = False
     hf_options: bool = False
 
 

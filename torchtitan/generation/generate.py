@@ -58,13 +58,15 @@ def generate(
     seed: int = 0,
     stop_ids: Collection[int] = (),
     use_kv_cache: bool = True,
+    stop_early: bool = True,
 ) -> torch.Tensor:
     """Extend ``prompt`` (``[batch, seq]`` token ids) by up to ``max_new_tokens`` tokens.
 
     Returns ``[batch, seq + n]``; a row stops at the first of ``stop_ids`` it produces (EOS,
     an end-of-turn token; the rest of the row repeats it) and generation ends once every row
-    has. Without a KV cache each step re-runs the whole sequence through the model's training
-    forward.
+    has (unless ``stop_early`` is False: ranks whose forwards are collectives, FSDP's, must
+    all run the same number). Without a KV cache each step re-runs the whole sequence through
+    the model's training forward.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -73,7 +75,7 @@ def generate(
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     generator = torch.Generator(device=prompt.device).manual_seed(seed)
-    sampling = Sampling(temperature, top_k, top_p, generator, tuple(stop_ids))
+    sampling = Sampling(temperature, top_k, top_p, generator, tuple(stop_ids), stop_early)
     if not use_kv_cache:
         return _decode(model, prompt, max_new_tokens, sampling, cached=False)
     with kv_cache(model, max_len=prompt.shape[1] + max_new_tokens):
@@ -87,6 +89,7 @@ class Sampling:
     top_p: float
     generator: torch.Generator
     stop_ids: tuple[int, ...]
+    stop_early: bool
 
 
 def _decode(
@@ -116,6 +119,6 @@ def _decode(
             repeat = torch.where(stopped, next_token, repeat)
             finished |= stopped
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-        if finished.all():
+        if sampling.stop_early and finished.all():
             break
     return tokens

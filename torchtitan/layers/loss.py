@@ -48,6 +48,19 @@ def valid_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).sum()
 
 
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) per position ``[batch, seq]`` in fp32, 0 where the label is ignored."""
+    flat = F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        labels.flatten(0, 1),
+        reduction="none",
+        ignore_index=IGNORE_INDEX,
+    )
+    if isinstance(flat, DTensor):  # loss parallel: every tensor-parallel rank holds it whole
+        flat = flat.full_tensor()
+    return -flat.view(labels.shape)
+
+
 class GlobalTokenMeanLoss:
     """``loss_sum(pred, labels) / divisor``, the divisor set once per step.
 
