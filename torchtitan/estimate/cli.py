@@ -301,12 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     if TIME_FLAG in args:
         args = [a for a in args if a != TIME_FLAG] + ["--memory_estimation.time"]
     job_config = ConfigManager().parse_args(args)
-    if job_config.dpo.enable:
-        raise ConfigError(
-            "dpo.enable: the estimator does not model DPO's reference yet (a second copy of "
-            "the weights without LoRA, and its forward); estimate the run without dpo.enable "
-            "and add one model's parameters per rank"
-        )
+    for name, section in (("dpo", job_config.dpo), ("grpo", job_config.grpo)):
+        if section.enable:
+            raise ConfigError(
+                f"{name}.enable: the estimator does not model the reference (a second copy "
+                "of the weights without LoRA) and its forward, nor rollouts, yet; estimate the "
+                f"run without {name}.enable and add one model's parameters per rank"
+            )
     _check_time_request(job_config)
     if job_config.memory_estimation.plot is not None:
         plot.require_matplotlib()  # before tracing
