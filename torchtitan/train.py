@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from torchtitan.components.adapters.lora import LORA
+from torchtitan.components.checkpointing.folders import saved_run_seed
 from torchtitan.components.checkpointing.manager import CheckpointManager
 from torchtitan.components.checkpointing.safe_loading import load_plain_state
 from torchtitan.components.metrics import MetricsProcessor
@@ -77,6 +78,7 @@ from torchtitan.tools.profiling import (
     maybe_memory_snapshotter,
 )
 from torchtitan.tools.step_hooks import StepHooks
+from torchtitan.tools.storage import checkpoint_root
 
 
 class NonFiniteLossError(RuntimeError):
@@ -112,6 +114,7 @@ class Trainer:
             job_config.debug.seed,
             job_config.debug.deterministic,
             warn_only=job_config.debug.deterministic_warn_only,
+            saved_seed=self._saved_seed(),
         )
         spec = get_train_spec(job_config.model.name)
         self.tokenizer = load_tokenizer(job_config.model)
@@ -157,6 +160,16 @@ class Trainer:
         self.hooks = self._build_step_hooks()
 
     # ------------------------------------------------------------------ set-up helpers
+    def _saved_seed(self) -> int | None:
+        """Rank 0, with no debug.seed: the seed of the checkpoint this run resumes."""
+        checkpoint = self.job_config.checkpoint
+        if self.job_config.debug.seed is not None or not checkpoint.enable:
+            return None
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        root = checkpoint_root(checkpoint.folder, self.job_config.job.dump_folder)
+        return saved_run_seed(root, checkpoint.load_step)
+
     def _build_rollouts(self, parallel_dims: ParallelDims) -> Rollouts | None:
         """GRPO: the prompts and the rollouts sampled from them each step (no data loader)."""
         job_config = self.job_config
@@ -514,10 +527,18 @@ class Trainer:
         return self.step_in_flight if self.step_in_flight is not None else self.step
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {"step": self.step, "seed": self.seed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
+        saved = state_dict.get("seed")
+        if saved is not None and saved != self.seed:
+            logger.warning(
+                f"debug.seed={self.seed} but the resumed checkpoint was trained with seed "
+                f"{saved}: what the seed alone decides (a reference or LoRA base without "
+                "initial weights, GRPO's rollouts) differs from the run before the stop; "
+                f"unset debug.seed or set it to {saved} to continue that run"
+            )
 
     def close(self) -> None:
         self.hooks.close()

@@ -1,7 +1,8 @@
 """GRPO trains like one process: under FSDP 2 the rollouts (sampled from the weights being
 trained, each group from a generator seeded by the prompt's global index) are the same tokens
 as one process's, and each step's update has the same grad norm (1e-4) and loss; a run
-stopped after step 3 resumes with bitwise the same losses; LoRA's reference (the base, adapters
+stopped after step 3 resumes (given no seed: the checkpoint's is reused) with bitwise the same
+rollouts and losses; LoRA's reference (the base, adapters
 off) works. The loss (TRL's, checked in tests/unit_tests/test_grpo_against_trl.py) is a sum of
 terms that cancel (advantages sum to 0 in a group): it is compared within 1e-7 absolute, its
 terms being of size 0.1-1."""
@@ -83,7 +84,9 @@ def test_a_stopped_run_resumes_with_the_same_rollouts_and_losses(reference_run, 
     checkpoints = ["--checkpoint.enable", "--checkpoint.interval", "3"]
     stopped = train(1, tmp_path, GRPO + checkpoints + ["--debug.stop_after_step", "3"], dp=2)
     assert [r["step"] for r in stopped] == [1, 2, 3]
-    resumed = train(1, tmp_path, GRPO + checkpoints, dp=2)[3:]
+    # No seed given at the resume: the run's seed comes back from the checkpoint.
+    unseeded = ["--debug.seed", "None"]
+    resumed = train(1, tmp_path, GRPO + checkpoints + unseeded, dp=2)[3:]
     for ours, straight in zip(resumed, records[3:]):
         assert (ours["step"], ours["loss"], ours["grad_norm"]) == (
             straight["step"],

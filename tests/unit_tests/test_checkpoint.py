@@ -20,6 +20,7 @@ from torchtitan.components.checkpointing.folders import (
     check_checkpoint_inputs,
     inspect_checkpoint,
     purge_old_checkpoints,
+    saved_run_seed,
 )
 from torchtitan.components.checkpointing.manager import CheckpointManager
 from torchtitan.components.checkpointing.safe_loading import read_dcp_metadata
@@ -310,6 +311,22 @@ def test_purge_keeps_newest_complete_and_ignores_other_folders(tmp_path):
         "step-5.tmp",
         "step-x",
     ]
+
+
+def test_the_saved_run_seed_is_the_resumed_checkpoints(tmp_path):
+    def write(step: int, manifest: dict) -> None:
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / MANIFEST).write_text(json.dumps(manifest))
+
+    assert saved_run_seed(tmp_path, -1) is None
+    write(2, {"model_only": False, "states": {"train_state": {"step": 2}}})  # before seeds
+    assert saved_run_seed(tmp_path, -1) is None
+    write(4, {"model_only": False, "states": {"train_state": {"step": 4, "seed": 11}}})
+    write(6, {"model_only": True, "states": {}})  # an export: no run state
+    (tmp_path / "step-8").mkdir()  # incomplete
+    assert saved_run_seed(tmp_path, -1) == 11
+    assert saved_run_seed(tmp_path, 2) is None
+    assert saved_run_seed(tmp_path, 4) == 11
 
 
 def test_background_purge_with_keep_latest_k(tmp_path):

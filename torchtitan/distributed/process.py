@@ -148,12 +148,16 @@ def set_determinism(
     seed: int | None,
     deterministic: bool,
     warn_only: bool = False,
+    saved_seed: int | None = None,
 ) -> int:
-    """Seed every rank identically (rank 0's random seed when none is given) and return the
-    seed, which also seeds the per-FQN weight init. ``warn_only``: an op without a
-    deterministic implementation warns instead of raising."""
+    """Seed every rank identically and return the seed, which also seeds the per-FQN weight
+    init. When none is given: rank 0's ``saved_seed`` (the resumed run's), else a random
+    one drawn on rank 0. ``warn_only``: an op without a deterministic implementation warns
+    instead of raising."""
     if seed is None:
         t = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+        if saved_seed is not None:
+            t.fill_(saved_seed)
         if dist.is_initialized():
             dist.broadcast(t, src=0)
         seed = int(t.item())

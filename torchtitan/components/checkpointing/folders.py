@@ -110,6 +110,25 @@ def complete_checkpoints(root: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+def saved_run_seed(root: Path, step: int) -> int | None:
+    """The run seed kept in the checkpoint a resume of this run loads (``step``, -1: the
+    newest full one): a run given no debug.seed reuses it, so that what the seed alone
+    decides (a DPO reference or LoRA base initialised without initial weights, GRPO's
+    rollouts) is what it was before the stop. None where no checkpoint holds one."""
+    manifests = complete_checkpoints(root)
+    if step != -1:
+        candidates = [manifests[step]] if step in manifests else []
+    else:
+        candidates = [manifests[s] for s in sorted(manifests, reverse=True)]
+    for manifest in candidates:
+        if manifest.get("model_only"):
+            continue
+        seed = manifest.get("states", {}).get("train_state", {}).get("seed")
+        if seed is not None:
+            return int(seed)
+    return None
+
+
 def complete_steps(root: Path) -> str:
     """The complete checkpoints' steps, for error messages."""
     return ", ".join(str(s) for s in sorted(complete_checkpoints(root))) or "none"
