@@ -219,13 +219,9 @@ def build_meta_model(
     its pipelining_fn (this rank's stages and the schedule, whose stages live on ``device``).
     The memory estimator runs this outside FakeTensorMode (torch >= 2.13 cannot swap fake
     parameters in ``Module._apply``) and ``materialize`` inside it."""
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    converters = ModelConvertersContainer(job_config, parallel_dims)
-    converters.convert(model)
+    model, converters = converted_meta_model(job_config, parallel_dims, spec, model_args)
     if job_config.model.print_after_conversion:
         logger.info(f"model after the converters:\n{model}")
-    cast_parameters(model, TORCH_DTYPES[job_config.training.dtype])
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
     accum = grad_accumulation_steps(job_config.training, parallel_dims)
     set_moe_aux_loss_scale(model, accum)
@@ -259,6 +255,18 @@ def build_meta_model(
     return MetaModel(
         spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token
     )
+
+
+def converted_meta_model(
+    job_config: JobConfig, parallel_dims: ParallelDims, spec: TrainSpec, model_args: BaseModelArgs
+) -> tuple[nn.Module, ModelConvertersContainer]:
+    """The model on meta with the configured converters applied, in the training dtype."""
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    converters = ModelConvertersContainer(job_config, parallel_dims)
+    converters.convert(model)
+    cast_parameters(model, TORCH_DTYPES[job_config.training.dtype])
+    return model, converters
 
 
 def logits_reader(job_config: JobConfig) -> str | None:
@@ -401,16 +409,16 @@ def build_reference(
 ) -> list[nn.Module] | None:
     """The reference of DPO and GRPO: the model built and initialised as the policy is (the
     same seeded weights per FQN, the same layout), frozen; the trainer then loads the
-    configured initial weights into it. None under LoRA (the policy with its adapters off is
-    the reference)."""
+    configured initial weights into it. One part: DPO and GRPO refuse pipeline parallel.
+    None under LoRA (the policy with its adapters off is the reference)."""
     if LORA in job_config.model.converters:
         return None
-    meta = build_meta_model(job_config, parallel_dims, spec, model_args, device)
-    for part in meta.model_parts:
-        part.to_empty(device=init_device or device)
-        initialise(part, seed, device)
-        part.requires_grad_(False)
-    return meta.model_parts
+    model, _ = converted_meta_model(job_config, parallel_dims, spec, model_args)
+    reference = spec.parallelize_fn(model, parallel_dims, **parallelize_settings(job_config))
+    reference.to_empty(device=init_device or device)
+    initialise(reference, seed, device)
+    reference.requires_grad_(False)
+    return [reference]
 
 
 # ---------------------------------------------------------------------------- train context
