@@ -592,9 +592,8 @@ def data_ranks(parallel_dims: ParallelDims) -> int:
 
 def global_counts(recipe: Recipe, batches: list[MicroBatch]) -> tuple[torch.Tensor, ...]:
     """Valid labels of the whole global batch (and its preference pairs under DPO, its
-    completions under GRPO): this
-    rank's micro-batches, summed over the data-parallel ranks (cp ranks share their
-    sequences). One all-reduce, no host sync."""
+    completions under GRPO): this rank's micro-batches, summed over the data-parallel ranks
+    (cp ranks share their sequences). One all-reduce, no host sync."""
     counts = [torch.stack([valid_tokens(batch.labels) for batch in batches]).sum()]
     if recipe.preference is not None:
         counts.append(sum(count_pairs(batch.labels, batch.document_ids) for batch in batches))
@@ -653,16 +652,17 @@ def compute_gradients(
     if replicas is not None:
         replicas.start_step()
     batches = [next_batch() for _ in range(micro_batches or recipe.grad_accum_steps)]
-    tokens, *pairs = global_counts(recipe, batches)  # pairs: DPO's pairs or GRPO's completions
+    # samples: DPO's preference pairs or GRPO's completions in the global batch
+    tokens, *samples = global_counts(recipe, batches)
     ranks = data_ranks(recipe.parallel_dims)
     if replicas is not None:
         tokens = replicas.sum_tokens(tokens)
         ranks *= replicas.live_groups
     recipe.loss_fn.set_global_tokens(tokens, ranks)
     if recipe.preference is not None:
-        recipe.preference.set_global_pairs(pairs[0], ranks)
+        recipe.preference.set_global_pairs(samples[0], ranks)
     if recipe.policy is not None:
-        recipe.policy.set_global_counts(tokens, pairs[0], ranks)
+        recipe.policy.set_global_counts(tokens, samples[0], ranks)
     losses = []
     while batches:
         losses.append(run_microbatch(recipe, batches.pop(0), observer))
