@@ -1,9 +1,10 @@
 """DPO trains like one process on every layout it supports: per-step loss and grad norm
 (1e-4) under FSDP 2 x TP 2 (FSDP 2 and TP 2 alone with --matrix), with the frozen-copy
-reference and with LoRA's adapters-off reference; a run stopped after step 5 resumes with
-bitwise the losses of the uninterrupted run (the reference starts again from the starting
-weights, not from the resumed policy). The loss (TRL's, checked in
-tests/unit_tests/test_dpo_against_trl.py) starts at ln 2, where policy and reference agree."""
+reference, and with LoRA's adapters-off reference (CI: it learns under FSDP 2); a run
+stopped after step 5 resumes with bitwise the losses of the uninterrupted run (the
+reference starts again from the starting weights, not from the resumed policy). The loss
+(TRL's, checked in tests/unit_tests/test_dpo_against_trl.py) starts at ln 2, where policy
+and reference agree."""
 
 import math
 
@@ -67,6 +68,14 @@ def test_a_stopped_run_resumes_with_the_same_losses(reference_run, tmp_path):
         assert (ours["loss"], ours["grad_norm"]) == (straight["loss"], straight["grad_norm"])
 
 
+def test_lora_with_the_base_as_reference_learns_under_fsdp2(tmp_path):
+    """The adapters-off reference: ln 2 at step 1, then a margin (with the adapters left on
+    the reference would follow the policy and the loss stay at ln 2). LoRA under FSDP is
+    parity-checked in test_parity_lora.py; the DPO pair of both in the matrix below."""
+    assert_dpo_learns(train(2, tmp_path, DPO + LORA))
+
+
+@pytest.mark.matrix
 def test_lora_with_the_base_as_reference_trains_like_one_process(tmp_path):
     one = train(1, tmp_path / "one", DPO + LORA)
     assert_dpo_learns(one)
