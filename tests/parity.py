@@ -46,6 +46,19 @@ BASE_OVERRIDES = [
 FULL_LOGITS = ["--training.loss_chunk_size", "0"]
 
 
+def grpo_args(num_generations: int) -> list[str]:
+    """GRPO on tests/assets/prompts_tiny.jsonl, ``num_generations`` completions a prompt."""
+    return [
+        "--training.dataset",
+        "prompts",
+        "--training.dataset_path",
+        str(REPO_ROOT / "tests" / "assets" / "prompts_tiny.jsonl"),
+        "--grpo.enable",
+        "--grpo.num_generations",
+        str(num_generations),
+    ]
+
+
 def dpo_args(dataset_path: str) -> list[str]:
     """DPO on the preference pairs at ``dataset_path``, with the mask and positions it needs."""
     return [

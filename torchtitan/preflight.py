@@ -205,7 +205,6 @@ def _check_grpo(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
     unsupported = {
         "pipeline parallel": parallel_dims.pp > 1,
         "context parallel": parallel_dims.cp > 1,
-        "tensor parallel": parallel_dims.tp > 1,
         "expert parallel": parallel_dims.ep > 1,
         "compile": job_config.compile.enable,
         "validation": job_config.validation.enable,
@@ -215,7 +214,7 @@ def _check_grpo(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
         if asked:
             raise ConfigError(
                 f"grpo.enable: {name} is not supported with GRPO yet (its rollouts decode "
-                "through the sharded model); use FSDP/HSDP or DDP"
+                "through the sharded model); use FSDP/HSDP, DDP or TP"
             )
     per_pass = training.local_batch_size * parallel_dims.dp_degree
     global_batch = grad_accumulation_steps(training, parallel_dims) * per_pass

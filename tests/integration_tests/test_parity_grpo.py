@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher import REPO_ROOT
-from tests.parity import train
+from tests.parity import grpo_args, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -25,13 +24,7 @@ GRPO = [
     "16",
     "--training.steps",
     "6",
-    "--training.dataset",
-    "prompts",
-    "--training.dataset_path",
-    str(REPO_ROOT / "tests" / "assets" / "prompts_tiny.jsonl"),
-    "--grpo.enable",
-    "--grpo.num_generations",
-    "4",
+    *grpo_args(num_generations=4),
     "--grpo.max_completion_length",
     "8",
     "--grpo.beta",
@@ -77,6 +70,15 @@ def test_fsdp2_samples_the_same_rollouts_and_takes_the_same_steps(reference_run,
     assert_same_updates(records, train(2, tmp_path, GRPO))
     assert rollouts(tmp_path) == sampled
     assert len(sampled) == 6 * 16
+
+
+def test_tp2_samples_the_same_rollouts_and_takes_the_same_steps(reference_run, tmp_path):
+    """Under TP (sequence parallel) every decoding step re-runs the padded sequence: the same
+    sampled tokens as one process's KV-cache decoding (their logits agree to rounding)."""
+    records, sampled = reference_run
+    tp2 = ["--parallelism.tensor_parallel_degree", "2"]
+    assert_same_updates(records, train(2, tmp_path, GRPO + tp2, dp=1))
+    assert rollouts(tmp_path) == sampled
 
 
 def test_a_stopped_run_resumes_with_the_same_rollouts_and_losses(reference_run, tmp_path):

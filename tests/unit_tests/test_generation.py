@@ -62,10 +62,13 @@ def test_kv_cache_logits_equal_the_training_forward(model, prompt) -> None:
 
 
 @pytest.mark.parametrize("temperature, top_k", [(0.0, None), (1.0, None), (0.8, 20)])
-def test_kv_cache_gives_the_no_cache_tokens(model, prompt, temperature, top_k) -> None:
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_kv_cache_gives_the_no_cache_tokens(model, prompt, temperature, top_k, multiple) -> None:
+    """Without the cache, also with the sequence right-padded to a multiple of 4 (as sequence
+    parallel needs under TP)."""
     kwargs = dict(max_new_tokens=24, temperature=temperature, top_k=top_k, seed=5)
     cached = generate(model, prompt, use_kv_cache=True, **kwargs)
-    uncached = generate(model, prompt, use_kv_cache=False, **kwargs)
+    uncached = generate(model, prompt, use_kv_cache=False, length_multiple=multiple, **kwargs)
     assert cached.shape == (2, 9 + 24)
     assert torch.equal(cached, uncached)
 

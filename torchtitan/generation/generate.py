@@ -9,7 +9,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan.generation.kv_cache import kv_cache
 
@@ -59,6 +61,7 @@ def generate(
     stop_ids: Collection[int] = (),
     use_kv_cache: bool = True,
     stop_early: bool = True,
+    length_multiple: int = 1,
 ) -> torch.Tensor:
     """Extend ``prompt`` (``[batch, seq]`` token ids) by up to ``max_new_tokens`` tokens.
 
@@ -66,7 +69,9 @@ def generate(
     an end-of-turn token; the rest of the row repeats it) and generation ends once every row
     has (unless ``stop_early`` is False: ranks whose forwards are collectives, FSDP's, must
     all run the same number). Without a KV cache each step re-runs the whole sequence through
-    the model's training forward.
+    the model's training forward, right-padded to a multiple of ``length_multiple`` (sequence
+    parallel splits the sequence over the tensor-parallel ranks; causal attention keeps the
+    padding out of the positions read).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -75,7 +80,9 @@ def generate(
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     generator = torch.Generator(device=prompt.device).manual_seed(seed)
-    sampling = Sampling(temperature, top_k, top_p, generator, tuple(stop_ids), stop_early)
+    sampling = Sampling(
+        temperature, top_k, top_p, generator, tuple(stop_ids), stop_early, length_multiple
+    )
     if not use_kv_cache:
         return _decode(model, prompt, max_new_tokens, sampling, cached=False)
     with kv_cache(model, max_len=prompt.shape[1] + max_new_tokens):
@@ -90,6 +97,7 @@ class Sampling:
     generator: torch.Generator
     stop_ids: tuple[int, ...]
     stop_early: bool
+    length_multiple: int
 
 
 def _decode(
@@ -109,7 +117,7 @@ def _decode(
             logits = model(tokens[:, cached_len:], positions=positions)[:, -1]
             cached_len = tokens.shape[1]
         else:
-            logits = model(tokens)[:, -1]
+            logits = _next_token_logits(model, tokens, sampling.length_multiple)
         next_token = sample_next_token(
             logits, sampling.temperature, sampling.top_k, sampling.generator, sampling.top_p
         )
@@ -122,3 +130,11 @@ def _decode(
         if sampling.stop_early and finished.all():
             break
     return tokens
+
+
+def _next_token_logits(model: nn.Module, tokens: torch.Tensor, multiple: int) -> torch.Tensor:
+    """The last position's logits from a forward of the whole (padded) sequence; gathered
+    whole where tensor parallel leaves them sharded over the vocabulary (loss parallel)."""
+    length = tokens.shape[1]
+    logits = model(F.pad(tokens, (0, -length % multiple)))[:, length - 1]
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits

@@ -101,13 +101,20 @@ class Rollouts:
         self.prompts_per_step = global_batch_size // config.num_generations
         self.dp_rank, self.dp_degree = _dp_coordinates(parallel_dims)
         self.lockstep = parallel_dims.world_size > 1
+        # Sequence parallel cannot split a one-token decoding step: under TP every step
+        # re-runs the padded sequence instead of reading a KV cache.
+        self.length_multiple = parallel_dims.seq_len_divisor if parallel_dims.tp_enabled else 1
         self.device = device
         self.seed = seed
         self.rewards = [get_reward(name) for name in config.reward_funcs]
         self.weights = config.reward_weights or [1.0] * len(self.rewards)
         self.stop_ids = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         self.stats = RolloutStats()
-        self.log_file = log_folder / f"dp_rank{self.dp_rank}.jsonl"
+        # The tensor-parallel ranks of a data-parallel rank sample the same rollouts: one logs.
+        writes = (
+            not parallel_dims.tp_enabled or parallel_dims.world_mesh["tp"].get_local_rank() == 0
+        )
+        self.log_file = log_folder / f"dp_rank{self.dp_rank}.jsonl" if writes else None
         self._records: list[dict[str, Any]] = []
         self._check_prompt_lengths()
 
@@ -139,7 +146,7 @@ class Rollouts:
         self.stats.seconds = time.perf_counter() - start
         self._write_log(step)
         return [
-            _micro_batch(rows[i : i + self.local_batch_size], self.device)
+            _micro_batch(rows[i : i + self.local_batch_size], self.device, self.length_multiple)
             for i in range(0, len(rows), self.local_batch_size)
         ]
 
@@ -159,6 +166,8 @@ class Rollouts:
             seed=self.seed * _SEED_STRIDE + index,
             stop_ids=self.stop_ids,
             stop_early=not self.lockstep,
+            use_kv_cache=self.length_multiple == 1,
+            length_multiple=self.length_multiple,
         )
         completions = [self._completion(row[len(prompt_ids) :].tolist()) for row in tokens]
         rewards = self._rewards(completions, prompt)
@@ -176,11 +185,13 @@ class Rollouts:
         ]
 
     def _write_log(self, step: int) -> None:
+        records, self._records = self._records, []
+        if self.log_file is None:
+            return
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with self.log_file.open("a") as f:
-            for record in self._records:
+            for record in records:
                 f.write(json.dumps({"step": step, **record}) + "\n")
-        self._records = []
 
     def _completion(self, ids: list[int]) -> list[int]:
         """The generated ids up to and including the first stop id."""
@@ -214,11 +225,14 @@ def _dp_coordinates(parallel_dims: ParallelDims) -> tuple[int, int]:
 
 
 def _micro_batch(
-    rows: list[tuple[list[int], list[int], float | None]], device: torch.device
+    rows: list[tuple[list[int], list[int], float | None]],
+    device: torch.device,
+    length_multiple: int,
 ) -> MicroBatch:
-    """Rows of prompt + completion, right-padded; a row without an advantage (a dropped
-    group's) has no labels."""
-    length = max(len(p) + len(c) - 1 for p, c, _ in rows)
+    """Rows of prompt + completion, right-padded (to a multiple of ``length_multiple``); a
+    row without an advantage (a dropped group's) has no labels."""
+    longest = max(len(p) + len(c) - 1 for p, c, _ in rows)
+    length = longest + -longest % length_multiple
     inputs = torch.zeros(len(rows), length, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     advantages = torch.zeros(len(rows), dtype=torch.float32)
