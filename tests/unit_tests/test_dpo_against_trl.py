@@ -37,6 +37,21 @@ ROWS = [
     {"prompt": "Name a colour.", "chosen": " Blue is one.", "rejected": " Seven"},
     {"prompt": "Say hi", "chosen": " hi", "rejected": " no"},
 ]
+CHAT_ROWS = [
+    {
+        "prompt": [{"role": "user", "content": row["prompt"]}],
+        "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
+        "rejected": [{"role": "assistant", "content": row["rejected"].strip()}],
+    }
+    for row in ROWS
+]
+CHAT_ROWS[0]["prompt"].insert(0, {"role": "system", "content": "Answer briefly."})
+# Llama 3's layout of turns, in this tokenizer's special tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '[' + m['role'] + ']\n' + m['content'] }}"
+    "{{ eos_token if m['role'] == 'assistant' else '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '[assistant]\n' }}{% endif %}"
+)
 BLOCK_CAUSAL = ("--model.attn_type", "flex", "--model.attn_mask_type", "block_causal")
 SETTINGS = [
     DPOSettings(beta=0.1, loss_type="sigmoid"),
@@ -63,11 +78,12 @@ def folder(tmp_path_factory):
         ]
     )
     tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return folder
 
 
-def trl_loss_and_grads(folder, policy, reference, settings: DPOSettings, tmp_path):
-    """TRL's DPO loss on ROWS and the policy's gradients; also the pairs TRL tokenized."""
+def trl_loss_and_grads(folder, policy, reference, settings: DPOSettings, tmp_path, rows=ROWS):
+    """TRL's DPO loss on ``rows`` and the policy's gradients; also the pairs TRL tokenized."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -88,10 +104,10 @@ def trl_loss_and_grads(folder, policy, reference, settings: DPOSettings, tmp_pat
         model=policy,
         ref_model=reference,
         args=config,
-        train_dataset=Dataset.from_list(ROWS),
+        train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )
-    examples = [trainer.train_dataset[i] for i in range(len(ROWS))]
+    examples = [trainer.train_dataset[i] for i in range(len(rows))]
     pairs = [PreferencePair(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) for e in examples]
     loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
     loss.backward()
@@ -99,11 +115,11 @@ def trl_loss_and_grads(folder, policy, reference, settings: DPOSettings, tmp_pat
     return loss.detach(), grads, pairs
 
 
-def packed_rows(tokenizer: HuggingFaceTokenizer, seq_len: int = 96):
-    """ROWS packed into one sequence as the loader packs them: (inputs, labels, documents)."""
+def packed_rows(tokenizer: HuggingFaceTokenizer, rows=ROWS, seq_len: int = 128):
+    """``rows`` packed into one sequence as the loader packs them: (inputs, labels, documents)."""
     encode = PreferenceEncoder(tokenizer, seq_len + 1)
     window = Window()
-    for i, row in enumerate(ROWS):
+    for i, row in enumerate(rows):
         unit = encode(preference_row(row, f"row {i}"))
         window.add(unit.tokens, unit.targets, unit.inner_starts)
     room = seq_len + 1 - len(window.tokens)
@@ -111,8 +127,8 @@ def packed_rows(tokenizer: HuggingFaceTokenizer, seq_len: int = 96):
     return tuple(t.unsqueeze(0) for t in window.sample())
 
 
-def our_loss_and_grads(policy, reference, tokenizer, settings: DPOSettings):
-    inputs, labels, documents = packed_rows(tokenizer)
+def our_loss_and_grads(policy, reference, tokenizer, settings: DPOSettings, rows=ROWS):
+    inputs, labels, documents = packed_rows(tokenizer, rows)
     positions = document_positions(documents)
     logits = policy(inputs, positions, documents)
     ours = pair_logps(token_logps(logits, labels), labels, documents)
@@ -145,6 +161,27 @@ def test_loss_and_gradients_equal_trls(folder, settings, tmp_path):
     assert our_grads.keys() == their_grads.keys()
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_chat_rows_tokenize_and_score_as_trls(folder, tmp_path):
+    """TRL's conversational rows: the chat template renders the prompt (with the generation
+    prompt) and each completion; the same tokens and loss (sigmoid)."""
+    settings = SETTINGS[0]
+    policy = build_model(folder, *BLOCK_CAUSAL)
+    reference = build_model(folder, *BLOCK_CAUSAL, seed=1)
+    theirs, _, their_pairs = trl_loss_and_grads(
+        folder,
+        transformers_model(folder, policy),
+        transformers_model(folder, reference),
+        settings,
+        tmp_path,
+        CHAT_ROWS,
+    )
+    tokenizer = HuggingFaceTokenizer(str(folder))
+    rows = [preference_row(r, f"row {i}") for i, r in enumerate(CHAT_ROWS)]
+    assert [tokenize_pair(r, tokenizer) for r in rows] == their_pairs
+    ours, _, _ = our_loss_and_grads(policy, reference, tokenizer, settings, CHAT_ROWS)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
 
 
 def test_a_pair_that_sees_its_neighbour_fails_the_comparison(folder, tmp_path):

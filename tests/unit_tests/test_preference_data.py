@@ -23,13 +23,28 @@ from torchtitan.data.tokenizers import ByteTokenizer
 from torchtitan.layers.loss import IGNORE_INDEX
 
 ROW = {"prompt": "1+2=", "chosen": "3", "rejected": "4"}
+USER = {"role": "user", "content": "1+2="}
+ANSWER = {"role": "assistant", "content": "3"}
+CHAT_ROW = {"prompt": [USER], "chosen": [ANSWER], "rejected": [{**ANSWER, "content": "4"}]}
 
 
 @pytest.mark.parametrize(
     "row, message",
     [
         ({"prompt": "a", "chosen": "b"}, "no 'rejected' field (keys: 'prompt', 'chosen')"),
-        ({"prompt": "a", "chosen": 1, "rejected": "c"}, "'chosen' must be a string, got int"),
+        ({"prompt": "a", "chosen": 1, "rejected": "c"}, "'chosen' must be a string as 'prompt'"),
+        (
+            {"prompt": [USER], "chosen": "b", "rejected": [ANSWER]},
+            "'chosen' must be a non-empty list of chat messages as 'prompt' is",
+        ),
+        (
+            {"prompt": [USER], "chosen": [USER], "rejected": [ANSWER]},
+            "'chosen' has no non-empty assistant message",
+        ),
+        (
+            {"prompt": [{"role": "robot", "content": "x"}], "chosen": [ANSWER], "rejected": []},
+            'prompt[0] must be {"role": one of system, user, assistant',
+        ),
         ({"prompt": "a", "chosen": " ", "rejected": "c"}, "empty 'chosen'"),
         (["a", "b"], "expected a JSON object with prompt, chosen, rejected, got list"),
     ],
@@ -68,6 +83,18 @@ def test_a_pair_packs_as_two_documents_with_only_the_completions_trained():
     assert slots.present[0, :3].tolist() == [True, True, False]
     assert slots.chosen_tokens[0, :2].tolist() == [2.0, 2.0]
     assert count_pairs(labels[None], documents[None]).item() == 2
+
+
+def test_a_chat_row_renders_through_the_template_the_end_of_turn_ending_each_completion():
+    """The byte tokenizer's template: BOS, '<|user|>\n' + content + '\n', the generation
+    prompt '<|assistant|>\n', an assistant turn ending in EOS (TRL adds none to chat rows)."""
+    tokenizer = ByteTokenizer()
+    pair = tokenize_pair(preference_row(CHAT_ROW, "row"), tokenizer)
+    assert pair.prompt_ids == [tokenizer.bos_id, *b"<|user|>\n1+2=\n<|assistant|>\n"]
+    assert pair.chosen_ids == [ord("3"), tokenizer.eos_id]
+    assert pair.rejected_ids == [ord("4"), tokenizer.eos_id]
+    unit = PreferenceEncoder(tokenizer, window=64)(preference_row(CHAT_ROW, "row"))
+    assert unit.inner_starts == (len(pair.prompt_ids) + 2,)
 
 
 def test_tokens_follow_trls_rules_eos_after_each_completion_and_the_prompt_shared():

@@ -49,6 +49,39 @@ def compile_chat_template(source: str, field: str) -> Any:
         raise ValueError(f"{field}: the chat template does not compile: {e}") from None
 
 
+class ChatRendering:
+    """Chat messages to text (and token ids) through the tokenizer's chat template, in the
+    sandbox. ``section`` names the dataset's config fields in errors."""
+
+    def __init__(self, tokenizer: BaseTokenizer, section: str = "training") -> None:
+        self._tokenizer = tokenizer
+        self._template = compile_chat_template(tokenizer.chat_template(), tokenizer.field)
+        self._special_tokens = tokenizer.special_tokens()
+        self._field = f"{section}.dataset_path"
+
+    def text(
+        self, messages: tuple[dict[str, str], ...], add_generation_prompt: bool, source: str
+    ) -> str:
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
+        except (
+            Exception
+        ) as e:  # a template is foreign code: any failure is a problem of the data or template
+            raise ConfigError(
+                f"{self._field}: {source}: the chat template of {self._tokenizer.field} "
+                f"fails on this sample: {e}"
+            ) from None
+
+    def ids(
+        self, messages: tuple[dict[str, str], ...], add_generation_prompt: bool, source: str
+    ) -> list[int]:
+        return self._tokenizer.encode_rendered(self.text(messages, add_generation_prompt, source))
+
+
 class ChatEncoder:
     """Turns a ``ChatSample`` into tokens whose ``targets`` mark the assistant turns.
 
@@ -58,9 +91,7 @@ class ChatEncoder:
 
     def __init__(self, tokenizer: BaseTokenizer, section: str = "training") -> None:
         self._tokenizer = tokenizer
-        self._template = compile_chat_template(tokenizer.chat_template(), tokenizer.field)
-        self._special_tokens = tokenizer.special_tokens()
-        self._field = f"{section}.dataset_path"
+        self._chat = ChatRendering(tokenizer, section)
 
     def __call__(self, sample: ChatSample) -> EncodedDocument:
         tokens: list[int] = []
@@ -92,7 +123,7 @@ class ChatEncoder:
         self, sample: ChatSample, rendered: str, count: int, add_generation_prompt: bool
     ) -> str:
         """The text of the first ``count`` messages, which must extend ``rendered``."""
-        text = self._render(sample, count, add_generation_prompt)
+        text = self._chat.text(sample.messages[:count], add_generation_prompt, sample.source)
         if not text.startswith(rendered):
             raise ConfigError(
                 f"{self._tokenizer.field}: the chat template does not render {sample.source} "
@@ -100,19 +131,3 @@ class ChatEncoder:
                 "text for fewer); masking the prompt needs a template that does"
             )
         return text
-
-    def _render(self, sample: ChatSample, count: int, add_generation_prompt: bool) -> str:
-        try:
-            messages = list(sample.messages[:count])
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
-            )
-        except (
-            Exception
-        ) as e:  # a template is foreign code: any failure is a problem of the data or template
-            raise ConfigError(
-                f"{self._field}: {sample.source}: the chat template of {self._tokenizer.field} "
-                f"fails on this sample: {e}"
-            ) from None

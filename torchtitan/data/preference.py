@@ -1,14 +1,20 @@
 """Preference pairs for DPO: rows with a prompt, a chosen and a rejected completion (TRL's
 column names), tokenized as TRL does and packed two documents per pair.
 
-A row is ``{"prompt": str, "chosen": str, "rejected": str}``. Tokenization follows TRL's
-DPOTrainer: the completions get the tokenizer's EOS unless they end with it, the prompt, the
-prompt + chosen and the prompt + rejected are tokenized whole (BOS as the tokenizer adds it),
-and each completion starts where its tokens leave the prompt's (tokens may merge across the
-boundary). A pair is one packing unit (``EncodedDocument`` with an inner start): a packed
-sequence holds whole pairs, prompt + chosen as document ``2k``, prompt + rejected as document
-``2k + 1``, then padding as one more document; only the completions' tokens carry labels, so
-under document masking pairs never see or predict each other.
+A row is ``{"prompt": str, "chosen": str, "rejected": str}`` (plain text) or the same three
+fields as lists of chat messages (``{"role": ..., "content": ...}``; TRL's conversational
+form: the prompt's turns, then the chosen and the rejected assistant turns). Tokenization
+follows TRL's DPOTrainer. Plain text: the completions get the tokenizer's EOS unless they
+end with it, and the prompt, the prompt + chosen and the prompt + rejected are tokenized
+whole (BOS as the tokenizer adds it). Chat: the tokenizer's chat template renders the prompt
+with the generation prompt, and the prompt's turns + the chosen (rejected) turns without it;
+the template's end-of-turn text ends a completion (no EOS added). Either way each completion
+starts where its tokens leave the prompt's (tokens may merge across the boundary).
+
+A pair is one packing unit (``EncodedDocument`` with an inner start): a packed sequence
+holds whole pairs, prompt + chosen as document ``2k``, prompt + rejected as document
+``2k + 1``, then padding as one more document; only the completions' tokens carry labels,
+so under document masking pairs never see or predict each other.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan.data.chat_template import ChatRendering
 from torchtitan.data.hf_datasets import data_files
 from torchtitan.data.packing import EncodedDocument
-from torchtitan.data.sft import json_lines
+from torchtitan.data.sft import ROLES, json_lines
 from torchtitan.protocols.tokenizer import BaseTokenizer
 
 logger = logging.getLogger("torchtitan")
@@ -27,14 +34,22 @@ logger = logging.getLogger("torchtitan")
 FIELDS = ("prompt", "chosen", "rejected")
 
 
+Messages = tuple[dict[str, str], ...]
+
+
 @dataclass(frozen=True)
 class PreferenceRow:
-    """One checked row; ``source`` ("<file> line <n>") names it in errors."""
+    """One checked row, plain text or chat messages in all three fields; ``source`` ("<file>
+    line <n>") names it in errors."""
 
-    prompt: str
-    chosen: str
-    rejected: str
+    prompt: str | Messages
+    chosen: str | Messages
+    rejected: str | Messages
     source: str
+
+    @property
+    def conversational(self) -> bool:
+        return not isinstance(self.prompt, str)
 
 
 @dataclass(frozen=True)
@@ -51,8 +66,9 @@ class PreferencePair:
 
 
 def preference_row(row: Any, source: str) -> PreferenceRow:
-    """``row`` checked: an object with string ``prompt``, ``chosen`` and ``rejected``, the
-    completions not blank. Raises ValueError naming the row and the field."""
+    """``row`` checked: an object whose ``prompt``, ``chosen`` and ``rejected`` are all
+    strings or all lists of chat messages, the completions not blank. Raises ValueError
+    naming the row and the field."""
     if not isinstance(row, dict):
         raise ValueError(
             f"{source}: expected a JSON object with {', '.join(FIELDS)}, got {type(row).__name__}"
@@ -64,9 +80,13 @@ def preference_row(row: Any, source: str) -> PreferenceRow:
                 f"{source}: no '{field}' field (keys: {keys}); a preference row needs "
                 f"{', '.join(FIELDS)}"
             )
+    if isinstance(row["prompt"], list):
+        return PreferenceRow(*(_messages(row, field, source) for field in FIELDS), source)
+    for field in FIELDS:
         if not isinstance(row[field], str):
             raise ValueError(
-                f"{source}: '{field}' must be a string, got {type(row[field]).__name__}"
+                f"{source}: '{field}' must be a string as 'prompt' is (or all three lists of "
+                f"chat messages), got {type(row[field]).__name__}"
             )
     for field in ("chosen", "rejected"):
         if not row[field].strip():
@@ -74,11 +94,47 @@ def preference_row(row: Any, source: str) -> PreferenceRow:
     return PreferenceRow(row["prompt"], row["chosen"], row["rejected"], source)
 
 
-def tokenize_pair(row: PreferenceRow, tokenizer: BaseTokenizer) -> PreferencePair:
-    """The row's tokens as TRL's DPOTrainer makes them (see the module docstring)."""
-    prompt = tokenizer.encode(row.prompt, add_bos=True, add_eos=False)
-    with_chosen = _with_eos(tokenizer.encode(row.prompt + row.chosen, True, False), tokenizer)
-    with_rejected = _with_eos(tokenizer.encode(row.prompt + row.rejected, True, False), tokenizer)
+def _messages(row: dict[str, Any], field: str, source: str) -> Messages:
+    """``row[field]`` as chat messages; a completion needs a non-blank assistant turn."""
+    messages = row[field]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f"{source}: '{field}' must be a non-empty list of chat messages as 'prompt' is "
+            f"(or all three strings), got {type(messages).__name__}"
+        )
+    for k, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and message.get("role") in ROLES
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f'{source}: {field}[{k}] must be {{"role": one of {", ".join(ROLES)}, '
+                f'"content": a string}}'
+            )
+    if field != "prompt" and not any(
+        m["role"] == "assistant" and m["content"].strip() for m in messages
+    ):
+        raise ValueError(f"{source}: '{field}' has no non-empty assistant message; add one")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+
+
+def tokenize_pair(
+    row: PreferenceRow, tokenizer: BaseTokenizer, chat: ChatRendering | None = None
+) -> PreferencePair:
+    """The row's tokens as TRL's DPOTrainer makes them (see the module docstring); ``chat``
+    renders a conversational row (made from ``tokenizer`` where not given)."""
+    if row.conversational:
+        chat = chat or ChatRendering(tokenizer)
+        prompt = chat.ids(row.prompt, True, row.source)
+        with_chosen = chat.ids(row.prompt + row.chosen, False, row.source)
+        with_rejected = chat.ids(row.prompt + row.rejected, False, row.source)
+    else:
+        prompt = tokenizer.encode(row.prompt, add_bos=True, add_eos=False)
+        with_chosen = _with_eos(tokenizer.encode(row.prompt + row.chosen, True, False), tokenizer)
+        with_rejected = _with_eos(
+            tokenizer.encode(row.prompt + row.rejected, True, False), tokenizer
+        )
     shared = min(_common_prefix(prompt, with_chosen), _common_prefix(prompt, with_rejected))
     return PreferencePair(prompt[:shared], with_chosen[shared:], with_rejected[shared:])
 
@@ -116,10 +172,13 @@ class PreferenceEncoder:
     def __init__(self, tokenizer: BaseTokenizer, window: int) -> None:
         self._tokenizer = tokenizer
         self._window = window
+        self._chat: ChatRendering | None = None  # made at the first conversational row
         self.skipped = 0
 
     def __call__(self, row: PreferenceRow) -> EncodedDocument:
-        pair = tokenize_pair(row, self._tokenizer)
+        if row.conversational and self._chat is None:
+            self._chat = ChatRendering(self._tokenizer)
+        pair = tokenize_pair(row, self._tokenizer, self._chat)
         chosen, rejected = pair.sequences()
         prompt = len(pair.prompt_ids)
         if len(chosen) + len(rejected) > self._window:
