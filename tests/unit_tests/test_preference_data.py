@@ -35,11 +35,11 @@ CHAT_ROW = {"prompt": [USER], "chosen": [ANSWER], "rejected": [{**ANSWER, "conte
         ({"prompt": "a", "chosen": 1, "rejected": "c"}, "'chosen' must be a string as 'prompt'"),
         (
             {"prompt": [USER], "chosen": "b", "rejected": [ANSWER]},
-            "'chosen' must be a non-empty list of chat messages as 'prompt' is",
+            "'chosen' must be a non-empty list of",
         ),
         (
             {"prompt": [USER], "chosen": [USER], "rejected": [ANSWER]},
-            "'chosen' has no non-empty assistant message",
+            "'chosen' has no assistant message",
         ),
         (
             {"prompt": [{"role": "robot", "content": "x"}], "chosen": [ANSWER], "rejected": []},

@@ -26,7 +26,7 @@ from typing import Any
 from torchtitan.data.chat_template import ChatRendering
 from torchtitan.data.hf_datasets import data_files
 from torchtitan.data.packing import EncodedDocument
-from torchtitan.data.sft import ROLES, json_lines
+from torchtitan.data.sft import checked_messages, json_lines
 from torchtitan.protocols.tokenizer import BaseTokenizer
 
 logger = logging.getLogger("torchtitan")
@@ -81,7 +81,10 @@ def preference_row(row: Any, source: str) -> PreferenceRow:
                 f"{', '.join(FIELDS)}"
             )
     if isinstance(row["prompt"], list):
-        return PreferenceRow(*(_messages(row, field, source) for field in FIELDS), source)
+        return PreferenceRow(
+            *(checked_messages(row[f], source, f, needs_assistant=f != "prompt") for f in FIELDS),
+            source,
+        )
     for field in FIELDS:
         if not isinstance(row[field], str):
             raise ValueError(
@@ -92,31 +95,6 @@ def preference_row(row: Any, source: str) -> PreferenceRow:
         if not row[field].strip():
             raise ValueError(f"{source}: empty '{field}'; fill it or drop the row")
     return PreferenceRow(row["prompt"], row["chosen"], row["rejected"], source)
-
-
-def _messages(row: dict[str, Any], field: str, source: str) -> Messages:
-    """``row[field]`` as chat messages; a completion needs a non-blank assistant turn."""
-    messages = row[field]
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(
-            f"{source}: '{field}' must be a non-empty list of chat messages as 'prompt' is "
-            f"(or all three strings), got {type(messages).__name__}"
-        )
-    for k, message in enumerate(messages):
-        if not (
-            isinstance(message, dict)
-            and message.get("role") in ROLES
-            and isinstance(message.get("content"), str)
-        ):
-            raise ValueError(
-                f'{source}: {field}[{k}] must be {{"role": one of {", ".join(ROLES)}, '
-                f'"content": a string}}'
-            )
-    if field != "prompt" and not any(
-        m["role"] == "assistant" and m["content"].strip() for m in messages
-    ):
-        raise ValueError(f"{source}: '{field}' has no non-empty assistant message; add one")
-    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
 
 
 def tokenize_pair(

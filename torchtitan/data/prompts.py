@@ -1,5 +1,7 @@
-"""Prompts for GRPO (``training.dataset = "prompts"``): ``.jsonl`` rows with a string
-``prompt`` and any other columns the reward functions read (``answer``, say).
+"""Prompts for GRPO (``training.dataset = "prompts"``): ``.jsonl`` rows with a ``prompt``
+(a string, or chat messages that the tokenizer's chat template renders with the generation
+prompt, as TRL's GRPOTrainer does) and any other columns the reward functions read
+(``answer``, say).
 
 The prompts of a step follow from the step alone: step ``s`` takes the ``P`` prompts after
 those of the steps before it (``P`` = completions per step / group size), cycling through the
@@ -14,16 +16,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan.data.hf_datasets import data_files
-from torchtitan.data.sft import json_lines
+from torchtitan.data.sft import checked_messages, json_lines
 
 
 @dataclass(frozen=True)
 class PromptRow:
     """One prompt and its row (every column, the prompt included); ``source`` names it."""
 
-    prompt: str
+    prompt: str | tuple[dict[str, str], ...]
     row: dict[str, Any]
     source: str
+
+    @property
+    def conversational(self) -> bool:
+        return not isinstance(self.prompt, str)
 
 
 def load_prompt_files(path: str | None) -> list[PromptRow]:
@@ -34,9 +40,14 @@ def load_prompt_files(path: str | None) -> list[PromptRow]:
 
 
 def prompt_row(row: Any, source: str) -> PromptRow:
+    if isinstance(row, dict) and isinstance(row.get("prompt"), list):
+        messages = checked_messages(row["prompt"], source, "prompt", needs_assistant=False)
+        return PromptRow(messages, row, source)
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
         keys = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__
-        raise ValueError(f"{source}: a prompt row needs a string 'prompt' (got {keys})")
+        raise ValueError(
+            f"{source}: a prompt row needs a 'prompt', a string or chat messages (got {keys})"
+        )
     if not row["prompt"].strip():
         raise ValueError(f"{source}: empty 'prompt'; fill it or drop the row")
     return PromptRow(row["prompt"], row, source)

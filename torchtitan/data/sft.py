@@ -82,25 +82,29 @@ def _messages(row: Any, source: str) -> tuple[dict[str, str], ...]:
     )
 
 
-def checked_messages(messages: Any, source: str) -> tuple[dict[str, str], ...]:
+def checked_messages(
+    messages: Any, source: str, field: str = "messages", needs_assistant: bool = True
+) -> tuple[dict[str, str], ...]:
+    """``messages`` (the row's ``field``) as chat messages; with ``needs_assistant`` at least
+    one assistant turn (what is trained). Raises ValueError naming the row and the field."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(
-            f'{source}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}}'
+            f'{source}: \'{field}\' must be a non-empty list of {{"role": ..., "content": ...}}'
         )
     for k, message in enumerate(messages):
         if not _is_message(message):
             raise ValueError(
-                f'{source}: messages[{k}] must be {{"role": one of {", ".join(ROLES)}, '
+                f'{source}: {field}[{k}] must be {{"role": one of {", ".join(ROLES)}, '
                 f'"content": a string}}, got {json.dumps(message)[:80]}'
             )
         if message["role"] == "assistant" and not message["content"].strip():
             raise ValueError(
-                f"{source}: messages[{k}] is an assistant message with empty 'content'; "
+                f"{source}: {field}[{k}] is an assistant message with empty 'content'; "
                 "fill it or drop it"
             )
-    if not any(message["role"] == "assistant" for message in messages):
+    if needs_assistant and not any(message["role"] == "assistant" for message in messages):
         raise ValueError(
-            f"{source}: 'messages' has no assistant message, so nothing would be trained; add one"
+            f"{source}: '{field}' has no assistant message, so nothing would be trained; add one"
         )
     return tuple({"role": message["role"], "content": message["content"]} for message in messages)
 

@@ -28,6 +28,7 @@ from torch import nn
 from torchtitan.components.policy_loss import group_advantages, varied_groups
 from torchtitan.components.rewards import get_reward
 from torchtitan.config import ConfigError, GRPOConfig
+from torchtitan.data.chat_template import ChatRendering
 from torchtitan.data.micro_batch import MicroBatch
 from torchtitan.data.prompts import PromptRow, step_prompts
 from torchtitan.distributed import ParallelDims
@@ -116,6 +117,7 @@ class Rollouts:
         )
         self.log_file = log_folder / f"dp_rank{self.dp_rank}.jsonl" if writes else None
         self._records: list[dict[str, Any]] = []
+        self._chat: ChatRendering | None = None  # made at the first conversational prompt
         self._check_prompt_lengths()
 
     def _check_prompt_lengths(self) -> None:
@@ -131,7 +133,11 @@ class Rollouts:
                 )
 
     def _encode(self, row: PromptRow) -> list[int]:
-        return self.tokenizer.encode(row.prompt, add_bos=True, add_eos=False)
+        if not row.conversational:
+            return self.tokenizer.encode(row.prompt, add_bos=True, add_eos=False)
+        if self._chat is None:
+            self._chat = ChatRendering(self.tokenizer)
+        return self._chat.ids(row.prompt, True, row.source)
 
     @torch.no_grad()
     def step_batches(self, model: nn.Module, step: int) -> list[MicroBatch]:
