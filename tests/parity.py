@@ -15,6 +15,7 @@ DEBUG_TOML = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 GLOBAL_BATCH = 8
 STEPS = 10
 RTOL = 1e-4
+SEED = 7
 
 # Same seed, data, global batch and model for every layout; an lr at which the loss falls
 # clearly within 10 steps (6.19 -> ~4.7), so a flat loss cannot pass for parity.
@@ -40,7 +41,7 @@ BASE_OVERRIDES = [
     "--metrics.log_freq",
     "1",
     "--debug.seed",
-    "7",
+    str(SEED),
 ]
 
 FULL_LOGITS = ["--training.loss_chunk_size", "0"]

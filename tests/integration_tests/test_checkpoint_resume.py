@@ -17,7 +17,7 @@ import pytest
 from tests.integration_tests.pause_line import PAUSE_LINE
 from tests.launcher import kill_tree, read_metrics, run_command, run_torchrun, start_torchrun
 from tests.layouts import DDP_2, HSDP_2X2
-from tests.parity import train_args
+from tests.parity import SEED, train_args
 from torchtitan.components.checkpointing.folders import MANIFEST
 from torchtitan.components.checkpointing.safe_loading import read_dcp_metadata
 
@@ -98,7 +98,8 @@ def stop_after_step_10(layout: str, folder: Path, overrides: list[str] = ()) -> 
     stopped, _ = run(layout, folder, CKPT + ["--debug.stop_after_step", str(RESUME_AT), *overrides])
     assert [r["step"] for r in stopped] == list(range(1, RESUME_AT + 1))
     state = manifest(folder, RESUME_AT)
-    assert not state["model_only"] and state["states"]["train_state"] == {"step": RESUME_AT}
+    assert not state["model_only"]
+    assert state["states"]["train_state"] == {"step": RESUME_AT, "seed": SEED}
     return stopped
 
 
