@@ -92,3 +92,16 @@ def test_flex_kernel_with_sinks_matches_the_dense_definition():
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
     for g, r in zip(_grads(out, (q, k, v, sinks)), _grads(ref, (q, k, v, sinks))):
         torch.testing.assert_close(g, r, rtol=2e-6, atol=2e-6)
+
+
+def test_mixed_dtypes_under_autocast_attend_in_the_autocast_dtype():
+    """transformers' rotary hands q and k over in fp32 and v in bf16 under autocast: the
+    kernel computes as on all-bf16 inputs (as autocast does for SDPA), on any CPU."""
+    q, k, v, _ = _inputs(torch.float32)
+    kernel = FlexAttention(MaskSpec(block_causal=True))
+    mask = kernel.prepare(_document_ids(DOC_LENGTHS), q.device)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = kernel(q, k, v.bfloat16(), mask=mask)
+        same = kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask=mask)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, same, rtol=0, atol=0)

@@ -212,6 +212,7 @@ class FlexAttention(AttentionKernel):
         scale: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        q, k, v = autocast_inputs(q, k, v)
         mask = own_mask(mask, self.spec)
         if mask is None:  # no document ids (generation, direct calls): any length, so on the
             # CPU the eager block kernel rather than a compilation per length
@@ -234,6 +235,19 @@ class FlexAttention(AttentionKernel):
 
     def extra_repr(self) -> str:
         return f"block_causal={self.spec.block_causal}, sliding_window={self.spec.sliding_window}"
+
+
+def autocast_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under autocast, q, k and v in the autocast dtype, as autocast gives them to SDPA: the
+    block kernel turns autocast off and FlexAttention is outside it, and a model may hand
+    them over in different dtypes (transformers' rotary makes q and k fp32, v stays bf16)."""
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 LOCAL_KERNELS = (ScaledDotProductAttention, FlexAttention)
