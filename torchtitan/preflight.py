@@ -52,7 +52,12 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel.attention import check_cp_config
 from torchtitan.distributed.fault_tolerance import check_fault_tolerance_inputs
 from torchtitan.distributed.parallel_dims import default_device_type, parallel_dims_from_config
-from torchtitan.distributed.pipeline import loss_owner_rank, microbatches, plan_stages
+from torchtitan.distributed.pipeline import (
+    is_v_shaped,
+    loss_owner_rank,
+    microbatches,
+    plan_stages,
+)
 from torchtitan.protocols import BaseModelArgs, TrainSpec, get_train_spec
 from torchtitan.protocols.model_converter import check_converter_names
 from torchtitan.protocols.tokenizer import BaseTokenizer
@@ -159,12 +164,18 @@ def _check_dpo(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
             "dpo.enable: each sequence of a pair starts at position 0 (as TRL and inference "
             "see it); set training.reset_position_ids_per_document = true"
         )
-    for name, degree in (("pipeline", parallel_dims.pp), ("context", parallel_dims.cp)):
-        if degree > 1:
-            raise ConfigError(
-                f"dpo.enable: {name} parallel is not supported with DPO yet; use FSDP/HSDP, "
-                "DDP or tensor parallel"
-            )
+    if parallel_dims.cp > 1:
+        raise ConfigError(
+            "dpo.enable: context parallel is not supported with DPO yet; use FSDP/HSDP, "
+            "DDP, tensor or pipeline parallel"
+        )
+    if parallel_dims.pp_enabled and is_v_shaped(job_config.parallelism):
+        raise ConfigError(
+            f"dpo.enable: the reference's forward-only pass cannot run under the V-shaped "
+            f"parallelism.pipeline_parallel_schedule "
+            f"{job_config.parallelism.pipeline_parallel_schedule!r}; use 1F1B, GPipe, "
+            "Interleaved1F1B, LoopedBFS or InterleavedZeroBubble"
+        )
     if job_config.validation.enable:
         raise ConfigError(
             "dpo.enable: validation has no DPO loss yet; set validation.enable = false"

@@ -46,6 +46,7 @@ from torchtitan.components.preference_loss import (
     PreferenceLoss,
     count_pairs,
     pair_logps,
+    pipeline_target,
 )
 from torchtitan.components.training_loss import bind_output, build_loss_fn
 from torchtitan.config import (
@@ -58,7 +59,7 @@ from torchtitan.config import (
 from torchtitan.data.micro_batch import MicroBatch, model_inputs
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fault_tolerance import ReplicaGroups
-from torchtitan.distributed.pipeline import BuiltPipeline
+from torchtitan.distributed.pipeline import BuiltPipeline, forward_only_twin
 from torchtitan.distributed.process import clip_grad_norm_
 from torchtitan.layers.init import clean_fqn
 from torchtitan.layers.loss import GlobalTokenMeanLoss, token_logps, valid_tokens
@@ -176,6 +177,7 @@ class MetaModel:
     grad_accum_steps: int
     nparams: int
     flops_per_token: int
+    preference: PreferenceLoss | None = None  # DPO: the loss on preference pairs
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,9 @@ class Recipe:
     reference_parts: list[nn.Module] | None = None
     """DPO's and GRPO's (with a KL term) frozen reference (the starting weights, laid out as
     the policy); None under LoRA, whose reference is the policy with its adapters off."""
+    reference_pipeline: BuiltPipeline | None = None
+    """DPO under pipeline parallel: the reference's stages (the frozen copy's, or under LoRA
+    the policy's) with a forward-only schedule giving the last stage token log-probs."""
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -234,27 +239,58 @@ def build_meta_model(
         parallel_dims.tp,
         logits_for=logits_reader(job_config),
     )
-    settings = parallelize_settings(job_config)
+    preference = preference_loss(job_config)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     pipeline = None
     if parallel_dims.pp_enabled:
-        pipeline = spec.pipelining_fn(
-            model,
-            parallel_dims,
-            job_config.parallelism,
-            job_config.training.local_batch_size,
-            device,
-            lambda stage: spec.parallelize_fn(stage, parallel_dims, **settings),
-            loss_fn,
-        )
+        schedule_loss = preference.pipeline_loss if preference is not None else loss_fn
+        pipeline = pipelined(job_config, parallel_dims, spec, model, device, schedule_loss)
         parts = pipeline.model_parts
     else:
-        parts = [spec.parallelize_fn(model, parallel_dims, **settings)]
+        parts = [spec.parallelize_fn(model, parallel_dims, **parallelize_settings(job_config))]
     keep_frozen(parts, frozen)
     bind_output(loss_fn, parts)
     return MetaModel(
-        spec, model_args, parts, pipeline, converters, loss_fn, accum, nparams, flops_per_token
+        spec,
+        model_args,
+        parts,
+        pipeline,
+        converters,
+        loss_fn,
+        accum,
+        nparams,
+        flops_per_token,
+        preference,
     )
+
+
+def pipelined(
+    job_config: JobConfig,
+    parallel_dims: ParallelDims,
+    spec: TrainSpec,
+    model: nn.Module,
+    device: torch.device,
+    loss_fn: Callable,
+) -> BuiltPipeline:
+    """This rank's stages of ``model`` (on meta), each parallelized, and their schedule."""
+    settings = parallelize_settings(job_config)
+    return spec.pipelining_fn(
+        model,
+        parallel_dims,
+        job_config.parallelism,
+        job_config.training.local_batch_size,
+        device,
+        lambda stage: spec.parallelize_fn(stage, parallel_dims, **settings),
+        loss_fn,
+    )
+
+
+def preference_loss(job_config: JobConfig) -> PreferenceLoss | None:
+    """DPO's loss (None without DPO)."""
+    dpo = job_config.dpo
+    if not dpo.enable:
+        return None
+    return PreferenceLoss(DPOSettings(dpo.beta, dpo.loss_type, dpo.label_smoothing))
 
 
 def converted_meta_model(
@@ -347,6 +383,7 @@ def materialize(
         nparams=meta.nparams,
         flops_per_token=meta.flops_per_token,
         pending_base=pending,
+        preference=meta.preference,
     )
 
 
@@ -377,14 +414,16 @@ def build_recipe(
     dpo, grpo = job_config.dpo, job_config.grpo
     if not (dpo.enable or grpo.enable):
         return recipe
-    reference = None
+    reference, reference_pipeline = None, None
     if dpo.enable or grpo.beta != 0.0:
-        reference = build_reference(
-            job_config, parallel_dims, spec, model_args, device, seed, init_device
-        )
+        if recipe.pipeline is None:
+            reference = build_reference(
+                job_config, parallel_dims, spec, model_args, device, seed, init_device
+            )
+        else:  # DPO (GRPO refuses pipeline parallel)
+            reference, reference_pipeline = build_reference_pipeline(recipe, seed, init_device)
     if dpo.enable:
-        settings = DPOSettings(dpo.beta, dpo.loss_type, dpo.label_smoothing)
-        return replace(recipe, preference=PreferenceLoss(settings), reference_parts=reference)
+        return replace(recipe, reference_parts=reference, reference_pipeline=reference_pipeline)
     settings = GRPOSettings(
         beta=grpo.beta,
         epsilon=grpo.epsilon,
@@ -409,16 +448,46 @@ def build_reference(
 ) -> list[nn.Module] | None:
     """The reference of DPO and GRPO: the model built and initialised as the policy is (the
     same seeded weights per FQN, the same layout), frozen; the trainer then loads the
-    configured initial weights into it. One part: DPO and GRPO refuse pipeline parallel.
-    None under LoRA (the policy with its adapters off is the reference)."""
+    configured initial weights into it. None under LoRA (the policy with its adapters off
+    is the reference)."""
     if LORA in job_config.model.converters:
         return None
     model, _ = converted_meta_model(job_config, parallel_dims, spec, model_args)
     reference = spec.parallelize_fn(model, parallel_dims, **parallelize_settings(job_config))
-    reference.to_empty(device=init_device or device)
-    initialise(reference, seed, device)
-    reference.requires_grad_(False)
+    freeze_initialised(reference, device, seed, init_device)
     return [reference]
+
+
+def build_reference_pipeline(
+    recipe: Recipe, seed: int | None, init_device: torch.device | None
+) -> tuple[list[nn.Module] | None, BuiltPipeline]:
+    """DPO's reference under pipeline parallel: its parts (as ``build_reference``) and
+    stages with a schedule run forward only, whose last stage gets each micro-batch's token
+    log-probs (``token_logps`` in the loss's place). Under LoRA the stages are the policy's,
+    run with the adapters off; else the frozen copy's, split and laid out as the policy."""
+    job_config, parallel_dims = recipe.job_config, recipe.parallel_dims
+    if LORA in job_config.model.converters:
+        twin = forward_only_twin(
+            recipe.pipeline,
+            job_config.parallelism,
+            job_config.training.local_batch_size,
+            token_logps,
+        )
+        return None, twin
+    model, _ = converted_meta_model(job_config, parallel_dims, recipe.spec, recipe.model_args)
+    pipeline = pipelined(job_config, parallel_dims, recipe.spec, model, recipe.device, token_logps)
+    for part in pipeline.model_parts:
+        freeze_initialised(part, recipe.device, seed, init_device)
+    return pipeline.model_parts, pipeline
+
+
+def freeze_initialised(
+    part: nn.Module, device: torch.device, seed: int | None, init_device: torch.device | None
+) -> None:
+    """Allocate a reference part, initialise it as the policy's, and freeze it."""
+    part.to_empty(device=init_device or device)
+    initialise(part, seed, device)
+    part.requires_grad_(False)
 
 
 # ---------------------------------------------------------------------------- train context
@@ -563,9 +632,49 @@ def pipeline_forward_backward(
     inputs, labels, kwargs = model_inputs(
         batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document
     )
+    return pipeline_step(recipe, inputs, labels, kwargs, observer)
+
+
+def preference_pipeline_forward_backward(
+    recipe: Recipe, batch: MicroBatch, observer: StepObserver
+) -> torch.Tensor:
+    """DPO under pipeline parallel: the reference's schedule, forward only, gives the last
+    stage every row's token log-probs; the policy's schedule then runs with a target that
+    carries them beside the labels and document ids (``pipeline_target``)."""
+    inputs, labels, kwargs = model_inputs(
+        batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document
+    )
+    reference = recipe.reference_pipeline
+    outputs: list[torch.Tensor] = []
+    targets = {"target": labels, "losses": outputs} if reference.has_last_stage else {}
+    args = (inputs,) if reference.has_first_stage else ()
+    observer.set_phase("reference forward")
+    # Under LoRA the reference's stages are the policy's, run with the adapters off.
+    lora = recipe.reference_parts is None
+    adapters = adapters_off(recipe.model_parts) if lora else contextlib.nullcontext()
+    with recipe.train_context(), torch.no_grad(), adapters:
+        reference.schedule.eval(*args, return_outputs=False, **targets, **kwargs)
+    if not reference.has_last_stage:
+        return pipeline_step(recipe, inputs, labels, kwargs, observer)
+    target = pipeline_target(labels, kwargs["document_ids"], torch.cat(outputs))
+    calls_before = len(recipe.preference.metric_sums)
+    loss = pipeline_step(recipe, inputs, target, kwargs, observer)
+    recipe.preference.drop_stand_in_calls(calls_before, len(outputs))
+    return loss
+
+
+def pipeline_step(
+    recipe: Recipe,
+    inputs: torch.Tensor,
+    target: torch.Tensor,
+    kwargs: dict[str, torch.Tensor],
+    observer: StepObserver,
+) -> torch.Tensor:
+    """``inputs`` (read by the first stage) and ``target`` (by the last stage's loss)
+    through the training schedule."""
     pipeline = recipe.pipeline
     losses: list[torch.Tensor] = []
-    targets = {"target": labels, "losses": losses} if pipeline.has_last_stage else {}
+    targets = {"target": target, "losses": losses} if pipeline.has_last_stage else {}
     args = (inputs,) if pipeline.has_first_stage else ()
     observer.set_phase("pipeline schedule")
     with recipe.train_context():
@@ -579,6 +688,8 @@ def pipeline_forward_backward(
 
 def default_forward_backward(recipe: Recipe) -> ForwardBackward:
     if recipe.preference is not None:
+        if recipe.pipeline is not None:
+            return preference_pipeline_forward_backward
         return preference_forward_backward
     if recipe.policy is not None:
         return policy_forward_backward

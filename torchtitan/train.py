@@ -465,7 +465,7 @@ class Trainer:
         logging steps)."""
         if self.recipe.preference is None:
             return {}
-        sums = self.recipe.preference.step_metric_sums()
+        sums = self.recipe.preference.step_metric_sums(self.device)
         if self.parallel_dims.dp_enabled:
             dist.all_reduce(sums, group=self.parallel_dims.world_mesh["dp"].get_group())
         return metrics_from_sums(sums)

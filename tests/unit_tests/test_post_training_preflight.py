@@ -31,8 +31,24 @@ def check(args: list[str], world_size: int) -> None:
 
 @pytest.mark.parametrize(
     ("args", "world_size"),
-    [(DPO + TP2, 2), (DPO, 2), (GRPO + TP2, 2), (GRPO + TP2, 4), (GRPO, 4)],
-    ids=["dpo_tp2", "dpo_fsdp2", "grpo_tp2", "grpo_fsdp2_tp2", "grpo_fsdp4"],
+    [
+        (DPO + TP2, 2),
+        (DPO, 2),
+        (DPO + PP2, 2),
+        (DPO + PP2 + TP2, 4),
+        (GRPO + TP2, 2),
+        (GRPO + TP2, 4),
+        (GRPO, 4),
+    ],
+    ids=[
+        "dpo_tp2",
+        "dpo_fsdp2",
+        "dpo_pp2",
+        "dpo_tp2_pp2",
+        "grpo_tp2",
+        "grpo_fsdp2_tp2",
+        "grpo_fsdp4",
+    ],
 )
 def test_supported_layouts_pass(args: list[str], world_size: int) -> None:
     check(args, world_size)
@@ -41,12 +57,16 @@ def test_supported_layouts_pass(args: list[str], world_size: int) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (DPO + PP2, "dpo.enable: pipeline parallel is not supported with DPO yet"),
+        (
+            DPO + PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+            "dpo.enable: the reference's forward-only pass cannot run under the V-shaped "
+            "parallelism.pipeline_parallel_schedule 'ZBVZeroBubble'",
+        ),
         (DPO + CP2, "dpo.enable: context parallel is not supported with DPO yet"),
         (GRPO + PP2, "grpo.enable: pipeline parallel is not supported with GRPO yet"),
         (GRPO + CP2, "grpo.enable: context parallel is not supported with GRPO yet"),
     ],
-    ids=["dpo_pp2", "dpo_cp2", "grpo_pp2", "grpo_cp2"],
+    ids=["dpo_pp2_zbv", "dpo_cp2", "grpo_pp2", "grpo_cp2"],
 )
 def test_layouts_not_run_yet_are_one_line(args: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as error:

@@ -156,10 +156,40 @@ class PreferenceLoss:
         )
         return sums.loss / self.divisor
 
-    def step_metric_sums(self) -> torch.Tensor:
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of a pipeline micro-batch, whose ``target`` is ``pipeline_target``'s."""
+        labels, document_ids, reference = unpack_pipeline_target(target)
+        return self(logits, pair_logps(reference, labels, document_ids), labels, document_ids)
+
+    def drop_stand_in_calls(self, calls_before: int, microbatches: int) -> None:
+        """Keep, of the calls since ``calls_before``, the last ``microbatches``: a pipeline
+        schedule's first step also calls the loss on a stand-in micro-batch (to infer
+        gradient shapes) before the real ones."""
+        del self.metric_sums[calls_before : len(self.metric_sums) - microbatches]
+
+    def step_metric_sums(self, device: torch.device) -> torch.Tensor:
         """This rank's sums over the step: chosen rewards, rejected rewards, correctly
-        ordered pairs, pairs."""
+        ordered pairs, pairs (zeros on pipeline stages without the loss)."""
+        if not self.metric_sums:
+            return torch.zeros(4, device=device)
         return torch.stack(self.metric_sums).sum(0)
+
+
+def pipeline_target(
+    labels: torch.Tensor, document_ids: torch.Tensor, reference: torch.Tensor
+) -> torch.Tensor:
+    """One ``[batch, seq, 3]`` tensor holding the labels, document ids and the reference's
+    token log-probabilities: a pipeline schedule splits one target tensor into micro-batches
+    and hands each to the loss. float64 holds all three exactly."""
+    return torch.stack([labels.double(), document_ids.double(), reference.double()], dim=-1)
+
+
+def unpack_pipeline_target(
+    target: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pipeline_target``'s labels, document ids and reference token log-probabilities."""
+    labels, document_ids, reference = target.unbind(-1)
+    return labels.long(), document_ids.long(), reference.float()
 
 
 def metrics_from_sums(sums: torch.Tensor) -> dict[str, float]:

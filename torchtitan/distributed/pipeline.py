@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -238,9 +238,23 @@ def pipeline_llm(
             f"pipeline stage {stage_id}: layers {plan.layers[stage_id]}"
             f"{' + embedding' if first else ''}{' + output' if last else ''}"
         )
+    schedule = build_schedule(stages, parallelism, local_batch_size, loss_fn)
+    has_first = any(s == 0 for s in stage_ids)
+    has_last = any(s == plan.num_stages - 1 for s in stage_ids)
+    return BuiltPipeline(schedule, stages, parts, has_first, has_last)
+
+
+def build_schedule(
+    stages: list[PipelineStage],
+    parallelism: ParallelismConfig,
+    local_batch_size: int,
+    loss_fn: Callable,
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The configured schedule over this rank's ``stages``."""
     p = parallelism
     cls = schedule_class(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
-    n_micro = microbatches(parallelism, local_batch_size, plan.num_stages)
+    num_stages = stages[0].num_stages
+    n_micro = microbatches(parallelism, local_batch_size, num_stages)
     # scale_grads=False: each micro-batch's loss is already its share of the global-batch
     # mean (the recipe's GlobalTokenMeanLoss), so the gradients are summed as they are.
     if issubclass(cls, PipelineScheduleSingle):
@@ -249,12 +263,34 @@ def pipeline_llm(
         schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
     if p.pipeline_parallel_schedule_csv:
         schedule._load_csv(p.pipeline_parallel_schedule_csv)
-    logger.info(
-        f"pipeline schedule {cls.__name__}: {plan.num_stages} stages, {n_micro} micro-batches"
-    )
-    has_first = any(s == 0 for s in stage_ids)
-    has_last = any(s == plan.num_stages - 1 for s in stage_ids)
-    return BuiltPipeline(schedule, stages, parts, has_first, has_last)
+    logger.info(f"pipeline schedule {cls.__name__}: {num_stages} stages, {n_micro} micro-batches")
+    return schedule
+
+
+def forward_only_twin(
+    pipeline: BuiltPipeline,
+    parallelism: ParallelismConfig,
+    local_batch_size: int,
+    output_fn: Callable,
+) -> BuiltPipeline:
+    """New stages over the same modules with a schedule of their own, run forward only
+    (``schedule.eval``, ``output_fn(last stage output, target)`` per micro-batch in the
+    losses list): a second pass over the model that leaves the training schedule's buffers
+    and shape inference alone (LoRA's reference, the policy with its adapters off)."""
+    stages = [
+        PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=s.group)
+        for s in pipeline.stages
+    ]
+    schedule = build_schedule(stages, parallelism, local_batch_size, output_fn)
+    return replace(pipeline, schedule=schedule, stages=stages)
+
+
+def is_v_shaped(parallelism: ParallelismConfig) -> bool:
+    """Whether the configured schedule places stages in a V (the last stage on pp rank 0):
+    torch runs its backward actions even when asked to run forward only."""
+    p = parallelism
+    cls = schedule_class(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
+    return issubclass(cls, _V_SHAPED)
 
 
 def loss_owner_rank(parallelism: ParallelismConfig, parallel_dims: ParallelDims) -> int:
@@ -262,7 +298,5 @@ def loss_owner_rank(parallelism: ParallelismConfig, parallel_dims: ParallelDims)
     stage. V-shaped schedules put the last stage on pp rank 0."""
     if not parallel_dims.pp_enabled:
         return 0
-    p = parallelism
-    cls = schedule_class(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
-    last_pp_rank = 0 if issubclass(cls, _V_SHAPED) else parallel_dims.pp - 1
+    last_pp_rank = 0 if is_v_shaped(parallelism) else parallel_dims.pp - 1
     return parallel_dims.first_rank_at("pp", last_pp_rank)
