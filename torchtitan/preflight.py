@@ -164,10 +164,10 @@ def _check_dpo(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
             "dpo.enable: each sequence of a pair starts at position 0 (as TRL and inference "
             "see it); set training.reset_position_ids_per_document = true"
         )
-    if parallel_dims.cp > 1:
+    if parallel_dims.cp > 1 and parallel_dims.pp_enabled:
         raise ConfigError(
-            "dpo.enable: context parallel is not supported with DPO yet; use FSDP/HSDP, "
-            "DDP, tensor or pipeline parallel"
+            "dpo.enable: context parallel with pipeline parallel is not supported with DPO yet; "
+            "use one of them"
         )
     if parallel_dims.pp_enabled and is_v_shaped(job_config.parallelism):
         raise ConfigError(

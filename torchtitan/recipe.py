@@ -42,10 +42,10 @@ from torchtitan.components.optimizers.lr_schedule import LRSchedulersContainer
 from torchtitan.components.policy_loss import GRPOSettings, PolicyLoss, count_completions
 from torchtitan.components.preference_loss import (
     DPOSettings,
-    PairLogps,
     PreferenceLoss,
     count_pairs,
     pair_logps,
+    pair_slots,
     pipeline_target,
 )
 from torchtitan.components.training_loss import bind_output, build_loss_fn
@@ -58,6 +58,8 @@ from torchtitan.config import (
 )
 from torchtitan.data.micro_batch import MicroBatch, model_inputs
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.context_parallel.collectives import SumOverRanks
+from torchtitan.distributed.context_parallel.layout import cp_shard
 from torchtitan.distributed.fault_tolerance import ReplicaGroups
 from torchtitan.distributed.pipeline import BuiltPipeline, forward_only_twin
 from torchtitan.distributed.process import clip_grad_norm_
@@ -562,32 +564,44 @@ def preference_forward_backward(
     recipe: Recipe, batch: MicroBatch, observer: StepObserver
 ) -> torch.Tensor:
     """DPO: the reference's log-probabilities of the micro-batch's completions (no
-    gradient), then the policy's forward, the loss against them and the backward."""
+    gradient), then the policy's forward, the loss against them and the backward. Under
+    context parallel every cp rank sums its share of each completion's log-probs, the sums
+    are added over the cp ranks and each rank computes the pairs' loss whole."""
     inputs, labels, kwargs = model_inputs(
         batch, recipe.parallel_dims, recipe.job_config.training.reset_position_ids_per_document
     )
-    document_ids = kwargs["document_ids"]
+    pairs = pair_layout(recipe, kwargs["document_ids"])
     observer.start_microbatch()
     with recipe.train_context():
         observer.set_phase("reference forward")
         with torch.no_grad():
-            reference = reference_logps(recipe, inputs, labels, kwargs)
+            logits = reference_logits(recipe, inputs, kwargs)
+            reference = pair_logps(token_logps(logits, labels), labels, **pairs)
         observer.set_phase("forward")
         logits = recipe.model_parts[0](inputs, **kwargs)
         observer.set_phase("loss")
-        loss = recipe.preference(logits, reference, labels, document_ids)
+        loss = recipe.preference(logits, reference, labels, **pairs)
         del logits
         observer.set_phase("backward")
         loss.backward()
-    return loss.detach()
+    # each cp rank's loss is the whole pairs' (the reported loss averages over dp x cp)
+    return loss.detach() / recipe.parallel_dims.cp
 
 
-def reference_logps(
-    recipe: Recipe, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]
-) -> PairLogps:
-    """The completions' log-probabilities under the reference."""
-    logits = reference_logits(recipe, inputs, kwargs)
-    return pair_logps(token_logps(logits, labels), labels, kwargs["document_ids"])
+def pair_layout(recipe: Recipe, document_ids: torch.Tensor) -> dict[str, Any]:
+    """``pair_logps``'s document ids, slots and combine for this rank: under context
+    parallel its share of the document ids, the whole sequence's slots, and the sum over
+    the cp ranks."""
+    parallel_dims = recipe.parallel_dims
+    if not parallel_dims.cp_enabled:
+        return {"document_ids": document_ids}
+    cp_mesh = parallel_dims.world_mesh["cp"]
+    group = cp_mesh.get_group()
+    return {
+        "document_ids": cp_shard(document_ids, 1, cp_mesh, parallel_dims.cp_load_balancer),
+        "slots": pair_slots(document_ids.shape[1]),
+        "combine": lambda sums: SumOverRanks.apply(sums, group),
+    }
 
 
 def reference_logits(

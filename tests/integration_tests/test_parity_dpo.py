@@ -1,8 +1,8 @@
 """DPO trains like one process on every layout it supports: per-step loss and grad norm
-(1e-4), pairs, margins and accuracy under FSDP 2 x TP 2 and FSDP 2 x PP 2 (FSDP 2, TP 2,
-PP 2, TP 2 x PP 2 and other schedules alone with --matrix), with the frozen-copy reference,
-and with LoRA's adapters-off reference (CI: it learns under FSDP 2); a run
-stopped after step 5 resumes with bitwise the losses of the uninterrupted run (the
+(1e-4), pairs and rewards under FSDP 2 x TP 2, FSDP 2 x PP 2 and FSDP 2 x CP 2 (FSDP 2,
+TP 2, PP 2, CP 2, TP 2 x PP 2 and another schedule alone with --matrix), with the
+frozen-copy reference, and with LoRA's adapters-off reference (CI: it learns under FSDP 2);
+a run stopped after step 5 resumes with bitwise the losses of the uninterrupted run (the
 reference starts again from the starting weights, not from the resumed policy). The loss
 (TRL's, checked in tests/unit_tests/test_dpo_against_trl.py) starts at ln 2, where policy
 and reference agree."""
@@ -28,6 +28,7 @@ LORA = [
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
 
 # name: (processes, data-parallel degree, overrides)
 CASES = {
@@ -38,6 +39,8 @@ CASES = {
     "pp2_interleaved_1f1b": (2, 1, PP2 + INTERLEAVED),
     "tp2_pp2": (4, 1, TP2 + PP2),
     "fsdp2_pp2": (4, 2, PP2),
+    "cp2": (2, 1, CP2),
+    "fsdp2_cp2": (4, 2, CP2),
 }
 COVERED_BY = {
     "fsdp2": "fsdp2_tp2",
@@ -45,6 +48,7 @@ COVERED_BY = {
     "pp2": "fsdp2_pp2",
     "pp2_interleaved_1f1b": "fsdp2_pp2",
     "tp2_pp2": "fsdp2_tp2",
+    "cp2": "fsdp2_cp2",
 }
 
 

@@ -36,6 +36,7 @@ def check(args: list[str], world_size: int) -> None:
         (DPO, 2),
         (DPO + PP2, 2),
         (DPO + PP2 + TP2, 4),
+        (DPO + CP2, 2),
         (GRPO + TP2, 2),
         (GRPO + TP2, 4),
         (GRPO, 4),
@@ -45,6 +46,7 @@ def check(args: list[str], world_size: int) -> None:
         "dpo_fsdp2",
         "dpo_pp2",
         "dpo_tp2_pp2",
+        "dpo_cp2",
         "grpo_tp2",
         "grpo_fsdp2_tp2",
         "grpo_fsdp4",
@@ -62,13 +64,16 @@ def test_supported_layouts_pass(args: list[str], world_size: int) -> None:
             "dpo.enable: the reference's forward-only pass cannot run under the V-shaped "
             "parallelism.pipeline_parallel_schedule 'ZBVZeroBubble'",
         ),
-        (DPO + CP2, "dpo.enable: context parallel is not supported with DPO yet"),
+        (
+            DPO + CP2 + PP2,
+            "dpo.enable: context parallel with pipeline parallel is not supported with DPO yet",
+        ),
         (GRPO + PP2, "grpo.enable: pipeline parallel is not supported with GRPO yet"),
         (GRPO + CP2, "grpo.enable: context parallel is not supported with GRPO yet"),
     ],
-    ids=["dpo_pp2_zbv", "dpo_cp2", "grpo_pp2", "grpo_cp2"],
+    ids=["dpo_pp2_zbv", "dpo_cp2_pp2", "grpo_pp2", "grpo_cp2"],
 )
 def test_layouts_not_run_yet_are_one_line(args: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as error:
-        check(args, 2)
+        check(args, 4)
     assert "\n" not in str(error.value)

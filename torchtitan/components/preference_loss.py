@@ -18,6 +18,7 @@ are counted with masks, never by indexing with them (no host sync).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,17 +41,27 @@ class PairLogps:
     present: torch.Tensor
 
 
-def pair_logps(logps: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor) -> PairLogps:
+def pair_logps(
+    logps: torch.Tensor,
+    labels: torch.Tensor,
+    document_ids: torch.Tensor,
+    *,
+    slots: int | None = None,
+    combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> PairLogps:
     """Sums ``logps`` (``token_logps``) per document, then splits even (chosen) and odd
     (rejected) documents into pair slots; a slot holds a pair where both completions have
-    labels."""
+    labels. Under context parallel the rows are this rank's share of the sequences:
+    ``slots`` is then the whole sequence's (``pair_slots``) and ``combine`` sums the
+    per-document sums and token counts over the ranks holding the other shares."""
     rows, seq = labels.shape
     document_ids = document_ids.long()
-    slots = (seq + 1) // 2
-    width = 2 * slots
+    width = 2 * (pair_slots(seq) if slots is None else slots)
     trained = (labels != IGNORE_INDEX).to(logps.dtype)
     sums = logps.new_zeros(rows, width).scatter_add(1, document_ids, logps * trained)
     counts = logps.new_zeros(rows, width).scatter_add(1, document_ids, trained)
+    if combine is not None:
+        sums, counts = combine(torch.stack([sums, counts])).unbind(0)
     chosen_tokens, rejected_tokens = counts[:, 0::2], counts[:, 1::2]
     return PairLogps(
         chosen=sums[:, 0::2],
@@ -59,6 +70,11 @@ def pair_logps(logps: torch.Tensor, labels: torch.Tensor, document_ids: torch.Te
         rejected_tokens=rejected_tokens,
         present=(chosen_tokens > 0) & (rejected_tokens > 0),
     )
+
+
+def pair_slots(seq_len: int) -> int:
+    """Pair slots of a packed row of ``seq_len`` tokens (each document at least one token)."""
+    return (seq_len + 1) // 2
 
 
 @dataclass(frozen=True)
@@ -148,8 +164,13 @@ class PreferenceLoss:
         reference: PairLogps,
         labels: torch.Tensor,
         document_ids: torch.Tensor,
+        *,
+        slots: int | None = None,
+        combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        policy = pair_logps(token_logps(logits, labels), labels, document_ids)
+        """``slots`` and ``combine``: as ``pair_logps`` takes them (context parallel)."""
+        logps = token_logps(logits, labels)
+        policy = pair_logps(logps, labels, document_ids, slots=slots, combine=combine)
         sums = preference_sums(policy, reference, self.settings)
         self.metric_sums.append(
             torch.stack([sums.chosen_rewards, sums.rejected_rewards, sums.correct, sums.pairs])

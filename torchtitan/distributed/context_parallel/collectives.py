@@ -68,3 +68,20 @@ def ring_shift(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def ready(x: torch.Tensor) -> torch.Tensor:
     """Wait for a :func:`ring_shift` result (under torch.compile it is a plain tensor)."""
     return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+class SumOverRanks(torch.autograd.Function):
+    """``x`` summed over the group, for a loss every rank then computes whole from the sum
+    (DPO's per-sequence log-probs under context parallel). The backward passes the gradient
+    through unchanged: each rank's parameters get the share of its own ``x``, and the
+    gradient reduction over the cp ranks adds the shares."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
