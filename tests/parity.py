@@ -46,6 +46,19 @@ BASE_OVERRIDES = [
 
 FULL_LOGITS = ["--training.loss_chunk_size", "0"]
 
+# QLoRA on attention and MLP; NF4 needs weights of whole NF4 groups (16,384 values): the
+# 256-wide debug model.
+QLORA = [
+    "--model.converters",
+    "lora",
+    "--model.flavor",
+    "debugmodel",
+    "--lora.target_modules",
+    "attention,mlp",
+    "--lora.base_quantization",
+    "nf4",
+]
+
 
 def grpo_args(num_generations: int) -> list[str]:
     """GRPO on tests/assets/prompts_tiny.jsonl, ``num_generations`` completions a prompt."""

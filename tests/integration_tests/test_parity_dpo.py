@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.launcher import REPO_ROOT, read_metrics, run_torchrun
-from tests.parity import assert_parity, ci_subset, dpo_args, train
+from tests.parity import QLORA, assert_parity, ci_subset, dpo_args, train, train_args
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -102,6 +102,16 @@ def test_lora_with_the_base_as_reference_learns_under_fsdp2(tmp_path):
     the reference would follow the policy and the loss stay at ln 2). LoRA under FSDP is
     parity-checked in test_parity_lora.py; the DPO pair of both in the matrix below."""
     assert_dpo_learns(train(2, tmp_path, DPO + LORA))
+
+
+def test_qlora_with_the_nf4_base_as_reference_learns_under_fsdp2(tmp_path):
+    """QLoRA's reference is the NF4 base with the adapters off (no copy): ln 2 at step 1,
+    then a margin."""
+    out = run_torchrun(
+        2, train_args(2, tmp_path, DPO + QLORA + ["--lora.rank", "4", "--optimizer.lr", "1e-2"])
+    ).stdout
+    assert "adapted linears are NF4 now" in out, out[-3000:]
+    assert_dpo_learns(read_metrics(tmp_path))
 
 
 @pytest.mark.matrix

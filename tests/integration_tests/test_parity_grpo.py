@@ -2,7 +2,7 @@
 trained, each group from a generator seeded by the prompt's global index) are the same tokens
 as one process's, and each step's update has the same grad norm (1e-4) and loss; a run
 stopped after step 3 resumes (given no seed: the checkpoint's is reused) with bitwise the same
-rollouts and losses; LoRA's reference (the base, adapters
+rollouts and losses; LoRA's and (with --matrix) QLoRA's reference (the base, adapters
 off) works. The loss (TRL's, checked in tests/unit_tests/test_grpo_against_trl.py) is a sum of
 terms that cancel (advantages sum to 0 in a group): it is compared within 1e-7 absolute, its
 terms being of size 0.1-1."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parity import grpo_args, train
+from tests.parity import QLORA, grpo_args, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -103,3 +103,12 @@ def test_lora_with_the_base_as_reference_trains_like_one_process(tmp_path):
     one = train(1, tmp_path / "one", GRPO + lora, dp=2)
     assert all(r["grad_norm"] > 0 for r in one)
     assert_same_updates(one, train(2, tmp_path / "fsdp2", GRPO + lora))
+
+
+@pytest.mark.matrix
+def test_qlora_with_the_nf4_base_as_reference_trains_like_one_process(tmp_path):
+    """The NF4 base (whole NF4 groups: the 256-wide debug model) with the adapters off as
+    the reference, under FSDP 2 as on one process."""
+    one = train(1, tmp_path / "one", GRPO + QLORA, dp=2)
+    assert all(r["grad_norm"] > 0 for r in one)
+    assert_same_updates(one, train(2, tmp_path / "fsdp2", GRPO + QLORA))
